@@ -1,0 +1,131 @@
+"""How setup.py builds `uccl_ep_train._native` (one place for compiler discovery and flags).
+
+Sources: csrc/**/*.cpp (host: proxy, transports, bindings) always; csrc/**/*.cu (kernels) only when nvcc
+or hipcc is found. Optional transports are switched on by the headers present:
+  UCCL_EP_WITH_FABRIC (rdma/fabric.h), UCCL_EP_WITH_VERBS (infiniband/verbs.h), UCCL_EP_WITH_CUDA / _HIP.
+Nothing is linked statically that torch also carries (libstdc++ stays shared).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension
+from setuptools.command.build_ext import build_ext
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _have_header(name: str) -> bool:
+    return any(os.path.exists(os.path.join(d, name)) for d in ("/usr/include", "/usr/local/include"))
+
+
+def find_gpu_compiler() -> tuple[str, str] | tuple[None, None]:
+    """('cuda', nvcc) or ('hip', hipcc) or (None, None); UCCL_EP_GPU=cuda|hip|none overrides."""
+    want = os.environ.get("UCCL_EP_GPU", "auto")
+    if want == "none":
+        return None, None
+    if want in ("auto", "cuda"):
+        nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+        if not nvcc:
+            cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+            cand = os.path.join(cuda_home, "bin", "nvcc")
+            nvcc = cand if os.path.exists(cand) else None
+        if nvcc:
+            return "cuda", nvcc
+    if want in ("auto", "hip"):
+        hipcc = shutil.which("hipcc")
+        if hipcc and want == "hip":
+            return "hip", hipcc
+    return None, None
+
+
+class NativeBuildExt(build_ext):
+    """Compiles .cu files with nvcc/hipcc into objects, then lets setuptools link them with the host code."""
+
+    def build_extension(self, ext):
+        kind, compiler = find_gpu_compiler()
+        cu_sources = [s for s in ext.sources if s.endswith(".cu")]
+        ext.sources = [s for s in ext.sources if not s.endswith(".cu")]
+        objects = []
+        if kind and cu_sources:
+            objects = self._compile_gpu(kind, compiler, cu_sources, ext)
+        ext.extra_objects = list(ext.extra_objects or []) + objects
+        try:
+            super().build_extension(ext)
+        except Exception as exc:  # a missing toolchain must not break the pure-Python install
+            if os.environ.get("UCCL_EP_REQUIRE_NATIVE") == "1":
+                raise
+            print(f"[uccl-ep-train] native module not built ({exc}); the reference backend will be used",
+                  file=sys.stderr)
+
+    def _compile_gpu(self, kind, compiler, sources, ext):
+        build_dir = os.path.join(self.build_temp, "gpu")
+        os.makedirs(build_dir, exist_ok=True)
+        includes = [f"-I{d}" for d in ext.include_dirs]
+        defines = [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in ext.define_macros]
+        if kind == "cuda":
+            archs = os.environ.get("UCCL_EP_CUDA_ARCHS", "90").split(",")
+            flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
+                     "-DUCCL_EP_WITH_CUDA=1", "-lineinfo"]
+            flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+            host_cxx = os.environ.get("CXX")
+            if host_cxx:
+                flags += ["-ccbin", host_cxx]
+        else:
+            archs = os.environ.get("UCCL_EP_HIP_ARCHS", "gfx90a,gfx942").split(",")
+            flags = ["-O3", "-std=c++17", "-fPIC", "-DUCCL_EP_WITH_HIP=1", "-x", "hip"]
+            flags += [f"--offload-arch={a}" for a in archs]
+        objects = []
+        for src in sources:
+            obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
+            cmd = [compiler, "-c", src, "-o", obj] + flags + includes + defines
+            print(" ".join(cmd), file=sys.stderr)
+            subprocess.check_call(cmd)
+            objects.append(obj)
+        return objects
+
+
+def native_build_kwargs() -> dict:
+    if os.environ.get("UCCL_EP_NO_NATIVE") == "1":
+        return {}
+    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    if not cpp:
+        return {}
+    try:
+        import pybind11
+    except ImportError:
+        print("[uccl-ep-train] pybind11 missing: native module skipped", file=sys.stderr)
+        return {}
+    kind, _ = find_gpu_compiler()
+    sources = cpp + (sorted(glob.glob("csrc/**/*.cu", recursive=True)) if kind else [])
+    define_macros, libraries, library_dirs, include_dirs = [], ["pthread"], [], [pybind11.get_include(), "csrc"]
+    if kind == "cuda":
+        define_macros.append(("UCCL_EP_WITH_CUDA", "1"))
+        cuda_home = os.environ.get("CUDA_HOME") or os.path.dirname(os.path.dirname(find_gpu_compiler()[1]))
+        include_dirs.append(os.path.join(cuda_home, "include"))
+        library_dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib64", "stubs")]
+        libraries += ["cudart"]  # never -lcuda: the module must import on machines without a driver
+    elif kind == "hip":
+        define_macros.append(("UCCL_EP_WITH_HIP", "1"))
+        libraries += ["amdhip64"]
+    if _have_header("rdma/fabric.h") and os.environ.get("UCCL_EP_NO_FABRIC") != "1":
+        define_macros.append(("UCCL_EP_WITH_FABRIC", "1"))
+        libraries.append("fabric")
+    if _have_header("infiniband/verbs.h") and os.environ.get("UCCL_EP_NO_VERBS") != "1":
+        define_macros.append(("UCCL_EP_WITH_VERBS", "1"))
+        libraries.append("ibverbs")
+    ext = Extension(
+        "uccl_ep_train._native",
+        sources=sources,
+        include_dirs=include_dirs,
+        define_macros=define_macros,
+        libraries=libraries,
+        library_dirs=library_dirs,
+        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+        language="c++",
+    )
+    return {"ext_modules": [ext], "cmdclass": {"build_ext": NativeBuildExt}}

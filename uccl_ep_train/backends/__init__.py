@@ -1,0 +1,1 @@
+"""Backends behind Buffer: `reference` (torch.distributed oracle) and `native` (the _native module)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: torchrun/spawn entry points printing DeepEP conventions and writing JSON records."""

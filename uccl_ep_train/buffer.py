@@ -1,0 +1,564 @@
+"""`Buffer`: the DeepEP v1.2.1-compatible API (high-throughput and low-latency dispatch/combine).
+
+Code written for `deep_ep.Buffer` runs unchanged on this class. It validates every argument before any
+communication, runs the backend on a communication stream (CUDA) with DeepEP's event semantics
+(`previous_event`, `async_finish`, `allocate_on_comm_stream`), and returns DeepEP's tuples.
+Backend choice: `native` when the native module, its kernels and GPUs are present, `reference`
+(torch.distributed) otherwise; `UCCL_EP_BACKEND=reference|native` forces one. `Buffer.backend_name` says
+which one is in use.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+from typing import Any, Callable, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+
+from . import validation as V
+from .backends.base import Backend
+from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, Config, default_config
+from .events import EventHandle, EventOverlap
+from .fp8 import FP8_BLOCK
+from .handles import IntranodeHandle, LowLatencyHandle, check_intranode_handle, check_low_latency_handle
+
+log = logging.getLogger("uccl_ep_train")
+_buffer_ids = itertools.count(1)
+_announced: set[str] = set()
+
+XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
+
+
+def _group_device(group: dist.ProcessGroup) -> torch.device:
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend or "cuda" in backend:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device) -> Backend:
+    choice = os.environ.get("UCCL_EP_BACKEND", "auto").lower()
+    if choice not in ("auto", "reference", "native"):
+        raise ValueError(f"UCCL_EP_BACKEND must be auto, reference or native, got {choice!r}")
+    if choice != "reference" and device.type == "cuda":
+        try:
+            from .backends.native import NativeBackend, native_available
+        except ImportError as exc:
+            if choice == "native":
+                raise RuntimeError(f"UCCL_EP_BACKEND=native but the native backend cannot load: {exc}") from exc
+        else:
+            if native_available():
+                return NativeBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device)
+            if choice == "native":
+                raise RuntimeError("UCCL_EP_BACKEND=native but the native module was built without GPU kernels")
+    elif choice == "native":
+        raise RuntimeError("UCCL_EP_BACKEND=native needs CUDA/HIP GPUs and an NCCL group")
+    from .backends.reference import ReferenceBackend
+    return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device)
+
+
+class Buffer:
+    """Communication buffers and kernels for expert-parallel dispatch/combine (DeepEP-compatible).
+
+    Attributes:
+        num_sms: SMs used by the high-throughput kernels (class-wide, `set_num_sms`).
+        rank, group_size, group: this rank, the number of ranks, the process group.
+        num_nvl_bytes, num_rdma_bytes: buffer sizes for NVLink and RDMA (also LL) traffic.
+        backend_name: 'native' or 'reference'.
+    """
+
+    num_sms: int = 20
+
+    def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False, comm: Any = None) -> None:
+        """
+        Arguments:
+            group: the communication group (gloo on CPU ranks, NCCL on GPUs).
+            num_nvl_bytes: buffer size for intranode (NVLink/xGMI) communication.
+            num_rdma_bytes: buffer size for internode and low-latency communication.
+            low_latency_mode: enable the low-latency kernels.
+            num_qps_per_rank: RDMA queue pairs per peer (the proxy's transport uses it).
+            allow_nvlink_for_low_latency_mode: let LL traffic between GPUs of one node use NVLink.
+            allow_mnnvl: allow multi-node NVLink domains.
+            explicitly_destroy: resources are released by `destroy()` only (not by the destructor).
+            comm: an mpi4py communicator instead of `group` (not supported: raises NotImplementedError).
+        """
+        if comm is not None:
+            raise NotImplementedError("Buffer: comm (mpi4py communicator) is not supported; pass a torch.distributed group")
+        if group is None:
+            raise ValueError("Buffer: group must be a torch.distributed process group")
+        for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
+            V.check_non_negative_int(int(v) if isinstance(v, float) and v == int(v) else v, name)
+        V.check_non_negative_int(num_qps_per_rank, "num_qps_per_rank", 1)
+        if allow_mnnvl:
+            raise NotImplementedError("Buffer: allow_mnnvl=True (multi-node NVLink) is not supported")
+        self.group = group
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.num_nvl_bytes = int(num_nvl_bytes)
+        self.num_rdma_bytes = int(num_rdma_bytes)
+        self.low_latency_mode = bool(low_latency_mode)
+        self.num_qps_per_rank = num_qps_per_rank
+        self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.device = _group_device(group)
+        self.id = next(_buffer_ids)
+        self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._local_buffers: dict[bool, torch.Tensor] = {}
+        self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
+                                                         self.num_nvl_bytes, self.num_rdma_bytes, self.device)
+        self.backend_name = self._backend.name
+        if self.backend_name not in _announced and self.rank == 0:
+            _announced.add(self.backend_name)
+            log.info("uccl_ep_train: Buffer uses the %s backend on %s", self.backend_name, self.device)
+
+    # ---- lifecycle -------------------------------------------------------------------------------------
+    def destroy(self) -> None:
+        """Release every resource (idempotent); a new Buffer can be made in the same process."""
+        if self._backend is not None:
+            self._backend.destroy()
+            self._backend = None
+        self._local_buffers.clear()
+
+    def __del__(self) -> None:
+        if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
+            try:
+                self.destroy()
+            except Exception:  # destructors must not raise
+                pass
+
+    @property
+    def backend(self) -> Backend:
+        if self._backend is None:
+            raise RuntimeError("Buffer: used after destroy()")
+        return self._backend
+
+    # ---- DeepEP static helpers ---------------------------------------------------------------------------
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        """True when FP8 dispatch is available (always with the reference backend)."""
+        return True
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Set the SM count the high-throughput kernels use by default (even, as in DeepEP)."""
+        if not isinstance(new_num_sms, int) or new_num_sms <= 0 or new_num_sms % 2:
+            raise ValueError(f"set_num_sms: new_num_sms must be a positive even int, got {new_num_sms!r}")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event at the current point of the current stream (for `previous_event`)."""
+        return EventOverlap(EventHandle())
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return default_config(DEFAULT_DISPATCH, Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return default_config(DEFAULT_COMBINE, Buffer.num_sms, num_ranks)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        """RDMA bytes the low-latency kernels need: two (double-buffered) halves, each holding a send area
+        (max tokens x message) and a receive area (experts x max tokens x message), where a message is a
+        BF16 token plus its FP8 scales and a 16-byte header."""
+        for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
+                        ("num_ranks", num_ranks), ("num_experts", num_experts)):
+            V.check_non_negative_int(v, name, 1)
+        msg = hidden * 2 + (hidden // FP8_BLOCK) * 4 + 16
+        half = num_max_dispatch_tokens_per_rank * msg * (1 + num_experts) + num_experts * 8
+        return ((2 * half + 127) // 128) * 128
+
+    def get_comm_stream(self) -> Optional[torch.Stream]:
+        """The stream communication runs on (None on CPU ranks)."""
+        return self._comm_stream
+
+    def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> torch.Tensor:
+        """This rank's NVLink (or RDMA) buffer viewed as `dtype`, from byte `offset`, optionally shaped `size`."""
+        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
+        if use_rdma_buffer not in self._local_buffers:
+            self._local_buffers[use_rdma_buffer] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
+        raw = self._local_buffers[use_rdma_buffer][offset:]
+        elem = torch.empty((), dtype=dtype).element_size()
+        tensor = raw[: raw.numel() // elem * elem].view(dtype)
+        if size is None:
+            return tensor
+        if tensor.numel() < torch.Size(size).numel():
+            raise ValueError(f"get_local_buffer_tensor: size {list(size)} needs {torch.Size(size).numel() * elem} "
+                             f"bytes, the buffer has {raw.numel()} from offset {offset}")
+        return tensor[: torch.Size(size).numel()].view(size)
+
+    # ---- stream/event plumbing -------------------------------------------------------------------------
+    def _run(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
+             async_finish: bool, allocate_on_comm_stream: bool) -> tuple[Any, EventOverlap]:
+        """Run `fn` on the comm stream after `previous_event` (or the current stream's work), record an
+        event; unless `async_finish`, the current stream waits for it."""
+        if previous_event is not None and not isinstance(previous_event, EventOverlap):
+            raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
+                            f"got {type(previous_event).__name__}")
+        if self._comm_stream is None:
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            result = fn()
+            return result, EventOverlap(EventHandle(), None)
+        compute = torch.cuda.current_stream()
+        comm = self._comm_stream
+        if previous_event is not None and previous_event.event is not None:
+            previous_event.event.stream_wait(comm)
+        else:
+            comm.wait_stream(compute)
+        with torch.cuda.stream(comm):
+            result = fn()
+        event = EventHandle(comm)
+        outputs = tuple(_tensors(result))
+        for t in _tensors(inputs):
+            t.record_stream(comm)
+        if not allocate_on_comm_stream:
+            for t in outputs:
+                t.record_stream(compute)
+        if not async_finish:
+            event.current_stream_wait()
+        return result, EventOverlap(event, inputs + outputs if async_finish else None)
+
+    # ---- high throughput -------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
+                            previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                            allocate_on_comm_stream: bool = False
+                            ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
+        """Compute the dispatch layout from the routing (local, no communication).
+
+        Arguments:
+            topk_idx: `[num_tokens, num_topk]` int64 (int32 accepted), expert ids, -1 means no selection.
+            num_experts: number of experts (divisible by the number of ranks).
+
+        Returns:
+            num_tokens_per_rank: `[num_ranks]` int32, tokens this rank sends to each rank.
+            num_tokens_per_rdma_rank: None (intranode).
+            num_tokens_per_expert: `[num_experts]` int32, tokens this rank sends to each expert.
+            is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
+            event: the event after the computation.
+        """
+        V.check_num_experts(num_experts, self.group_size)
+        V.check_tensor(topk_idx, "topk_idx", V.INDEX_DTYPES, 2)
+        V.check_topk(topk_idx, None, topk_idx.size(0), num_experts)
+        V.check_device(topk_idx, "topk_idx", self.device)
+        backend = self.backend
+        (per_rank, per_expert, in_rank), event = self._run(
+            lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,), previous_event,
+            async_finish, allocate_on_comm_stream)
+        return per_rank, None, per_expert, in_rank, event
+
+    def dispatch(self, x: XType, handle: Optional[IntranodeHandle] = None,
+                 num_tokens_per_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
+                 is_token_in_rank: Optional[torch.Tensor] = None,
+                 num_tokens_per_expert: Optional[torch.Tensor] = None,
+                 topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
+                 expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False):
+        """Dispatch tokens to the ranks holding their experts.
+
+        Arguments:
+            x: `[num_tokens, hidden]` bf16 (fp16/fp32 accepted by the reference backend), or a pair
+                (`[num_tokens, hidden]` float8 e4m3, `[num_tokens, hidden // 128]` float32 scales).
+            handle: a handle from an earlier dispatch: reuse its layout (cached mode, no top-k arguments).
+            num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
+            num_tokens_per_rdma_rank: internode layout (must be None: intranode).
+            topk_idx: `[num_tokens, num_topk]` int64 expert ids, -1 for none. topk_weights: same shape, float32.
+            expert_alignment: round each per-expert receive count up to a multiple of this.
+            num_worst_tokens: if > 0, pad outputs to this many rows (no CPU sync for sizes); the
+                per-expert count list is then empty.
+            config, previous_event, async_finish, allocate_on_comm_stream: as in DeepEP.
+
+        Returns:
+            recv_x: received tokens (a pair for FP8), grouped by source rank, then source token index.
+            recv_topk_idx: `[num_recv, num_topk]` int64 local expert ids, -1 where the expert is elsewhere.
+            recv_topk_weights: `[num_recv, num_topk]` float32, 0 where recv_topk_idx is -1.
+            num_recv_tokens_per_expert_list: Python list of per-local-expert counts (aligned).
+            handle: for combine and cached dispatch; handle[0] is the rank prefix matrix.
+            event: the event after the kernels.
+        """
+        data, scales = V.split_x(x)
+        V.check_device(data, "x", self.device)
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")
+        config = config or self.get_dispatch_config(self.group_size)
+        if num_tokens_per_rdma_rank is not None:
+            raise NotImplementedError("dispatch: num_tokens_per_rdma_rank (internode layout) is not supported yet")
+        backend = self.backend
+        if handle is not None:
+            handle = check_intranode_handle(handle, self.id)
+            for name, v in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
+                            ("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                            ("num_tokens_per_expert", num_tokens_per_expert)):
+                if v is not None:
+                    raise ValueError(f"dispatch: {name} must be None with a cached handle")
+            if data.size(0) != handle.num_tokens:
+                raise ValueError(f"x: has {data.size(0)} tokens, the handle was made for {handle.num_tokens}")
+            (recv_x, recv_scales), event = self._run(
+                lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales), previous_event,
+                async_finish, allocate_on_comm_stream)
+            return (recv_x, recv_scales) if scales is not None else recv_x, None, None, None, None, event
+
+        if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
+            raise ValueError("dispatch: num_tokens_per_rank, is_token_in_rank and num_tokens_per_expert are "
+                             "required without a handle (get them from get_dispatch_layout)")
+        num_tokens = data.size(0)
+        V.check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_tokens, self.group_size)
+        num_experts = num_tokens_per_expert.size(0)
+        if topk_idx is not None:
+            V.check_topk(topk_idx, topk_weights, num_tokens, num_experts)
+        elif topk_weights is not None:
+            raise ValueError("dispatch: topk_weights given without topk_idx")
+        V.check_non_negative_int(expert_alignment, "expert_alignment", 1)
+        V.check_non_negative_int(num_worst_tokens, "num_worst_tokens")
+        for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
+                        ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
+                        ("topk_weights", topk_weights), ("x scales", scales)):
+            V.check_device(t, name, self.device)
+        sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+        if V.value_checks(sent) and not torch.equal(sent, num_tokens_per_rank):
+            raise ValueError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with is_token_in_rank, "
+                             f"which sends {sent.tolist()}")
+        if topk_idx is not None and topk_idx.dtype != torch.int64:
+            topk_idx = topk_idx.to(torch.int64)
+        result, event = self._run(
+            lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                     num_tokens_per_expert, expert_alignment, num_worst_tokens, config),
+            (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert),
+            previous_event, async_finish, allocate_on_comm_stream)
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle = result
+        recv = (recv_x, recv_scales) if scales is not None else recv_x
+        return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
+
+    def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights: Optional[torch.Tensor] = None,
+                bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
+                config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
+                async_finish: bool = False, allocate_on_comm_stream: bool = False
+                ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Reduce (sum, without weights) each token's rows back on the rank it came from.
+
+        Arguments:
+            x: `[num_recv_tokens, hidden]` bf16 (fp16/fp32 with the reference backend), in dispatch's
+                receive order (rows beyond the handle's received count, i.e. num_worst_tokens padding,
+                are ignored).
+            handle: from `dispatch` on this Buffer.
+            topk_weights: `[num_recv_tokens, num_topk]` float32, reduced the same way.
+            bias: 0, 1 or 2 `[num_tokens, hidden]` tensors added to the result.
+
+        Returns:
+            combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
+        """
+        handle = check_intranode_handle(handle, self.id)
+        V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
+        V.check_device(x, "x", self.device)
+        if x.size(0) < handle.num_recv_tokens:
+            raise ValueError(f"x: has {x.size(0)} rows, the handle received {handle.num_recv_tokens}")
+        if topk_weights is not None:
+            V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
+            if topk_weights.size(0) != x.size(0):
+                raise ValueError(f"topk_weights: has {topk_weights.size(0)} rows, x has {x.size(0)}")
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")
+        config = config or self.get_combine_config(self.group_size)
+        biases = _unpack_bias(bias)
+        for i, b in enumerate(biases):
+            if b is not None:
+                V.check_tensor(b, f"bias[{i}]", V.FLOAT_DTYPES, 2)
+                if tuple(b.shape) != (handle.num_tokens, x.size(1)):
+                    raise ValueError(f"bias[{i}]: expected [{handle.num_tokens}, {x.size(1)}], got {list(b.shape)}")
+        backend = self.backend
+        (combined, combined_w), event = self._run(
+            lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
+            (x, topk_weights) + biases, previous_event, async_finish, allocate_on_comm_stream)
+        return combined, combined_w, event
+
+    # ---- low latency -----------------------------------------------------------------------------------
+    def _check_low_latency(self, what: str) -> None:
+        if not self.low_latency_mode:
+            raise RuntimeError(f"{what}: this Buffer was made with low_latency_mode=False")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        """Zero the low-latency buffers. Collective: every rank calls it; it returns once all have cleaned,
+        so no rank can wipe a signal a peer is still waiting on."""
+        V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
+        V.check_non_negative_int(hidden, "hidden", 1)
+        V.check_num_experts(num_experts, self.group_size)
+        self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
+                             num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
+                             dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
+                             use_fp8: bool = True, round_scale: bool = False, use_ue8m0: bool = False,
+                             async_finish: bool = False, return_recv_hook: bool = False):
+        """Low-latency dispatch into a packed per-expert layout.
+
+        Arguments:
+            x: `[num_tokens, hidden]` bf16, num_tokens <= num_max_dispatch_tokens_per_rank.
+            topk_idx: `[num_tokens, num_topk]` int64, -1 for none.
+            num_max_dispatch_tokens_per_rank: the same on all ranks. num_experts: all experts.
+            cumulative_local_expert_recv_stats: `[num_local_experts]` int32, received counts are added to it.
+            dispatch_wait_recv_cost_stats: not supported (NotImplementedError when given).
+            use_fp8, round_scale, use_ue8m0: cast to FP8 e4m3 with per-128 scales (power-of-2 with
+                round_scale; UE8M0 exponents packed 4 per int32 with use_ue8m0).
+            async_finish: do not make the current stream wait. return_recv_hook: return at once and
+                complete the receive when the returned hook is called.
+
+        Returns:
+            recv_x: `[num_local_experts, num_ranks * max_tokens, hidden]` bf16, or (fp8 data, scales with
+                the last two dims column-major). recv_count: `[num_local_experts]` int32. handle (handle[0]
+                src_info, handle[1] layout_range), event, hook.
+        """
+        self._check_low_latency("low_latency_dispatch")
+        if dispatch_wait_recv_cost_stats is not None:
+            raise NotImplementedError("low_latency_dispatch: dispatch_wait_recv_cost_stats is not supported")
+        V.check_tensor(x, "x", (torch.bfloat16,), 2)
+        V.check_device(x, "x", self.device)
+        V.check_num_experts(num_experts, self.group_size)
+        V.check_topk(topk_idx, None, x.size(0), num_experts)
+        V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
+        if x.size(0) > num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
+                             f"({num_max_dispatch_tokens_per_rank})")
+        if use_fp8 and x.size(1) % FP8_BLOCK:
+            raise ValueError(f"x: hidden ({x.size(1)}) must be divisible by {FP8_BLOCK} for use_fp8")
+        if use_ue8m0 and not (use_fp8 and round_scale):
+            raise ValueError("use_ue8m0: requires use_fp8=True and round_scale=True")
+        if round_scale and not use_fp8:
+            raise ValueError("round_scale: requires use_fp8=True")
+        if cumulative_local_expert_recv_stats is not None:
+            V.check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", (torch.int32,), 1)
+            if cumulative_local_expert_recv_stats.numel() != num_experts // self.group_size:
+                raise ValueError(f"cumulative_local_expert_recv_stats: expected [{num_experts // self.group_size}], "
+                                 f"got {list(cumulative_local_expert_recv_stats.shape)}")
+        self._check_rdma_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
+        topk_idx = topk_idx.to(torch.int64)
+        backend = self.backend
+        stats = cumulative_local_expert_recv_stats
+
+        def run():
+            out = backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                               round_scale, use_ue8m0, stats)
+            if not return_recv_hook:
+                out[-1]()
+            return out
+
+        (recv_x, recv_scales, recv_count, handle, receive), event = self._run(
+            run, (x, topk_idx), None, async_finish or return_recv_hook, False)
+        hook = self._hook(receive) if return_recv_hook else (lambda: None)
+        return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
+
+    def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
+                            handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
+                            async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[torch.Tensor] = None,
+                            combine_wait_recv_cost_stats: Optional[torch.Tensor] = None):
+        """Low-latency combine: each token gets the weighted sum of its experts' outputs.
+
+        Arguments:
+            x: `[num_local_experts, num_ranks * max_tokens, hidden]` bf16 expert outputs in dispatch's layout.
+            topk_idx, topk_weights: `[num_tokens, num_topk]` int64 / float32, as given to dispatch.
+            handle: from `low_latency_dispatch`. zero_copy: read x from `get_next_low_latency_combine_buffer`.
+            out: optional `[num_tokens, hidden]` bf16 result tensor. use_logfmt and
+                combine_wait_recv_cost_stats are not supported (NotImplementedError).
+
+        Returns:
+            combined_x `[num_tokens, hidden]` bf16, event, hook.
+        """
+        self._check_low_latency("low_latency_combine")
+        if use_logfmt:
+            raise NotImplementedError("low_latency_combine: use_logfmt is not supported")
+        if combine_wait_recv_cost_stats is not None:
+            raise NotImplementedError("low_latency_combine: combine_wait_recv_cost_stats is not supported")
+        handle = check_low_latency_handle(handle, self.id)
+        backend = self.backend
+        if zero_copy:
+            x = backend.low_latency_combine_buffer(handle)
+        num_local = handle.num_experts // self.group_size
+        shape = (num_local, self.group_size * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        V.check_tensor(x, "x", (torch.bfloat16,), 3)
+        if tuple(x.shape) != shape:
+            raise ValueError(f"x: expected {list(shape)}, got {list(x.shape)}")
+        V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1,
+                     handle.num_experts)
+        if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
+            raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
+                             f"{handle.num_max_dispatch_tokens_per_rank}")
+        if out is None:
+            out = torch.empty((topk_idx.size(0), handle.hidden), dtype=torch.bfloat16, device=x.device)
+        else:
+            V.check_tensor(out, "out", (torch.bfloat16,), 2)
+            if tuple(out.shape) != (topk_idx.size(0), handle.hidden):
+                raise ValueError(f"out: expected [{topk_idx.size(0)}, {handle.hidden}], got {list(out.shape)}")
+        topk_idx = topk_idx.to(torch.int64)
+
+        def run():
+            receive = backend.low_latency_combine(x, topk_idx, topk_weights, handle, out)
+            if not return_recv_hook:
+                receive()
+            return receive
+
+        receive, event = self._run(run, (x, topk_idx, topk_weights), None, async_finish or return_recv_hook, False)
+        hook = self._hook(receive) if return_recv_hook else (lambda: None)
+        return out, event, hook
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
+        """The buffer a `zero_copy=True` combine reads: `[num_local_experts, num_ranks * max_tokens, hidden]`
+        bf16; fill it with the expert outputs yourself."""
+        handle = check_low_latency_handle(handle, self.id)
+        return self.backend.low_latency_combine_buffer(handle)
+
+    def _hook(self, receive: Callable[[], None]) -> Callable[[], None]:
+        """The recv hook: completes the receive on the comm stream; the current stream then waits for it."""
+        done = []
+
+        def hook() -> None:
+            if done:
+                return
+            if self._comm_stream is None:
+                receive()
+            else:
+                self._comm_stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(self._comm_stream):
+                    receive()
+                torch.cuda.current_stream().wait_stream(self._comm_stream)
+            done.append(True)
+
+        return hook
+
+    def _check_rdma_size(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        need = self.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, self.group_size,
+                                                   num_experts)
+        if self.num_rdma_bytes < need:
+            raise ValueError(f"num_rdma_bytes: this Buffer has {self.num_rdma_bytes} bytes, low-latency mode with "
+                             f"{num_max_dispatch_tokens_per_rank} tokens x hidden {hidden} x {num_experts} experts "
+                             f"needs {need} (Buffer.get_low_latency_rdma_size_hint)")
+
+
+def _unpack_bias(bias) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    if bias is None:
+        return None, None
+    if isinstance(bias, torch.Tensor):
+        return bias, None
+    if isinstance(bias, (tuple, list)) and len(bias) <= 2:
+        b = tuple(bias) + (None,) * (2 - len(bias))
+        return b[0], b[1]
+    raise ValueError("bias: expected None, a tensor or a pair of tensors")
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside nested tuples/lists/handles (for stream bookkeeping)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for item in obj for t in _tensors(item)]
+    return []

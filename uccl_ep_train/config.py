@@ -1,0 +1,105 @@
+"""Performance configuration (`Config`, DeepEP's positional arguments) and UCCL_* environment settings.
+
+`Config(num_sms, nvl_chunk, nvl_buffer[, rdma_chunk, rdma_buffer])` carries the SM count and chunk sizes
+of the high-throughput kernels. The reference backend ignores them (it has no kernels); the native
+backend reads them. Defaults per rank count come from `DEFAULT_DISPATCH` / `DEFAULT_COMBINE`, tables that
+the intranode benchmark's tuning sweep writes (never hand edits in buffer code).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+# Worst-case per-token metadata our kernels stage next to a token: up to 128 top-k (int64 id + float
+# weight), up to 128 float scales, and a 16-byte source record.
+_MAX_TOPK = 128
+_MAX_SCALES = 128
+_TOKEN_META_BYTES = _MAX_TOPK * (8 + 4) + _MAX_SCALES * 4 + 16
+NUM_MAX_NVL_PEERS = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    """Kernel tuning knobs, positional like DeepEP's Config."""
+
+    num_sms: int = 20
+    num_max_nvl_chunked_send_tokens: int = 6
+    num_max_nvl_chunked_recv_tokens: int = 256
+    num_max_rdma_chunked_send_tokens: int = 6
+    num_max_rdma_chunked_recv_tokens: int = 128
+
+    def __post_init__(self) -> None:
+        for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+                     "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                raise ValueError(f"Config.{name} must be a positive int, got {v!r}")
+        if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
+            raise ValueError("Config: num_max_nvl_chunked_send_tokens must be <= num_max_nvl_chunked_recv_tokens")
+
+    @property
+    def num_channels(self) -> int:
+        return max(self.num_sms // 2, 1)
+
+    def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of NVLink buffer a Buffer needs for tokens of `hidden_bytes` at `num_ranks` ranks."""
+        if hidden_bytes <= 0 or num_ranks <= 0:
+            raise ValueError(f"get_nvl_buffer_size_hint: hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be > 0")
+        nvl_ranks = min(num_ranks, NUM_MAX_NVL_PEERS)
+        slots = self.num_channels * nvl_ranks * self.num_max_nvl_chunked_recv_tokens
+        counters = self.num_channels * nvl_ranks * 4 * 8
+        return _align(counters + slots * (hidden_bytes + _TOKEN_META_BYTES), 128)
+
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
+        """Bytes of RDMA buffer for the internode path (0 when all ranks share one NVLink domain)."""
+        if hidden_bytes <= 0 or num_ranks <= 0:
+            raise ValueError(f"get_rdma_buffer_size_hint: hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be > 0")
+        if num_ranks <= NUM_MAX_NVL_PEERS:
+            return 0
+        rdma_ranks = num_ranks // NUM_MAX_NVL_PEERS
+        slots = self.num_channels * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2  # send + recv
+        return _align(slots * (hidden_bytes + _TOKEN_META_BYTES) + self.num_channels * rdma_ranks * 64, 128)
+
+
+def _align(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+# Defaults per number of ranks: (nvl_chunk, nvl_buffer, rdma_chunk, rdma_buffer); num_sms comes from
+# Buffer.num_sms. Rank counts not listed take the nearest smaller entry.
+DEFAULT_DISPATCH = {2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
+                    32: (16, 288, 32, 128), 64: (16, 288, 28, 128)}
+DEFAULT_COMBINE = {2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+                   32: (1, 288, 8, 128), 64: (1, 288, 20, 128)}
+
+
+def default_config(table: dict, num_sms: int, num_ranks: int) -> Config:
+    if num_ranks <= 0:
+        raise ValueError(f"num_ranks must be > 0, got {num_ranks}")
+    keys = sorted(k for k in table if k <= num_ranks) or [min(table)]
+    return Config(num_sms, *table[keys[-1]])
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+
+
+def timeout_s() -> float:
+    """UCCL_EP_TIMEOUT_S: how long any wait for peers may take before it fails with a named error."""
+    return env_float("UCCL_EP_TIMEOUT_S", 300.0)

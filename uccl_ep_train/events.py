@@ -1,0 +1,62 @@
+"""Events for overlapping communication with compute (DeepEP's EventHandle / EventOverlap).
+
+On CUDA an EventHandle is a CUDA event recorded on a stream. On CPU (gloo) the reference backend
+completes its work before returning, so the handle is already complete; the same calls work on both, so
+code written for GPUs (async_finish, previous_event, `with event:`) runs unchanged on CPU ranks.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Tuple
+
+import torch
+
+
+class EventHandle:
+    """A point in a stream's work: CUDA event where CUDA is in use, an already-complete marker on CPU."""
+
+    def __init__(self, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        self.event = None
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            self.event = torch.cuda.Event()
+            self.event.record(stream if stream is not None else torch.cuda.current_stream())
+
+    def current_stream_wait(self) -> None:
+        """The current stream waits for this point (a no-op on CPU, where work is already done)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+    def stream_wait(self, stream: "torch.cuda.Stream") -> None:
+        if self.event is not None:
+            stream.wait_event(self.event)
+
+    def query(self) -> bool:
+        return True if self.event is None else self.event.query()
+
+    def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
+
+
+class EventOverlap:
+    """DeepEP's wrapper: `event.current_stream_wait()` or `with event: ...` overlaps work with the comm.
+
+    `extra_tensors` keeps tensors alive until the event is waited on (graph-safe `record_stream`).
+    """
+
+    def __init__(self, event: Optional[EventHandle] = None, extra_tensors: Optional[Tuple[Any, ...]] = None) -> None:
+        self.event = event
+        self.extra_tensors = extra_tensors
+
+    def current_stream_wait(self) -> None:
+        if self.event is None:
+            raise RuntimeError("EventOverlap.current_stream_wait: no event (the call was not made with async_finish)")
+        self.event.current_stream_wait()
+        self.extra_tensors = None
+
+    def __enter__(self) -> "EventOverlap":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.event is not None:
+            self.event.current_stream_wait()
+            self.extra_tensors = None

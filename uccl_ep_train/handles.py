@@ -1,0 +1,67 @@
+"""Communication handles returned by dispatch and consumed by combine / cached dispatch.
+
+Handles are tuples laid out like DeepEP v1.2.1's where callers read them (DESIGN.md "Drop-in"):
+- `IntranodeHandle[0]` is the rank prefix matrix `[num_ranks, num_ranks]` int32: entry [i][r] = tokens that
+  ranks 0..i send to rank r, i.e. where rank i's rows end in rank r's receive buffer.
+- `LowLatencyHandle[0]` is src_info `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`
+  int32 (each received row's source token index); `[1]` is layout_range `[num_local_experts, num_ranks]`
+  int64 (`(begin << 32) | count` per source rank).
+The fields after DeepEP's are ours: the owning Buffer's id (a handle from another Buffer is rejected), the
+number of received rows, and backend-private state.
+"""
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+
+class IntranodeHandle(NamedTuple):
+    rank_prefix_matrix: torch.Tensor  # [num_ranks, num_ranks] int32, prefix over source ranks
+    channel_prefix_matrix: torch.Tensor  # [num_ranks, num_channels] int32: send side, prefix per channel
+    recv_channel_prefix_matrix: torch.Tensor  # [num_ranks, num_channels] int32: receive side
+    recv_src_idx: torch.Tensor  # [num_recv_tokens] int32: source token index of each received row
+    is_token_in_rank: torch.Tensor  # [num_tokens, num_ranks] bool: send side
+    send_head: torch.Tensor  # [num_tokens, num_ranks] int32: row of token t among rows sent to r, or -1
+    num_recv_tokens: int  # valid received rows (outputs may be padded to num_worst_tokens)
+    num_tokens: int  # tokens on the sending side (rows of combine's output)
+    owner: int  # id of the Buffer that made it
+    private: Any = None  # backend-private state (native: device-side layout)
+
+
+class LowLatencyHandle(NamedTuple):
+    src_info: torch.Tensor
+    layout_range: torch.Tensor
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    owner: int = -1
+    private: Any = None
+
+    def check_owner(self, owner: int) -> None:
+        if self.owner != owner:
+            raise ValueError("handle: this low-latency handle was made by another Buffer")
+
+
+def check_intranode_handle(handle: Any, owner: int, arg: str = "handle") -> IntranodeHandle:
+    """Reject anything but an IntranodeHandle made by Buffer `owner`."""
+    if not isinstance(handle, IntranodeHandle):
+        raise TypeError(f"{arg}: expected the handle returned by this Buffer's dispatch(), got {type(handle).__name__}")
+    if handle.owner != owner:
+        raise ValueError(f"{arg}: this handle was made by another Buffer (id {handle.owner}, this one is {owner})")
+    return handle
+
+
+def check_low_latency_handle(handle: Any, owner: int, arg: str = "handle") -> LowLatencyHandle:
+    if not isinstance(handle, LowLatencyHandle):
+        raise TypeError(f"{arg}: expected the handle returned by this Buffer's low_latency_dispatch(), "
+                        f"got {type(handle).__name__}")
+    if handle.owner != owner:
+        raise ValueError(f"{arg}: this handle was made by another Buffer (id {handle.owner}, this one is {owner})")
+    return handle
+
+
+def prefix_matrix_from_counts(counts: torch.Tensor) -> torch.Tensor:
+    """counts[i][r] = tokens rank i sends to rank r  ->  DeepEP's rank prefix matrix (cumsum over i)."""
+    return torch.cumsum(counts.to(torch.int64), dim=0).to(torch.int32)
+

@@ -1,0 +1,107 @@
+"""Argument checks run before any communication: each failure names the argument and what was expected.
+
+A wrong dtype, shape, layout or expert id caught here costs one exception on one rank; caught inside a
+collective it costs a hang of every rank.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Optional, Sequence, Union
+
+import torch
+
+from .fp8 import FP8_BLOCK, fp8_dtype_for
+
+FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
+INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def value_checks(t: torch.Tensor) -> bool:
+    """Checks that read tensor values (expert id range, count consistency) sync a GPU with the host:
+    always on for CPU tensors, on for GPU tensors unless UCCL_EP_CHECK_VALUES=0 (for graph capture/speed)."""
+    return t.device.type == "cpu" or os.environ.get("UCCL_EP_CHECK_VALUES", "1") != "0"
+
+
+def check_tensor(t: Any, arg: str, dtypes: Sequence[torch.dtype], ndim: int, contiguous: bool = True) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{arg}: expected a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{arg}: dtype must be {names}, got {str(t.dtype).replace('torch.', '')}")
+    if t.dim() != ndim:
+        raise ValueError(f"{arg}: expected {ndim} dimensions, got shape {tuple(t.shape)}")
+    if contiguous and not t.is_contiguous():
+        raise ValueError(f"{arg}: must be contiguous (call .contiguous()), got strides {t.stride()}")
+    return t
+
+
+def check_device(t: Optional[torch.Tensor], arg: str, device: torch.device) -> None:
+    if t is not None and t.device.type != device.type:
+        raise ValueError(f"{arg}: is on {t.device}, expected {device.type} like the Buffer's group")
+
+
+def split_x(x: Union[torch.Tensor, tuple, list], arg: str = "x") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """x or (fp8 x, float32 scales [N, H/128]) -> (x, scales). Scales may be column-major (DeepEP allows it)."""
+    if isinstance(x, (tuple, list)):
+        if len(x) != 2:
+            raise ValueError(f"{arg}: an FP8 input is a pair (e4m3 tensor, scales), got {len(x)} elements")
+        data, scales = x
+        check_tensor(data, f"{arg}[0]", FP8_DTYPES, 2)
+        want = fp8_dtype_for(data.device)
+        if data.dtype != want:
+            raise TypeError(f"{arg}[0]: this device uses {str(want).replace('torch.', '')}, "
+                            f"got {str(data.dtype).replace('torch.', '')}")
+        check_tensor(scales, f"{arg}[1]", (torch.float32,), 2, contiguous=False)
+        n, h = data.shape
+        if h % FP8_BLOCK:
+            raise ValueError(f"{arg}[0]: hidden ({h}) must be divisible by {FP8_BLOCK} for FP8")
+        if tuple(scales.shape) != (n, h // FP8_BLOCK):
+            raise ValueError(f"{arg}[1]: scales must be [num_tokens, hidden/128] = [{n}, {h // FP8_BLOCK}], "
+                             f"got {list(scales.shape)}")
+        return data, scales
+    check_tensor(x, arg, FLOAT_DTYPES, 2)
+    return x, None
+
+
+def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int, num_experts: Optional[int],
+               idx_arg: str = "topk_idx", weights_arg: str = "topk_weights") -> None:
+    check_tensor(topk_idx, idx_arg, INDEX_DTYPES, 2)
+    if topk_idx.size(0) != num_tokens:
+        raise ValueError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
+    if topk_weights is not None:
+        check_tensor(topk_weights, weights_arg, (torch.float32,), 2)
+        if topk_weights.shape != topk_idx.shape:
+            raise ValueError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
+                             f"{idx_arg} shape {list(topk_idx.shape)}")
+    if num_experts is not None and topk_idx.numel() and value_checks(topk_idx):
+        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        if lo < -1 or hi >= num_experts:
+            raise ValueError(f"{idx_arg}: expert ids must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+
+
+def check_num_experts(num_experts: Any, num_ranks: int, arg: str = "num_experts") -> None:
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
+        raise ValueError(f"{arg}: must be a positive int, got {num_experts!r}")
+    if num_experts % num_ranks:
+        raise ValueError(f"{arg}: {num_experts} experts cannot be split evenly over {num_ranks} ranks")
+
+
+def check_layout(num_tokens_per_rank: Any, is_token_in_rank: Any, num_tokens_per_expert: Any,
+                 num_tokens: int, num_ranks: int) -> None:
+    check_tensor(num_tokens_per_rank, "num_tokens_per_rank", (torch.int32,), 1)
+    if num_tokens_per_rank.size(0) != num_ranks:
+        raise ValueError(f"num_tokens_per_rank: expected [{num_ranks}], got {list(num_tokens_per_rank.shape)}")
+    check_tensor(is_token_in_rank, "is_token_in_rank", (torch.bool,), 2)
+    if tuple(is_token_in_rank.shape) != (num_tokens, num_ranks):
+        raise ValueError(f"is_token_in_rank: expected [{num_tokens}, {num_ranks}], got {list(is_token_in_rank.shape)}")
+    check_tensor(num_tokens_per_expert, "num_tokens_per_expert", (torch.int32,), 1)
+    if num_tokens_per_expert.size(0) % num_ranks:
+        raise ValueError(f"num_tokens_per_expert: length {num_tokens_per_expert.size(0)} not divisible by "
+                         f"{num_ranks} ranks")
+
+
+def check_non_negative_int(v: Any, arg: str, minimum: int = 0) -> int:
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise ValueError(f"{arg}: must be an int >= {minimum}, got {v!r}")
+    return v
