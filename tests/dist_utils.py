@@ -18,7 +18,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, env: dict, q) -> None:
+def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, env: dict, q,
+            hard_exit: bool) -> None:
     os.environ.update(env)
     try:
         torch.set_num_threads(1)
@@ -29,6 +30,10 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world, device, *args)
         q.put((rank, "ok", result))
+        if hard_exit:  # the group may be broken on purpose: skip the teardown collective
+            q.close()
+            q.join_thread()
+            os._exit(0)
     except BaseException:  # report every failure, including assertion errors
         q.put((rank, "error", traceback.format_exc()))
         q.close()
@@ -41,15 +46,16 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout: float = 240,
-              env: dict | None = None) -> list[Any]:
-    """Run fn(rank, world, device, *args) on `world` spawned ranks; returns per-rank results."""
+              env: dict | None = None, hard_exit: bool = False) -> list[Any]:
+    """Run fn(rank, world, device, *args) on `world` spawned ranks; returns per-rank results.
+    hard_exit: ranks leave without destroying the process group (for tests that break it)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_port()
     base_env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NCCL_NVLS_ENABLE": "0",
                 "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
     base_env.update(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, base_env, q), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, base_env, q, hard_exit), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

@@ -52,5 +52,7 @@ def per_token_cast_back(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     """Inverse of `per_token_cast_to_fp8` (float32 or packed ue8m0 scales) -> bfloat16."""
     n, h = q.shape
     if scales.dtype == torch.int32:
-        scales = (scales.contiguous().view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
-    return (q.float().view(n, -1, FP8_BLOCK) * scales.reshape(n, -1, 1)).view(n, h).to(torch.bfloat16)
+        dense = torch.empty(scales.shape, dtype=scales.dtype, device=scales.device).copy_(scales)
+        scales = (dense.view(torch.uint8).to(torch.int32) << 23).view(torch.float32)
+    blocks = h // FP8_BLOCK
+    return (q.float().view(n, blocks, FP8_BLOCK) * scales.reshape(n, blocks, 1)).view(n, h).to(torch.bfloat16)

@@ -1,0 +1,147 @@
+"""Bad input fails on the calling rank, before any communication, with the argument named; peers that
+never arrive end in a timeout naming rank and phase; buffers can be destroyed and made again."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from uccl_ep_train import Buffer, Config
+from uccl_ep_train.backends.collectives import CommTimeoutError
+from uccl_ep_train.fp8 import per_token_cast_to_fp8
+
+
+def _bad_inputs(rank: int, world: int, device: str) -> int:
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    other = Buffer(group, int(1e6), 0)
+    n, h, e = 6, 256, 8
+    x = torch.randn(n, h).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5], [1, -1], [7, 2], [-1, -1], [3, 4], [6, 0]])
+    w = torch.rand(n, 2)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    cases = [
+        (TypeError, "x: dtype", lambda: buf.dispatch(x.int(), **layout)),
+        (ValueError, "x: expected 2 dimensions", lambda: buf.dispatch(x.view(-1), **layout)),
+        (ValueError, "x: must be contiguous", lambda: buf.dispatch(x.t(), **layout)),
+        (TypeError, "topk_idx: dtype", lambda: buf.dispatch(x, topk_idx=idx.float(), topk_weights=w, **layout)),
+        (ValueError, "topk_idx: expected 2 dimensions", lambda: buf.get_dispatch_layout(idx.view(-1), e)),
+        (TypeError, "topk_weights: dtype", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w.double(), **layout)),
+        (ValueError, "topk_weights: shape", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w[:, :1].contiguous(), **layout)),
+        (ValueError, "topk_idx: expert ids must be in", lambda: buf.get_dispatch_layout(idx.clamp(max=6) + 2, e)),
+        (ValueError, "topk_idx: expert ids must be in", lambda: buf.get_dispatch_layout(idx - 1, e)),
+        (ValueError, "num_experts: 7 experts cannot be split", lambda: buf.get_dispatch_layout(idx.clamp(max=6), 7)),
+        (ValueError, "topk_idx: has 5 rows but x has 6", lambda: buf.dispatch(x, topk_idx=idx[:5], topk_weights=w[:5], **layout)),
+        (ValueError, "is_token_in_rank: expected", lambda: buf.dispatch(x[:5], **layout)),
+        (ValueError, "num_tokens_per_rank: .* disagrees", lambda: buf.dispatch(
+            x, num_tokens_per_rank=per_rank + 1, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)),
+        (ValueError, r"x\[0\]: hidden \(200\) must be divisible by 128", lambda: buf.dispatch(
+            (torch.zeros(n, 200, dtype=torch.float8_e4m3fn), torch.ones(n, 1)), **layout)),
+        (ValueError, r"x\[1\]: scales must be", lambda: buf.dispatch(
+            (per_token_cast_to_fp8(x)[0], torch.ones(n, 3)), **layout)),
+        (TypeError, r"x\[0\]: this device uses float8_e4m3fn", lambda: buf.dispatch(
+            (per_token_cast_to_fp8(x)[0].view(torch.float8_e4m3fnuz), per_token_cast_to_fp8(x)[1]), **layout)),
+        (ValueError, "expert_alignment", lambda: buf.dispatch(x, expert_alignment=0, **layout)),
+        (ValueError, "num_worst_tokens", lambda: buf.dispatch(x, num_worst_tokens=-1, **layout)),
+        (ValueError, "required without a handle", lambda: buf.dispatch(x)),
+        (TypeError, "previous_event", lambda: buf.dispatch(x, previous_event=object(), **layout)),
+        (TypeError, "config", lambda: buf.dispatch(x, config=(24, 8, 256), **layout)),
+        (RuntimeError, "low_latency_mode=False", lambda: buf.low_latency_dispatch(x, idx, 16, e)),
+        (ValueError, "group", lambda: Buffer(None)),
+        (NotImplementedError, "allow_mnnvl", lambda: Buffer(group, allow_mnnvl=True)),
+        (ValueError, "set_num_sms", lambda: Buffer.set_num_sms(7)),
+    ]
+    for exc, pattern, call in cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+    # a valid call still works afterwards: no rank entered a collective above
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    handle_cases = [
+        (ValueError, "made by another Buffer", lambda: other.combine(recv_x, handle)),
+        (ValueError, "made by another Buffer", lambda: other.dispatch(x, handle=handle)),
+        (TypeError, "expected the handle", lambda: buf.combine(recv_x, tuple(handle)[:6])),
+        (ValueError, "x: has 3 tokens, the handle was made for 6", lambda: buf.dispatch(x[:3], handle=handle)),
+        (ValueError, "must be None with a cached handle", lambda: buf.dispatch(x, handle=handle, topk_idx=idx)),
+        (ValueError, r"bias\[0\]: expected", lambda: buf.combine(recv_x, handle, bias=torch.zeros(2, h))),
+        (TypeError, "topk_weights: dtype", lambda: buf.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.size(0), 2, dtype=torch.int32))),
+    ]
+    if recv_x.size(0):
+        handle_cases.append((ValueError, "x: has 0 rows", lambda: buf.combine(recv_x[:0], handle)))
+    for exc, pattern, call in handle_cases:
+        with pytest.raises(exc, match=pattern):
+            call()
+    combined, _, _ = buf.combine(recv_x, handle)
+    assert combined.shape == x.shape
+
+    ll = Buffer(group, 0, 1024, low_latency_mode=True)
+    with pytest.raises(ValueError, match="num_rdma_bytes: this Buffer has 1024 bytes"):
+        ll.low_latency_dispatch(x, idx, 16, e)
+    with pytest.raises(ValueError, match="exceed num_max_dispatch_tokens_per_rank"):
+        ll.low_latency_dispatch(x, idx, 4, e)
+    with pytest.raises(ValueError, match="use_ue8m0"):
+        ll.low_latency_dispatch(x, idx, 16, e, use_fp8=True, use_ue8m0=True)
+    with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
+        ll.low_latency_dispatch(x, idx, 16, e, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64))
+
+    # destroy releases; a destroyed Buffer refuses work; a new one works in the same process
+    buf.destroy()
+    buf.destroy()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        buf.dispatch(x, **layout)
+    again = Buffer(group, int(1e6), 0)
+    recv2, *_ = again.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+    assert torch.equal(recv2, recv_x)
+    return len(cases) + len(handle_cases)
+
+
+def test_bad_inputs_raise_named_errors():
+    counts = run_ranks(_bad_inputs, 2)
+    assert counts[0] >= 30
+
+
+def _mismatch(rank: int, world: int, device: str) -> str:
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    h = 128 if rank == 0 else 256  # ranks disagree: caught in the notify phase on every rank
+    x = torch.randn(4, h).to(torch.bfloat16)
+    idx = torch.tensor([[0], [1], [2], [3]])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    with pytest.raises(ValueError, match="ranks disagree on hidden: rank 0=128, rank 1=256"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    return "ok"
+
+
+def test_cross_rank_mismatch_is_reported_on_every_rank():
+    assert run_ranks(_mismatch, 2) == ["ok", "ok"]
+
+
+def _missing_peer(rank: int, world: int, device: str) -> str:
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    if rank == 1:
+        time.sleep(4)  # never calls dispatch
+        return "absent"
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    idx = torch.tensor([[0], [1], [2], [3]])
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    start = time.monotonic()
+    with pytest.raises(CommTimeoutError, match=r"rank 0 timed out after 1s in phase 'dispatch: notify header'"):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    assert time.monotonic() - start < 3
+    return "timed out"
+
+
+def test_missing_peer_times_out_with_rank_and_phase():
+    results = run_ranks(_missing_peer, 2, env={"UCCL_EP_TIMEOUT_S": "1"}, timeout=60, hard_exit=True)
+    assert results == ["timed out", "absent"]
+
+
+def test_config_positional_like_deepep():
+    c = Config(24, 8, 256, 16, 128)
+    assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == (24, 8, 256)
+    with pytest.raises(ValueError, match="num_max_nvl_chunked_send_tokens must be <="):
+        Config(24, 512, 256)
