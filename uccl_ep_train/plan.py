@@ -1,0 +1,502 @@
+"""`uccl-ep-train plan`: check a recipe against a cluster shape, print the launch command and a memory estimate.
+
+    uccl-ep-train plan --recipe deepseek-v3 --nodes 32 --gpus-per-node 8
+    uccl-ep-train plan --recipe deepseek-v3 --nodes 16 --gpus-per-node 8 --ep 16 --json
+    uccl-ep-train plan --recipe tiny --nodes 1 --gpus-per-node 2 --emit torchrun --node-rank 0 \
+        --master-addr 127.0.0.1 --master-port 29500 -- --train-iters 5
+
+Checks (all reported at once, exit status 2 if any fails): world size divisible by TP*PP*CP and by
+ETP*EP*PP, experts divisible by EP, heads by TP, FFN widths by TP / ETP, layers per pipeline stage
+(even split, or the recipe's first/last-stage counts with the rest even), global batch divisible by
+micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP.
+
+Memory estimate per GPU, for the heaviest pipeline stage (weights, gradients, optimizer state,
+activations, EP buffers): see docs/recipes.md for the model behind each term. It is an estimate to catch
+layouts that cannot fit, not an allocator trace. Runs on CPU; imports neither megatron nor torch.distributed.
+
+`--emit torchrun` prints only the shell-quoted torchrun command for one node (what slurm/launch.sh runs);
+`--emit megatron-args` prints only the Megatron-LM arguments.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shlex
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+from uccl_ep_train.recipes import Recipe, load_recipe
+
+GiB = 1024 ** 3
+
+
+# ---------------------------------------------------------------------------------------------------------
+# parameter counts (analytic; the tests hold them equal to megatron-core's meta-device model)
+# ---------------------------------------------------------------------------------------------------------
+def padded_vocab_size(recipe: Recipe) -> int:
+    """Megatron pads the vocabulary to a multiple of make_vocab_size_divisible_by * TP."""
+    v = int(recipe.args["vocab_size"])
+    mult = int(recipe.args.get("make_vocab_size_divisible_by") or 128) * recipe.tp
+    return (v + mult - 1) // mult * mult
+
+
+def _norm_params(recipe: Recipe, width: int) -> int:
+    return width * (1 if recipe.args.get("normalization", "LayerNorm") == "RMSNorm" else 2)
+
+
+def attention_params(recipe: Recipe) -> int:
+    a = recipe.args
+    h, heads = int(a["hidden_size"]), int(a["num_attention_heads"])
+    bias = bool(a.get("add_bias_linear", True))
+    if a.get("multi_latent_attention"):
+        qk, pos, v, kvr = int(a["qk_head_dim"]), int(a["qk_pos_emb_head_dim"]), int(a["v_head_dim"]), int(a["kv_lora_rank"])
+        qr = a.get("q_lora_rank")
+        n = 0
+        if qr:
+            n += h * qr + qr * heads * (qk + pos)
+            n += _norm_params(recipe, qr) if a.get("qk_layernorm") else 0
+        else:
+            n += h * heads * (qk + pos)
+        n += h * (kvr + pos) + kvr * heads * (qk + v)
+        n += _norm_params(recipe, kvr) if a.get("qk_layernorm") else 0
+        n += heads * v * h
+        return n
+    kv = int(a.get("kv_channels") or h // heads)
+    groups = int(a.get("num_query_groups") or heads) if a.get("group_query_attention") else heads
+    qkv_out = heads * kv + 2 * groups * kv
+    n = h * qkv_out + heads * kv * h
+    if bias:
+        n += qkv_out + h
+    if a.get("qk_layernorm"):
+        n += 2 * _norm_params(recipe, kv)
+    return n
+
+
+def _mlp_params(recipe: Recipe, width: int) -> int:
+    h = int(recipe.args["hidden_size"])
+    fc1 = 2 * width if recipe.args.get("swiglu") else width
+    n = h * fc1 + width * h
+    if recipe.args.get("add_bias_linear", True):
+        n += fc1 + h
+    return n
+
+
+@dataclass
+class ParamBreakdown:
+    attention: int          # per layer
+    dense_mlp: int          # per dense layer
+    router: int             # per MoE layer
+    routed_expert: int      # one routed expert
+    shared_experts: int     # per MoE layer
+    layer_norms: int        # per layer (input + pre-MLP)
+    embedding: int
+    output_layer: int
+    final_norm: int
+    dense_layers: int
+    moe_layers: int
+    total: int
+    active: int             # DeepSeek's convention: no input embedding, top-k of the routed experts
+
+
+def count_params(recipe: Recipe) -> ParamBreakdown:
+    a = recipe.args
+    h = int(a["hidden_size"])
+    pattern = recipe.moe_layers()
+    n_moe, n_dense = sum(pattern), len(pattern) - sum(pattern)
+    experts = int(a.get("num_experts") or 0)
+    attn = attention_params(recipe)
+    norms = 2 * _norm_params(recipe, h)
+    dense = _mlp_params(recipe, int(a["ffn_hidden_size"]))
+    router = h * experts if experts else 0
+    expert = _mlp_params(recipe, int(a["moe_ffn_hidden_size"])) if experts else 0
+    shared_w = int(a.get("moe_shared_expert_intermediate_size") or 0)
+    shared = _mlp_params(recipe, shared_w) if shared_w else 0
+    vocab = padded_vocab_size(recipe)
+    emb = vocab * h
+    if a.get("position_embedding_type", "learned_absolute") == "learned_absolute":
+        emb += int(a.get("max_position_embeddings") or a["seq_length"]) * h
+    out = vocab * h if a.get("untie_embeddings_and_output_weights") else 0
+    final = _norm_params(recipe, h)
+    per_moe = attn + norms + router + experts * expert + shared
+    per_dense = attn + norms + dense
+    total = n_dense * per_dense + n_moe * per_moe + emb + out + final
+    topk = int(a.get("moe_router_topk") or 0)
+    active = total - emb - n_moe * (experts - topk) * expert
+    return ParamBreakdown(attn, dense, router, expert, shared, norms, emb, out, final, n_dense, n_moe, total, active)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# layout checks
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class Layout:
+    nodes: int
+    gpus_per_node: int
+    world: int
+    tp: int
+    pp: int
+    ep: int
+    etp: int
+    cp: int
+    dp: int = 0
+    expert_dp: int = 0
+    ep_nodes: float = 0.0           # nodes one EP group spans
+    stage_layers: list[int] = field(default_factory=list)
+    num_microbatches: int = 0
+    errors: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def stage_layer_counts(recipe: Recipe, errors: Optional[list[str]] = None) -> list[int]:
+    """Decoder layers per pipeline stage (Megatron's split: first/last counts if given, the rest even)."""
+    errors = errors if errors is not None else []
+    L, pp = int(recipe.args["num_layers"]), recipe.pp
+    first = recipe.args.get("decoder_first_pipeline_num_layers")
+    last = recipe.args.get("decoder_last_pipeline_num_layers")
+    if pp == 1:
+        if first is not None or last is not None:
+            errors.append("decoder_first/last_pipeline_num_layers need pipeline_model_parallel_size > 1")
+        return [L]
+    middle_stages = pp - (first is not None) - (last is not None)
+    rest = L - (first or 0) - (last or 0)
+    if rest < 0 or (middle_stages == 0 and rest != 0):
+        errors.append(f"num_layers {L} cannot be split as first={first}, last={last} over PP={pp}")
+        return []
+    if middle_stages and rest % middle_stages:
+        what = "num_layers" if first is None and last is None else f"num_layers - first - last = {rest}"
+        errors.append(f"{what} is not divisible by the {middle_stages} remaining pipeline stages (PP={pp}); "
+                      "set decoder_first/last_pipeline_num_layers")
+        return []
+    per = rest // middle_stages if middle_stages else 0
+    counts = [per] * pp
+    if first is not None:
+        counts[0] = int(first)
+    if last is not None:
+        counts[-1] = int(last)
+    if any(c <= 0 for c in counts):
+        errors.append(f"pipeline stage with no layers: {counts}")
+    return counts
+
+
+def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
+    a = recipe.args
+    lay = Layout(nodes, gpus_per_node, nodes * gpus_per_node, recipe.tp, recipe.pp, recipe.ep, recipe.etp, recipe.cp)
+    err = lay.errors
+    if nodes < 1 or gpus_per_node < 1:
+        err.append(f"nodes ({nodes}) and gpus-per-node ({gpus_per_node}) must be >= 1")
+        return lay
+    W = lay.world
+    if W % (lay.tp * lay.pp * lay.cp):
+        err.append(f"world size {W} is not divisible by TP*PP*CP = {lay.tp}*{lay.pp}*{lay.cp}")
+    else:
+        lay.dp = W // (lay.tp * lay.pp * lay.cp)
+    if W % (lay.etp * lay.ep * lay.pp):
+        err.append(f"world size {W} is not divisible by ETP*EP*PP = {lay.etp}*{lay.ep}*{lay.pp}")
+    else:
+        lay.expert_dp = W // (lay.etp * lay.ep * lay.pp)
+    experts = int(a.get("num_experts") or 0)
+    if experts:
+        if experts % lay.ep:
+            err.append(f"num_experts {experts} is not divisible by EP {lay.ep}")
+        topk = int(a.get("moe_router_topk") or 0)
+        if not 1 <= topk <= experts:
+            err.append(f"moe_router_topk {topk} must be in [1, num_experts={experts}]")
+        groups, gtopk = a.get("moe_router_num_groups"), a.get("moe_router_group_topk")
+        if groups:
+            if experts % groups:
+                err.append(f"num_experts {experts} is not divisible by moe_router_num_groups {groups}")
+            if not gtopk or gtopk > groups:
+                err.append(f"moe_router_group_topk {gtopk} must be in [1, moe_router_num_groups={groups}]")
+            elif topk > gtopk * (experts // groups):
+                err.append(f"moe_router_topk {topk} exceeds the experts in {gtopk} groups of {experts // groups}")
+        if int(a.get("moe_ffn_hidden_size") or 0) % lay.etp:
+            err.append(f"moe_ffn_hidden_size {a.get('moe_ffn_hidden_size')} is not divisible by ETP {lay.etp}")
+        if lay.tp > 1 and lay.ep > 1 and not a.get("sequence_parallel"):
+            err.append("TP > 1 with EP > 1 needs sequence_parallel (Megatron requires it for MoE)")
+    elif lay.ep > 1:
+        err.append(f"EP {lay.ep} > 1 but the recipe has no experts")
+    heads = int(a["num_attention_heads"])
+    if heads % lay.tp:
+        err.append(f"num_attention_heads {heads} is not divisible by TP {lay.tp}")
+    if a.get("group_query_attention") and int(a.get("num_query_groups") or 1) % lay.tp:
+        err.append(f"num_query_groups {a.get('num_query_groups')} is not divisible by TP {lay.tp}")
+    if int(a["ffn_hidden_size"]) % lay.tp:
+        err.append(f"ffn_hidden_size {a['ffn_hidden_size']} is not divisible by TP {lay.tp}")
+    if a.get("sequence_parallel") and lay.tp == 1:
+        lay.notes.append("sequence_parallel has no effect with TP=1")
+    seq = int(a["seq_length"])
+    if lay.cp > 1 and seq % (2 * lay.cp):
+        err.append(f"seq_length {seq} is not divisible by 2*CP = {2 * lay.cp}")
+    if a.get("sequence_parallel") and seq % lay.tp:
+        err.append(f"seq_length {seq} is not divisible by TP {lay.tp} (sequence parallel)")
+    lay.stage_layers = stage_layer_counts(recipe, err)
+    mbs, gbs = int(a["micro_batch_size"]), int(a["global_batch_size"])
+    if lay.dp:
+        if gbs % (mbs * lay.dp):
+            err.append(f"global_batch_size {gbs} is not divisible by micro_batch_size*DP = {mbs}*{lay.dp}")
+        else:
+            lay.num_microbatches = gbs // (mbs * lay.dp)
+            if lay.pp > 1 and lay.num_microbatches < lay.pp:
+                lay.notes.append(f"{lay.num_microbatches} micro-batches per step for PP={lay.pp}: "
+                                 "the pipeline bubble dominates; raise global_batch_size")
+    if a.get("moe_token_dispatcher_type") != "uccl":
+        lay.notes.append(f"moe_token_dispatcher_type is {a.get('moe_token_dispatcher_type')!r}, not 'uccl'")
+    lay.ep_nodes = lay.ep * lay.etp * lay.tp / gpus_per_node if experts else 0.0
+    if experts and lay.ep * lay.etp > gpus_per_node:
+        lay.notes.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes: dispatch/combine go over RDMA "
+                         "through the CPU proxies (set UCCL_SOCKET_IFNAME / UCCL_IB_GID_INDEX)")
+    return lay
+
+
+# ---------------------------------------------------------------------------------------------------------
+# memory estimate
+# ---------------------------------------------------------------------------------------------------------
+@dataclass
+class MemoryEstimate:
+    stage: int               # the pipeline stage estimated (the heaviest)
+    params_dense: int        # non-expert parameters on one GPU
+    params_expert: int       # routed-expert parameters on one GPU
+    weights: int             # bytes
+    gradients: int
+    optimizer: int
+    activations: int
+    ep_buffers: int
+    total: int
+
+
+def _ep_buffer_bytes(hidden: int, ep: int) -> int:
+    """Bytes the uccl Buffer registers for HT dispatch/combine at this EP size (BF16 tokens)."""
+    try:
+        from uccl_ep_train.config import DEFAULT_COMBINE, DEFAULT_DISPATCH, default_config
+        hint = 0
+        for table in (DEFAULT_DISPATCH, DEFAULT_COMBINE):
+            cfg = default_config(table, 20, ep)
+            hint = max(hint, cfg.get_nvl_buffer_size_hint(hidden * 2, ep) + cfg.get_rdma_buffer_size_hint(hidden * 2, ep))
+        return hint
+    except ImportError:  # pragma: no cover - the Buffer's sizing moved; fall back to DeepEP's ~1 GB default
+        return GiB
+
+
+def estimate_memory(recipe: Recipe, lay: Layout) -> MemoryEstimate:
+    a = recipe.args
+    pb = count_params(recipe)
+    pattern = recipe.moe_layers()
+    h, seq, mbs = int(a["hidden_size"]), int(a["seq_length"]), int(a["micro_batch_size"])
+    bf16 = bool(a.get("bf16") or a.get("fp16"))
+    act_bytes = 2 if bf16 else 4
+    experts = int(a.get("num_experts") or 0)
+    topk = int(a.get("moe_router_topk") or 0)
+    tp, ep, etp, cp = lay.tp, lay.ep, lay.etp, lay.cp
+    stages = lay.stage_layers or [len(pattern)]
+    tokens = seq * mbs // cp                          # tokens of one micro-batch on this GPU
+    sp = tp if a.get("sequence_parallel") else 1      # h-sized tensors are split over TP with SP
+    vocab = padded_vocab_size(recipe)
+
+    def layer_activation(moe: bool) -> int:
+        t = tokens
+        n = 2 * t * h // sp                                           # layer input + pre-MLP residual
+        n += t * h // sp                                              # input norm output
+        if a.get("multi_latent_attention"):
+            heads = int(a["num_attention_heads"])
+            qk, pos, v = int(a["qk_head_dim"]), int(a["qk_pos_emb_head_dim"]), int(a["v_head_dim"])
+            n += t * (int(a.get("q_lora_rank") or 0) + int(a["kv_lora_rank"]) + pos)   # latents
+            n += t * heads * (2 * (qk + pos) + 2 * v) // tp                              # q, k, v, context
+        else:
+            heads = int(a["num_attention_heads"])
+            kv = int(a.get("kv_channels") or h // heads)
+            n += t * heads * kv * 4 // tp
+        n += t * h // sp                                              # pre-MLP norm output
+        if moe:
+            fm = int(a["moe_ffn_hidden_size"])
+            rows = t * topk                                           # balanced routing: t*topk rows per GPU
+            n += rows * (2 * h + 3 * fm // etp)                       # dispatched in, fc1, act, expert out
+            fs = int(a.get("moe_shared_expert_intermediate_size") or 0)
+            n += t * 3 * fs // tp
+            n = n * act_bytes + t * experts * 4 * 2                   # + fp32 router logits and probs
+            return n
+        f = int(a["ffn_hidden_size"])
+        n += t * 3 * f // tp
+        return n * act_bytes
+
+    best: Optional[MemoryEstimate] = None
+    start = 0
+    in_flight_base = lay.num_microbatches or 1
+    for s, n_layers in enumerate(stages):
+        layers = pattern[start:start + n_layers]
+        start += n_layers
+        dense = sum(pb.attention + pb.layer_norms + (pb.router + pb.shared_experts if m else pb.dense_mlp)
+                    for m in layers)
+        expert = sum(experts * pb.routed_expert for m in layers if m)
+        if s == 0:
+            dense += pb.embedding
+        if s == len(stages) - 1:
+            dense += pb.output_layer + pb.final_norm
+        p_dense = dense // tp
+        p_expert = expert // (ep * etp) if experts else 0
+        params = p_dense + p_expert
+        weights = params * act_bytes
+        grads = params * 4                                            # fp32 main gradients
+        opt_per_param = 12 if bf16 else 8                             # fp32 master (bf16 only) + Adam m, v
+        if a.get("use_distributed_optimizer"):
+            optimizer = p_dense * opt_per_param // max(lay.dp * cp, 1) + p_expert * opt_per_param // max(lay.expert_dp, 1)
+        else:
+            optimizer = params * opt_per_param
+        # 1F1B: stage s holds activations of up to (PP - s) micro-batches
+        in_flight = min(lay.pp - s, in_flight_base) if lay.pp > 1 else 1
+        per_layer = [layer_activation(bool(m)) for m in layers] or [0]
+        if a.get("recompute_granularity") == "full":
+            stored = len(layers) * tokens * h // sp * act_bytes
+            acts = stored * in_flight + max(per_layer)
+        else:
+            acts = sum(per_layer) * in_flight
+        if s == len(stages) - 1:
+            acts += tokens * vocab // tp * 4 * 2                      # fp32 logits and their gradient
+        epb = _ep_buffer_bytes(h, ep * etp) if experts and ep > 1 else 0
+        total = weights + grads + optimizer + acts + epb
+        est = MemoryEstimate(s, p_dense, p_expert, weights, grads, optimizer, acts, epb, total)
+        if best is None or est.total > best.total:
+            best = est
+    assert best is not None
+    return best
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launch command
+# ---------------------------------------------------------------------------------------------------------
+def torchrun_command(recipe: Recipe, nnodes: int, nproc_per_node: int, node_rank: Any = "$NODE_RANK",
+                     master_addr: Any = "$MASTER_ADDR", master_port: Any = "$MASTER_PORT",
+                     entry: str = "pretrain-gpt", extra: Optional[list[str]] = None,
+                     torchrun: str = "torchrun") -> list[str]:
+    """The per-node torchrun command: `uccl-ep-train <entry>` (pretrain-gpt: Megatron-LM's pretrain_gpt
+    through megatron_patch; train: our own training job) with the recipe's Megatron-LM arguments."""
+    cmd = [torchrun, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+           "--node-rank", str(node_rank), "--master-addr", str(master_addr), "--master-port", str(master_port),
+           "-m", "uccl_ep_train.cli", entry]
+    if entry == "pretrain-gpt":
+        cmd += recipe.megatron_args()
+    else:
+        cmd += ["--recipe", recipe.name]
+    return cmd + list(extra or [])
+
+
+def _quote(cmd: list[str]) -> str:
+    # keep $VARS expandable in the printed command
+    return " ".join(c if c.startswith("$") and c[1:].replace("_", "").isalnum() else shlex.quote(c) for c in cmd)
+
+
+def _fmt_gib(n: int) -> str:
+    return f"{n / GiB:8.2f} GiB" if n >= GiB // 10 else f"{n / 2**20:8.2f} MiB"
+
+
+def _fmt_count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 10**8 else f"{n / 1e6:.3f} M"
+
+
+def _apply_overrides(recipe: Recipe, ns: argparse.Namespace) -> Recipe:
+    upd: dict[str, Any] = {}
+    for opt, dest in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
+                      ("ep", "expert_model_parallel_size"), ("etp", "expert_tensor_parallel_size"),
+                      ("cp", "context_parallel_size"), ("mbs", "micro_batch_size"), ("gbs", "global_batch_size"),
+                      ("seq_length", "seq_length")):
+        v = getattr(ns, opt)
+        if v is not None:
+            upd[dest] = v
+    if ns.seq_length is not None and int(recipe.args.get("max_position_embeddings") or 0) < ns.seq_length:
+        upd["max_position_embeddings"] = ns.seq_length
+    if ns.pp is not None and ns.pp != recipe.pp and not ns.keep_stage_layers:
+        # the recipe's first/last stage sizes were chosen for its own PP
+        upd["decoder_first_pipeline_num_layers"] = None
+        upd["decoder_last_pipeline_num_layers"] = None
+    return recipe.with_args(**upd) if upd else recipe
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-ep-train plan", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--recipe", required=True, help="deepseek-v3, deepseek-v2-lite, tiny, or a recipe file")
+    p.add_argument("--nodes", type=int, help="number of nodes (default: the recipe's reference cluster)")
+    p.add_argument("--gpus-per-node", type=int, help="GPUs (ranks) per node (default: the recipe's)")
+    for opt in ("tp", "pp", "ep", "etp", "cp", "mbs", "gbs"):
+        p.add_argument(f"--{opt}", type=int, help=f"override the recipe's {opt.upper()}")
+    p.add_argument("--seq-length", type=int)
+    p.add_argument("--keep-stage-layers", action="store_true",
+                   help="with --pp, keep the recipe's first/last pipeline stage layer counts")
+    p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to compare against (GiB)")
+    p.add_argument("--entry", choices=("pretrain-gpt", "train"), default="pretrain-gpt",
+                   help="what torchrun runs: Megatron-LM's pretrain_gpt through our patch, or our train job")
+    p.add_argument("--node-rank", default="$NODE_RANK")
+    p.add_argument("--master-addr", default="$MASTER_ADDR")
+    p.add_argument("--master-port", default="$MASTER_PORT")
+    p.add_argument("--torchrun", default="torchrun", help="torchrun executable in the printed command")
+    p.add_argument("--emit", choices=("report", "torchrun", "megatron-args"), default="report")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for the entry point")
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ns = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    extra = list(ns.extra)
+    if extra and extra[0] == "--":
+        extra = extra[1:]
+    try:
+        recipe = _apply_overrides(load_recipe(ns.recipe), ns)
+    except ValueError as exc:
+        print(f"uccl-ep-train plan: {exc}", file=sys.stderr)
+        return 2
+    nodes = ns.nodes if ns.nodes is not None else int(recipe.cluster.get("nodes", 1))
+    gpn = ns.gpus_per_node if ns.gpus_per_node is not None else int(recipe.cluster.get("gpus_per_node", 1))
+    lay = check_layout(recipe, nodes, gpn)
+    if lay.errors:
+        print(f"uccl-ep-train plan: recipe {recipe.name!r} does not fit {nodes} node(s) x {gpn} GPU(s):",
+              file=sys.stderr)
+        for e in lay.errors:
+            print(f"  - {e}", file=sys.stderr)
+        return 2
+    cmd = torchrun_command(recipe, nodes, gpn, ns.node_rank, ns.master_addr, ns.master_port, ns.entry, extra,
+                           ns.torchrun)
+    if ns.emit == "torchrun":
+        print(" ".join(shlex.quote(c) for c in cmd))
+        return 0
+    if ns.emit == "megatron-args":
+        print(" ".join(shlex.quote(c) for c in recipe.megatron_args() + extra))
+        return 0
+    pb = count_params(recipe)
+    mem = estimate_memory(recipe, lay)
+    sbatch = ["sbatch", f"--nodes={nodes}", f"--gpus-per-node={gpn}", "slurm/train.sbatch", recipe.name]
+    if ns.json:
+        print(json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
+                          "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib,
+                          "fits": mem.total <= ns.gpu_mem_gib * GiB, "sbatch": sbatch, "torchrun": cmd,
+                          "env": recipe.env}, indent=1))
+        return 0
+    out = [f"recipe {recipe.name}: {recipe.description}",
+           f"cluster   {nodes} node(s) x {gpn} GPU(s) = {lay.world} ranks",
+           f"layout    TP {lay.tp} x PP {lay.pp} x CP {lay.cp} x DP {lay.dp}; experts: EP {lay.ep} x ETP {lay.etp} "
+           f"x expert-DP {lay.expert_dp}; dispatcher {recipe.args.get('moe_token_dispatcher_type')}",
+           f"stages    layers per pipeline stage {lay.stage_layers}; {lay.num_microbatches} micro-batch(es) "
+           f"of {recipe.args['micro_batch_size']} x {recipe.args['seq_length']} tokens per step",
+           f"params    total {_fmt_count(pb.total)}, active {_fmt_count(pb.active)} per token "
+           f"({pb.dense_layers} dense + {pb.moe_layers} MoE layers)",
+           f"memory per GPU (stage {mem.stage}, the heaviest; {_fmt_count(mem.params_dense)} dense + "
+           f"{_fmt_count(mem.params_expert)} expert params):",
+           f"  weights      {_fmt_gib(mem.weights)}",
+           f"  gradients    {_fmt_gib(mem.gradients)}",
+           f"  optimizer    {_fmt_gib(mem.optimizer)}",
+           f"  activations  {_fmt_gib(mem.activations)}",
+           f"  EP buffers   {_fmt_gib(mem.ep_buffers)}",
+           f"  total        {_fmt_gib(mem.total)}  "
+           + ("fits" if mem.total <= ns.gpu_mem_gib * GiB else "DOES NOT FIT")
+           + f" in {ns.gpu_mem_gib:g} GiB"]
+    out += [f"note      {n}" for n in lay.notes]
+    out += ["launch    " + " ".join(sbatch),
+            "per node  " + " ".join(f"{k}={v}" for k, v in recipe.env.items()),
+            "          " + _quote(cmd)]
+    print("\n".join(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
