@@ -22,12 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import shlex
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from uccl_ep_train.recipes import Recipe, load_recipe
+from uccl_ep_train.recipes import NIC_PROFILES, Recipe, load_recipe, nic_env
 
 GiB = 1024 ** 3
 
@@ -371,7 +372,7 @@ def torchrun_command(recipe: Recipe, nnodes: int, nproc_per_node: int, node_rank
                      torchrun: str = "torchrun") -> list[str]:
     """The per-node torchrun command: `uccl-ep-train <entry>` (pretrain-gpt: Megatron-LM's pretrain_gpt
     through megatron_patch; train: our own training job) with the recipe's Megatron-LM arguments."""
-    cmd = [torchrun, "--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
+    cmd = shlex.split(torchrun) + ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
            "--node-rank", str(node_rank), "--master-addr", str(master_addr), "--master-port", str(master_port),
            "-m", "uccl_ep_train.cli", entry]
     if entry == "pretrain-gpt":
@@ -429,8 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-rank", default="$NODE_RANK")
     p.add_argument("--master-addr", default="$MASTER_ADDR")
     p.add_argument("--master-port", default="$MASTER_PORT")
-    p.add_argument("--torchrun", default="torchrun", help="torchrun executable in the printed command")
-    p.add_argument("--emit", choices=("report", "torchrun", "megatron-args"), default="report")
+    p.add_argument("--torchrun", default="torchrun", help="torchrun command (split like a shell would)")
+    p.add_argument("--nic", default=None, help="NIC family for flow-control settings: " + ", ".join(NIC_PROFILES))
+    p.add_argument("--emit", choices=("report", "torchrun", "megatron-args", "env", "shell"), default="report",
+                   help="report (default); or only the torchrun command, the Megatron-LM args, the "
+                        "environment as `export NAME=\"${NAME:-value}\"` lines (values already set win), or "
+                        "shell: the env lines then UCCL_LAUNCH_CMD=<torchrun command> (what slurm/launch.sh evals)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for the entry point")
     return p
@@ -443,6 +448,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         extra = extra[1:]
     try:
         recipe = _apply_overrides(load_recipe(ns.recipe), ns)
+        env = {**recipe.env, **nic_env(ns.nic)}
     except ValueError as exc:
         print(f"uccl-ep-train plan: {exc}", file=sys.stderr)
         return 2
@@ -460,6 +466,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.emit == "torchrun":
         print(" ".join(shlex.quote(c) for c in cmd))
         return 0
+    if ns.emit in ("env", "shell"):
+        for k, v in env.items():
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k) or not re.fullmatch(r"[A-Za-z0-9_.,:/+=-]*", v):
+                print(f"uccl-ep-train plan: env {k}={v!r} is not a plain NAME=value", file=sys.stderr)
+                return 2
+            print(f"export {k}=\"${{{k}:-{v}}}\"")
+        if ns.emit == "shell":
+            print("UCCL_LAUNCH_CMD=" + shlex.quote(" ".join(shlex.quote(c) for c in cmd)))
+        return 0
     if ns.emit == "megatron-args":
         print(" ".join(shlex.quote(c) for c in recipe.megatron_args() + extra))
         return 0
@@ -470,7 +485,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
                           "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib,
                           "fits": mem.total <= ns.gpu_mem_gib * GiB, "sbatch": sbatch, "torchrun": cmd,
-                          "env": recipe.env}, indent=1))
+                          "env": env}, indent=1))
         return 0
     out = [f"recipe {recipe.name}: {recipe.description}",
            f"cluster   {nodes} node(s) x {gpn} GPU(s) = {lay.world} ranks",
@@ -492,7 +507,7 @@ def main(argv: Optional[list[str]] = None) -> int:
            + f" in {ns.gpu_mem_gib:g} GiB"]
     out += [f"note      {n}" for n in lay.notes]
     out += ["launch    " + " ".join(sbatch),
-            "per node  " + " ".join(f"{k}={v}" for k, v in recipe.env.items()),
+            "per node  " + " ".join(f"{k}={v}" for k, v in env.items()),
             "          " + _quote(cmd)]
     print("\n".join(out))
     return 0
