@@ -23,6 +23,20 @@ def _have_header(name: str) -> bool:
     return any(os.path.exists(os.path.join(d, name)) for d in ("/usr/include", "/usr/local/include"))
 
 
+def _cuda_home(nvcc: str) -> str:
+    """CUDA_HOME, else the toolkit that nvcc belongs to (following wrapper scripts and symlinks)."""
+    if os.environ.get("CUDA_HOME"):
+        return os.environ["CUDA_HOME"]
+    real = os.path.realpath(nvcc)
+    home = os.path.dirname(os.path.dirname(real))
+    if os.path.exists(os.path.join(home, "include", "cuda_runtime.h")):
+        return home
+    for cand in ("/usr/local/cuda", "/opt/cuda"):
+        if os.path.exists(os.path.join(cand, "include", "cuda_runtime.h")):
+            return cand
+    return home
+
+
 def find_gpu_compiler() -> tuple[str, str] | tuple[None, None]:
     """('cuda', nvcc) or ('hip', hipcc) or (None, None); UCCL_EP_GPU=cuda|hip|none overrides."""
     want = os.environ.get("UCCL_EP_GPU", "auto")
@@ -54,6 +68,7 @@ class NativeBuildExt(build_ext):
         if kind and cu_sources:
             objects = self._compile_gpu(kind, compiler, cu_sources, ext)
         ext.extra_objects = list(ext.extra_objects or []) + objects
+        self._parallel_compile()
         try:
             super().build_extension(ext)
         except Exception as exc:  # a missing toolchain must not break the pure-Python install
@@ -61,6 +76,33 @@ class NativeBuildExt(build_ext):
                 raise
             print(f"[uccl-ep-train] native module not built ({exc}); the reference backend will be used",
                   file=sys.stderr)
+
+    def _parallel_compile(self):
+        """Compile host sources on all cores (setuptools compiles one file at a time)."""
+        import concurrent.futures
+
+        compiler = self.compiler
+        orig = compiler.compile
+        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
+
+        def compile_parallel(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
+                             extra_preargs=None, extra_postargs=None, depends=None):
+            macros, objects, extra_postargs, pp_opts, build = compiler._setup_compile(
+                output_dir, macros, include_dirs, sources, depends, extra_postargs)
+            cc_args = compiler._get_cc_args(pp_opts, debug, extra_preargs)
+
+            def one(obj):
+                src, ext = build[obj]
+                compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
+
+            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+                list(pool.map(one, objects))
+            return objects
+
+        if jobs > 1 and hasattr(compiler, "_setup_compile"):
+            compiler.compile = compile_parallel
+        else:
+            compiler.compile = orig
 
     def _compile_gpu(self, kind, compiler, sources, ext):
         build_dir = os.path.join(self.build_temp, "gpu")
@@ -103,11 +145,13 @@ def native_build_kwargs() -> dict:
     kind, _ = find_gpu_compiler()
     sources = cpp + (sorted(glob.glob("csrc/**/*.cu", recursive=True)) if kind else [])
     define_macros, libraries, library_dirs, include_dirs = [], ["pthread"], [], [pybind11.get_include(), "csrc"]
+    runtime_library_dirs = []
     if kind == "cuda":
         define_macros.append(("UCCL_EP_WITH_CUDA", "1"))
-        cuda_home = os.environ.get("CUDA_HOME") or os.path.dirname(os.path.dirname(find_gpu_compiler()[1]))
+        cuda_home = _cuda_home(find_gpu_compiler()[1])
         include_dirs.append(os.path.join(cuda_home, "include"))
-        library_dirs += [os.path.join(cuda_home, "lib64"), os.path.join(cuda_home, "lib64", "stubs")]
+        library_dirs += [os.path.join(cuda_home, "lib64")]
+        runtime_library_dirs += [os.path.join(cuda_home, "lib64")]
         libraries += ["cudart"]  # never -lcuda: the module must import on machines without a driver
     elif kind == "hip":
         define_macros.append(("UCCL_EP_WITH_HIP", "1"))
@@ -125,6 +169,7 @@ def native_build_kwargs() -> dict:
         define_macros=define_macros,
         libraries=libraries,
         library_dirs=library_dirs,
+        runtime_library_dirs=runtime_library_dirs,
         extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
         language="c++",
     )

@@ -1,0 +1,51 @@
+#include "proxy/ordering.h"
+
+#include "common/check.h"
+
+namespace uccl {
+
+size_t OrderingEmulator::waiting() const {
+  size_t n = 0;
+  for (const auto& m : pending_) n += m.size();
+  return n;
+}
+
+void OrderingEmulator::apply(int src, uint32_t ch, const Completion& c) {
+  const size_t idx = size_t(src) * kMaxChannels + ch;
+  if (c.kind == Completion::kAtomic && c.region != kNoRegion) apply_atomic_(c.region, c.offset, c.value, src);
+  if (c.kind == Completion::kMarker) __atomic_fetch_add(&sig_.barrier_count[src], 1ull, __ATOMIC_RELEASE);
+  if (c.kind == Completion::kArrival && imm_signal(c.imm)) __atomic_fetch_add(&sig_.imm_count[idx], 1ull, __ATOMIC_RELEASE);
+  // The tail moves last: a reader that sees seq_tail >= k sees every effect of operations < k.
+  __atomic_fetch_add(&sig_.seq_tail[idx], 1ull, __ATOMIC_RELEASE);
+  ++applied_;
+}
+
+void OrderingEmulator::on_arrival(const Completion& c) {
+  const uint32_t ch = imm_channel(c.imm);
+  const uint32_t seq = imm_seq(c.imm);
+  if (c.peer < 0 || c.peer >= world_) UCCL_THROW("ordering: arrival from unknown peer " << c.peer);
+  if (ch >= uint32_t(kMaxChannels)) UCCL_THROW("ordering: arrival on channel " << ch << " >= " << kMaxChannels);
+  const size_t idx = size_t(c.peer) * kMaxChannels + ch;
+  uint64_t& exp = expected_[idx];
+  const uint32_t dist = (seq - uint32_t(exp)) & kSeqMask;
+  if (dist >= (1u << (kSeqBits - 1)))
+    UCCL_THROW("ordering: duplicate or stale arrival from peer " << c.peer << " channel " << ch << " seq " << seq
+               << " (next expected " << (exp & kSeqMask) << ")");
+  auto& pend = pending_[idx];
+  if (dist != 0) {
+    if (!pend.emplace(exp + dist, c).second)
+      UCCL_THROW("ordering: duplicate arrival from peer " << c.peer << " channel " << ch << " seq " << seq);
+    ++out_of_order_;
+    return;
+  }
+  apply(c.peer, ch, c);
+  ++exp;
+  while (!pend.empty() && pend.begin()->first == exp) {
+    Completion next = pend.begin()->second;
+    pend.erase(pend.begin());
+    apply(c.peer, ch, next);
+    ++exp;
+  }
+}
+
+}  // namespace uccl

@@ -1,0 +1,538 @@
+#include "proxy/proxy.h"
+
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+#include "common/check.h"
+#include "common/env.h"
+
+namespace uccl {
+
+using Clock = std::chrono::steady_clock;
+
+ProxyConfig ProxyConfig::from_env(int rank, int world, int gpu) {
+  ProxyConfig c;
+  c.rank = rank;
+  c.world = world;
+  c.gpu = gpu;
+  c.num_threads = int(env_long("UCCL_EP_PROXY_THREADS", 4));
+  c.pin_threads = env_long("UCCL_EP_DISABLE_CPU_AFFINITY", 0) == 0;
+  c.max_inflight_bytes = uint64_t(env_long("UCCL_IB_MAX_INFLIGHT_BYTES", 0));
+  c.low_latency = false;
+  c.max_inflight = int(env_long("UCCL_IB_MAX_INFLIGHT_NORMAL", 8));
+  // Default: spin when a GPU feeds the rings (latency), sleep adaptively on CPU-only runs.
+  c.adaptive_sleep = env_long("UCCL_RDMA_ADAPTIVE_SLEEP", gpu < 0 ? 1 : 0) != 0;
+  c.timeout_s = env_double("UCCL_EP_TIMEOUT_S", 60.0);
+  c.fault = env_str("UCCL_EP_FAULT");
+  c.provider = env_str("FI_PROVIDER");
+  return c;
+}
+
+// ------------------------------------------------------------------------------------------------
+std::vector<int> cpus_near_gpu(int gpu) {
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  std::vector<int> all;
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0)
+    for (int c = 0; c < CPU_SETSIZE; ++c)
+      if (CPU_ISSET(c, &allowed)) all.push_back(c);
+  int node = -1;
+#if UCCL_EP_WITH_GPU
+  if (gpu >= 0) {
+    char bus[32] = {0};
+    if (gpuDeviceGetPCIBusId(bus, sizeof(bus), gpu) == gpuSuccess) {
+      std::string id(bus);
+      std::transform(id.begin(), id.end(), id.begin(), ::tolower);
+      std::ifstream f("/sys/bus/pci/devices/" + id + "/numa_node");
+      if (f) f >> node;
+    }
+  }
+#else
+  (void)gpu;
+#endif
+  if (node < 0) return all;
+  std::ifstream f("/sys/devices/system/node/node" + std::to_string(node) + "/cpulist");
+  std::string list;
+  if (!f || !std::getline(f, list)) return all;
+  std::vector<int> near;
+  std::stringstream ss(list);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    int a = 0, b = 0;
+    if (std::sscanf(part.c_str(), "%d-%d", &a, &b) == 2) {
+    } else if (std::sscanf(part.c_str(), "%d", &a) == 1) {
+      b = a;
+    } else {
+      continue;
+    }
+    for (int c = a; c <= b; ++c)
+      if (c < CPU_SETSIZE && CPU_ISSET(c, &allowed)) near.push_back(c);
+  }
+  return near.empty() ? all : near;
+}
+
+// ------------------------------------------------------------------------------------------------
+ProxyThread::ProxyThread(Proxy* owner, int index)
+    : p_(owner), index_(index), fault_(owner->fault(), uint64_t(owner->cfg_.rank) * 1000 + index) {
+  const ProxyConfig& cfg = owner->cfg_;
+  ring_.reset(new RingBuffer(cfg.ring_capacity, cfg.gpu));
+  consumer_ = RingConsumer(ring_->host_desc());
+  TransportOptions to;
+  to.rank = cfg.rank;
+  to.world = cfg.world;
+  to.thread_index = index;
+  to.gpu = cfg.gpu;
+  to.provider = cfg.provider;
+  to.job = cfg.job;
+  transport_ = make_transport(cfg.transport, to);
+  Proxy* p = owner;
+  emu_.reset(new OrderingEmulator(cfg.world, owner->sig_host_, [p](uint32_t region, uint64_t off, int64_t v, int src) {
+    const LocalRegion* r = p->region(region);
+    if (!r) UCCL_THROW("atomic from peer " << src << " targets unregistered region " << region);
+    if (r->device) UCCL_THROW("atomic from peer " << src << " targets GPU region " << region << "; counters must live in host memory");
+    if (off + 8 > r->size || (off & 7)) UCCL_THROW("atomic from peer " << src << " at bad offset " << off << " of region " << region);
+    __atomic_fetch_add(reinterpret_cast<int64_t*>(r->base + off), v, __ATOMIC_RELEASE);
+  }));
+  next_seq_.assign(size_t(cfg.world) * kMaxChannels, 0);
+  inflight_.assign(cfg.world, 0);
+  inflight_bytes_.assign(cfg.world, 0);
+  scratch_.reserve(256);
+}
+
+ProxyThread::~ProxyThread() { stop(); }
+
+void ProxyThread::start() {
+  stop_ = false;
+  last_progress_ = Clock::now();
+  thread_ = std::thread([this] { run(); });
+}
+
+void ProxyThread::stop() {
+  stop_ = true;
+  if (thread_.joinable()) thread_.join();
+}
+
+ProxyStats ProxyThread::stats() const {
+  ProxyStats s;
+  s.commands = commands_;
+  s.writes = writes_;
+  s.atomics = atomics_;
+  s.flushes = flushes_;
+  s.nops = nops_;
+  s.rejected = rejected_;
+  s.bytes = bytes_;
+  s.local_completions = local_;
+  s.arrivals = arrivals_;
+  s.idle_sleeps = idle_sleeps_;
+  return s;
+}
+
+void ProxyThread::run() {
+  if (cpu_ >= 0) {
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    CPU_SET(cpu_, &set);
+    pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: the framework may forbid it
+  }
+#if UCCL_EP_WITH_GPU
+  if (p_->cfg_.gpu >= 0) gpuSetDevice(p_->cfg_.gpu);
+#endif
+  uint64_t idle = 0;
+  uint32_t sleep_us = 1;
+  try {
+    while (!stop_.load(std::memory_order_relaxed)) {
+      if (step()) {
+        idle = 0;
+        sleep_us = 1;
+        continue;
+      }
+      ++idle;
+      if ((idle & 1023) == 0) check_timeouts();
+      if (p_->cfg_.adaptive_sleep && idle > 2048) {
+        std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
+        sleep_us = std::min<uint32_t>(sleep_us * 2, 100);
+        idle_sleeps_.fetch_add(1, std::memory_order_relaxed);
+      } else {
+        uccl_cpu_relax();
+      }
+    }
+    // Drain: finish what was posted so memory can be released safely (bounded by the timeout).
+    auto deadline = Clock::now() + std::chrono::duration<double>(std::min(p_->cfg_.timeout_s, 10.0));
+    while ((inflight_total_ > 0 || fault_.holding()) && Clock::now() < deadline) {
+      Completion c[64];
+      int n = transport_->poll(c, 64);
+      on_completions(c, n);
+    }
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
+    p_->set_error(os.str());
+  }
+}
+
+void ProxyThread::reject(const Command& c, const std::string& why) {
+  rejected_.fetch_add(1, std::memory_order_relaxed);
+  std::ostringstream os;
+  os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": rejected command (op " << int(c.op) << ", dst "
+     << int(c.dst_rank) << ", channel " << int(c.channel) << ", region " << int(c.region) << ", length " << c.length
+     << ", local_off " << c.local_off << ", remote_off " << c.remote_off << "): " << why;
+  p_->set_error(os.str());
+}
+
+// Returns false without consuming when the command must wait (in-flight limit, flush).
+bool ProxyThread::handle(const Command& c, bool* stall) {
+  const ProxyConfig& cfg = p_->cfg_;
+  *stall = false;
+  if (c.op == 0 || c.op > OP_LAST) {
+    reject(c, "unknown opcode");
+    return true;
+  }
+  if (c.op == OP_NOP) {
+    __atomic_store_n(ring_->host_desc().echo, (unsigned long long)c.length, __ATOMIC_RELEASE);
+    nops_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  if (c.op == OP_FLUSH || c.op == OP_BARRIER) {
+    if (inflight_total_ > 0) {
+      *stall = true;
+      return false;
+    }
+  }
+  if (c.op == OP_FLUSH) {
+    __atomic_fetch_add(ring_->host_desc().flushed, 1ull, __ATOMIC_RELEASE);
+    flushes_.fetch_add(1, std::memory_order_relaxed);
+    return true;
+  }
+  const int dst = c.dst_rank;
+  if (dst >= cfg.world) {
+    reject(c, "destination rank out of range (world " + std::to_string(cfg.world) + ")");
+    return true;
+  }
+  if (c.channel >= kMaxChannels || int(c.channel) % p_->num_threads() != index_) {
+    reject(c, "channel " + std::to_string(c.channel) + " does not belong to this ring (channel % " +
+                  std::to_string(p_->num_threads()) + " must be " + std::to_string(index_) + ", channel < 64)");
+    return true;
+  }
+  const bool is_write = c.op == OP_WRITE || c.op == OP_WRITE_IMM;
+  const uint64_t bytes = is_write ? c.length : 0;
+  if (c.op != OP_BARRIER) {
+    const LocalRegion* r = p_->region(c.region);
+    if (!r) {
+      reject(c, "region not registered");
+      return true;
+    }
+    if (is_write && (uint64_t(c.local_off) + c.length > r->size || uint64_t(c.remote_off) + c.length > r->size)) {
+      reject(c, "offset + length exceeds region size " + std::to_string(r->size));
+      return true;
+    }
+    if (c.op == OP_ATOMIC_ADD && (uint64_t(c.remote_off) + 8 > r->size || (c.remote_off & 7))) {
+      reject(c, "atomic target must be an 8-byte aligned int64 inside the region");
+      return true;
+    }
+  }
+  // In-flight limits per destination (count, and bytes when UCCL_IB_MAX_INFLIGHT_BYTES is set).
+  if (inflight_[dst] >= cfg.max_inflight ||
+      (cfg.max_inflight_bytes && inflight_[dst] > 0 && inflight_bytes_[dst] + bytes > cfg.max_inflight_bytes)) {
+    *stall = true;
+    return false;
+  }
+  uint32_t& seq = next_seq_[size_t(dst) * kMaxChannels + c.channel];
+  const uint32_t imm = make_imm(c.channel, seq, c.op == OP_WRITE_IMM);
+  const uint64_t wr = next_wr_++;
+  if (is_write) {
+    transport_->write(dst, c.region, c.local_off, c.remote_off, c.length, imm, wr);
+    writes_.fetch_add(1, std::memory_order_relaxed);
+    bytes_.fetch_add(c.length, std::memory_order_relaxed);
+  } else if (c.op == OP_ATOMIC_ADD) {
+    transport_->atomic_add(dst, c.region, c.remote_off, int64_t(int32_t(c.length)), imm, wr);
+    atomics_.fetch_add(1, std::memory_order_relaxed);
+  } else {  // OP_BARRIER: everything earlier completed; flushed++, then a sequenced marker to dst
+    __atomic_fetch_add(ring_->host_desc().flushed, 1ull, __ATOMIC_RELEASE);
+    flushes_.fetch_add(1, std::memory_order_relaxed);
+    transport_->atomic_add(dst, kNoRegion, 0, 0, imm, wr);
+  }
+  seq = (seq + 1) & kSeqMask;
+  ++inflight_[dst];
+  inflight_bytes_[dst] += bytes;
+  ++inflight_total_;
+  posted_.push_back({wr, Posted{dst, c.channel, bytes, Clock::now()}});
+  return true;
+}
+
+void ProxyThread::on_completions(const Completion* in, int n) {
+  scratch_.clear();
+  if (fault_.enabled()) {
+    fault_.process(in, n, scratch_);
+  } else {
+    scratch_.assign(in, in + n);
+  }
+  if (!scratch_.empty()) last_progress_ = Clock::now();
+  for (const Completion& c : scratch_) {
+    if (c.kind == Completion::kLocal) {
+      auto it = std::find_if(posted_.begin(), posted_.end(), [&](const auto& x) { return x.first == c.wr_id; });
+      if (it == posted_.end()) UCCL_THROW("completion for unknown work request " << c.wr_id);
+      const Posted& po = it->second;
+      --inflight_[po.dst];
+      inflight_bytes_[po.dst] -= po.bytes;
+      --inflight_total_;
+      *it = posted_.back();
+      posted_.pop_back();
+      local_.fetch_add(1, std::memory_order_relaxed);
+    } else {
+      emu_->on_arrival(c);
+      arrivals_.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+}
+
+void ProxyThread::check_timeouts() {
+  if (inflight_total_ == 0 || posted_.empty()) return;
+  const auto now = Clock::now();
+  const double waited = std::chrono::duration<double>(now - last_progress_).count();
+  if (waited < p_->cfg_.timeout_s) return;
+  auto oldest = std::min_element(posted_.begin(), posted_.end(),
+                                 [](const auto& a, const auto& b) { return a.second.t < b.second.t; });
+  UCCL_THROW("timeout after " << waited << " s: peer " << oldest->second.dst << " channel " << oldest->second.channel
+             << " phase 'completion' (" << inflight_total_ << " operations in flight, no completion; is the peer alive?)");
+}
+
+bool ProxyThread::step() {
+  bool work = false;
+  Completion comps[64];
+  int n = transport_->poll(comps, 64);
+  if (n > 0 || fault_.holding()) {
+    const size_t before = scratch_.size();
+    (void)before;
+    on_completions(comps, n);
+    work = n > 0;
+  }
+  Command cmds[32];
+  uint32_t got = consumer_.peek(cmds, 32);
+  uint32_t used = 0;
+  for (; used < got; ++used) {
+    bool stall = false;
+    if (!handle(cmds[used], &stall)) break;
+    commands_.fetch_add(1, std::memory_order_relaxed);
+  }
+  consumer_.release(used);
+  return work || used > 0;
+}
+
+// ------------------------------------------------------------------------------------------------
+Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
+  if (cfg.world < 1 || cfg.world > 256) UCCL_THROW("proxy: world size " << cfg.world << " must be in [1, 256]");
+  if (cfg.rank < 0 || cfg.rank >= cfg.world) UCCL_THROW("proxy: rank " << cfg.rank << " out of range for world " << cfg.world);
+  if (cfg.num_threads < 1 || cfg.num_threads > kMaxChannels)
+    UCCL_THROW("proxy: UCCL_EP_PROXY_THREADS=" << cfg.num_threads << " must be in [1, " << kMaxChannels << "]");
+  if (cfg.max_inflight < 1) UCCL_THROW("proxy: in-flight limit must be >= 1, got " << cfg.max_inflight);
+  try {
+    fault_ = FaultSpec::parse(cfg.fault);
+  } catch (const std::invalid_argument& e) {
+    UCCL_THROW(e.what());
+  }
+  regions_.resize(256);
+  const size_t n = size_t(cfg.world) * kMaxChannels;
+  sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long), cfg.gpu);
+  auto fill = [&](SignalBlock& s, char* base) {
+    auto* p = reinterpret_cast<unsigned long long*>(base);
+    s.seq_tail = p;
+    s.imm_count = p + n;
+    s.barrier_count = p + 2 * n;
+    s.world = cfg.world;
+  };
+  fill(sig_host_, sig_mem_.host());
+  fill(sig_dev_, sig_mem_.device());
+  for (int t = 0; t < cfg.num_threads; ++t) threads_.emplace_back(new ProxyThread(this, t));
+  if (cfg.pin_threads && cfg.gpu >= 0) {
+    auto cpus = cpus_near_gpu(cfg.gpu);
+    // Take cores from the end of the node's list: frameworks usually pin their own work to the start.
+    for (int t = 0; t < cfg.num_threads && !cpus.empty(); ++t)
+      threads_[t]->cpu_ = cpus[(cpus.size() - 1 - size_t(t) % cpus.size())];
+  }
+}
+
+Proxy::~Proxy() { stop(); }
+
+void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
+  if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");
+  if (connected_) UCCL_THROW("register_region: regions must be registered before connect()");
+  if (!ptr || !size) UCCL_THROW("register_region: region " << id << " has a null pointer or zero size");
+  if (size > (uint64_t(1) << 32)) UCCL_THROW("register_region: region " << id << " is larger than 4 GiB (32-bit offsets)");
+  LocalRegion r;
+  r.id = id;
+  r.base = reinterpret_cast<char*>(ptr);
+  r.size = size;
+  r.device = device;
+  regions_[id] = r;
+}
+
+namespace {
+void put_str(std::string& out, const std::string& s) {
+  uint32_t n = uint32_t(s.size());
+  out.append(reinterpret_cast<const char*>(&n), 4);
+  out += s;
+}
+std::string get_str(const std::string& in, size_t& pos) {
+  if (pos + 4 > in.size()) UCCL_THROW("bootstrap blob truncated");
+  uint32_t n;
+  std::memcpy(&n, in.data() + pos, 4);
+  pos += 4;
+  if (pos + n > in.size()) UCCL_THROW("bootstrap blob truncated");
+  std::string s = in.substr(pos, n);
+  pos += n;
+  return s;
+}
+}  // namespace
+
+std::string Proxy::local_blob(int t) {
+  ProxyThread& th = *threads_.at(t);
+  std::string out;
+  put_str(out, th.transport_->address());
+  std::vector<std::string> keys(256);
+  uint32_t count = 0;
+  for (const LocalRegion& r : regions_)
+    if (r.id >= 0) {
+      keys[r.id] = th.transport_->register_region(r);
+      count = uint32_t(r.id) + 1;
+    }
+  out.append(reinterpret_cast<const char*>(&count), 4);
+  for (uint32_t i = 0; i < count; ++i) put_str(out, keys[i]);
+  return out;
+}
+
+void Proxy::connect(const std::vector<std::vector<std::string>>& blobs) {
+  if (int(blobs.size()) != cfg_.world) UCCL_THROW("connect: got blobs for " << blobs.size() << " ranks, world is " << cfg_.world);
+  for (int peer = 0; peer < cfg_.world; ++peer) {
+    if (int(blobs[peer].size()) != num_threads())
+      UCCL_THROW("connect: rank " << peer << " runs " << blobs[peer].size() << " proxy threads, this rank " << num_threads()
+                 << "; UCCL_EP_PROXY_THREADS must match on every rank");
+    for (int t = 0; t < num_threads(); ++t) {
+      const std::string& b = blobs[peer][t];
+      size_t pos = 0;
+      std::string addr = get_str(b, pos);
+      if (pos + 4 > b.size()) UCCL_THROW("bootstrap blob truncated");
+      uint32_t count;
+      std::memcpy(&count, b.data() + pos, 4);
+      pos += 4;
+      std::vector<std::string> keys(count);
+      for (uint32_t i = 0; i < count; ++i) keys[i] = get_str(b, pos);
+      threads_[t]->transport_->connect(peer, addr, keys);
+    }
+  }
+  connected_ = true;
+}
+
+void Proxy::start() {
+  if (!connected_) UCCL_THROW("proxy: start() before connect()");
+  if (running_) return;
+  for (auto& t : threads_) t->start();
+  running_ = true;
+}
+
+void Proxy::stop() {
+  for (auto& t : threads_) t->stop();
+  running_ = false;
+  for (auto& t : threads_)
+    if (t->transport_) t->transport_->close();
+}
+
+void Proxy::push(int t, const Command* cmds, size_t n) {
+  if (t < 0 || t >= num_threads()) UCCL_THROW("push: ring " << t << " out of range");
+  if (cfg_.gpu >= 0) UCCL_THROW("push: ring " << t << " belongs to GPU producers (claim counter in GPU memory)");
+  const RingDesc& d = ring_host(t);
+  size_t done = 0;
+  while (done < n) {
+    const uint32_t batch = uint32_t(std::min<size_t>(n - done, std::min<uint32_t>(32, d.capacity)));
+    // Wait for credits before claiming, with a deadline: a claim cannot be undone, so a producer only
+    // claims when the ring shows room (a race with other producers then waits in ring_claim briefly).
+    const auto deadline = Clock::now() + std::chrono::duration<double>(cfg_.timeout_s);
+    for (;;) {
+      const unsigned long long claimed = __atomic_load_n(d.claim, __ATOMIC_RELAXED);
+      const unsigned long long tail = __atomic_load_n(d.tail, __ATOMIC_ACQUIRE);
+      if (claimed + batch <= tail + d.capacity) break;
+      std::string e = error();
+      if (!e.empty()) UCCL_THROW(e);
+      if (!running_) UCCL_THROW("push: ring " << t << " is full and the proxy is not running");
+      if (Clock::now() > deadline)
+        UCCL_THROW("rank " << cfg_.rank << ": timeout after " << cfg_.timeout_s << " s in phase 'ring full' on ring " << t
+                   << " (proxy thread not draining)");
+      std::this_thread::yield();
+    }
+    ring_push(d, cmds + done, batch);
+    done += batch;
+  }
+}
+
+void Proxy::wait_seq(int src, int ch, uint64_t target, double timeout_s, const std::string& phase) {
+  if (src < 0 || src >= cfg_.world || ch < 0 || ch >= kMaxChannels) UCCL_THROW("wait_seq: bad peer/channel " << src << "/" << ch);
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  const unsigned long long* p = &sig_host_.seq_tail[size_t(src) * kMaxChannels + ch];
+  while (__atomic_load_n(p, __ATOMIC_ACQUIRE) < target) {
+    std::string e = error();
+    if (!e.empty()) UCCL_THROW(e);
+    if (Clock::now() > deadline)
+      UCCL_THROW("rank " << cfg_.rank << ": timeout after " << timeout_s << " s waiting for peer " << src << " channel " << ch
+                 << " in phase '" << phase << "' (arrived " << __atomic_load_n(p, __ATOMIC_ACQUIRE) << " of " << target << ")");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+void Proxy::wait_flushed(int t, uint64_t target, double timeout_s) {
+  const RingDesc& d = ring_host(t);
+  const auto deadline = Clock::now() + std::chrono::duration<double>(timeout_s);
+  while (__atomic_load_n(d.flushed, __ATOMIC_ACQUIRE) < target) {
+    std::string e = error();
+    if (!e.empty()) UCCL_THROW(e);
+    if (Clock::now() > deadline)
+      UCCL_THROW("rank " << cfg_.rank << ": timeout after " << timeout_s << " s waiting for ring " << t << " in phase 'flush' ("
+                 << __atomic_load_n(d.flushed, __ATOMIC_ACQUIRE) << " of " << target << " flushes)");
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+std::string Proxy::error() const {
+  if (!failed_.load(std::memory_order_acquire)) return "";
+  std::lock_guard<std::mutex> l(err_mu_);
+  return error_;
+}
+
+void Proxy::set_error(const std::string& e) {
+  std::lock_guard<std::mutex> l(err_mu_);
+  if (error_.empty()) error_ = e;
+  failed_.store(true, std::memory_order_release);
+}
+
+ProxyStats Proxy::stats() const {
+  ProxyStats s;
+  for (const auto& t : threads_) {
+    ProxyStats x = t->stats();
+    s.commands += x.commands;
+    s.writes += x.writes;
+    s.atomics += x.atomics;
+    s.flushes += x.flushes;
+    s.nops += x.nops;
+    s.rejected += x.rejected;
+    s.bytes += x.bytes;
+    s.local_completions += x.local_completions;
+    s.arrivals += x.arrivals;
+    s.out_of_order += t->emu_->out_of_order();
+    s.fault_held += t->fault_.held_total();
+    s.idle_sleeps += x.idle_sleeps;
+  }
+  return s;
+}
+
+std::vector<int> Proxy::thread_cpus() const {
+  std::vector<int> v;
+  for (const auto& t : threads_) v.push_back(t->cpu_);
+  return v;
+}
+
+}  // namespace uccl

@@ -1,0 +1,159 @@
+// Proxy: the CPU side of the command channel for one GPU (or one CPU rank in tests).
+//
+// Several ProxyThreads each own one RingBuffer and one Transport endpoint. A thread drains its ring in
+// slot order, validates each command, assigns the (destination, channel) sequence number, posts it to
+// the transport within the in-flight limits, polls completions (through the fault injector), and feeds
+// remote arrivals to its OrderingEmulator, which makes them visible in the SignalBlock in order.
+// Channel c is owned by thread c % num_threads on every rank, so each (source, channel) stream has one
+// sender and one receiver thread.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "proxy/fault.h"
+#include "proxy/ordering.h"
+#include "proxy/ring_buffer.h"
+#include "transport/transport.h"
+
+namespace uccl {
+
+struct ProxyConfig {
+  int rank = 0;
+  int world = 1;
+  int num_threads = 4;          // UCCL_EP_PROXY_THREADS
+  uint32_t ring_capacity = 2048;
+  int gpu = -1;                 // CUDA/HIP device, -1: CPU producers (tests)
+  std::string transport = "fabric";
+  std::string provider;         // fabric provider
+  bool pin_threads = true;      // !UCCL_EP_DISABLE_CPU_AFFINITY
+  bool low_latency = false;     // selects UCCL_IB_MAX_INFLIGHT_LOW_LATENCY over _NORMAL
+  int max_inflight = 8;         // per (thread, destination)
+  uint64_t max_inflight_bytes = 0;  // per (thread, destination); 0: unlimited
+  bool adaptive_sleep = false;  // UCCL_RDMA_ADAPTIVE_SLEEP
+  double timeout_s = 60.0;      // UCCL_EP_TIMEOUT_S
+  std::string fault;            // UCCL_EP_FAULT
+  std::string job;              // unique per job (ipc shared-memory names)
+
+  static ProxyConfig from_env(int rank, int world, int gpu);
+};
+
+struct ProxyStats {
+  uint64_t commands = 0, writes = 0, atomics = 0, flushes = 0, nops = 0, rejected = 0;
+  uint64_t bytes = 0, local_completions = 0, arrivals = 0, out_of_order = 0, fault_held = 0;
+  uint64_t idle_sleeps = 0;
+};
+
+class Proxy;
+
+class ProxyThread {
+ public:
+  ProxyThread(Proxy* owner, int index);
+  ~ProxyThread();
+  void start();
+  void stop();  // joins
+  RingBuffer& ring() { return *ring_; }
+  Transport& transport() { return *transport_; }
+  ProxyStats stats() const;
+  int cpu() const { return cpu_; }
+
+ private:
+  friend class Proxy;
+  struct Posted {
+    int dst;
+    int channel;
+    uint64_t bytes;
+    std::chrono::steady_clock::time_point t;
+  };
+  void run();
+  bool step();                         // one loop iteration; true when it did work
+  bool handle(const Command& c, bool* stall);
+  void on_completions(const Completion* c, int n);
+  void reject(const Command& c, const std::string& why);
+  void check_timeouts();
+
+  Proxy* p_;
+  int index_;
+  int cpu_ = -1;
+  std::unique_ptr<RingBuffer> ring_;
+  std::unique_ptr<Transport> transport_;
+  std::unique_ptr<OrderingEmulator> emu_;
+  FaultInjector fault_;
+  RingConsumer consumer_;
+  std::vector<uint32_t> next_seq_;  // [dst * kMaxChannels + ch]
+  std::vector<int> inflight_;       // per dst
+  std::vector<uint64_t> inflight_bytes_;
+  int inflight_total_ = 0;
+  std::vector<std::pair<uint64_t, Posted>> posted_;  // small: bounded by the in-flight limits
+  uint64_t next_wr_ = 1;
+  std::chrono::steady_clock::time_point last_progress_;
+  std::thread thread_;
+  std::atomic<bool> stop_{false};
+  std::vector<Completion> scratch_;
+  // stats (written by the thread, read by anyone)
+  std::atomic<uint64_t> commands_{0}, writes_{0}, atomics_{0}, flushes_{0}, nops_{0}, rejected_{0}, bytes_{0},
+      local_{0}, arrivals_{0}, idle_sleeps_{0};
+};
+
+class Proxy {
+ public:
+  explicit Proxy(const ProxyConfig& cfg);
+  ~Proxy();
+
+  const ProxyConfig& config() const { return cfg_; }
+  // Regions: symmetric buffers with the same id on every rank. Register before local_blob().
+  void register_region(int id, uint64_t ptr, uint64_t size, bool device);
+  // This rank's bootstrap record for thread t: transport address + one key per region.
+  std::string local_blob(int thread);
+  // All ranks' blobs, [rank][thread]; connects every thread's transport to every peer.
+  void connect(const std::vector<std::vector<std::string>>& blobs);
+  void start();
+  void stop();  // joins threads, releases transports; idempotent, safe after errors
+  bool running() const { return running_; }
+
+  int num_threads() const { return int(threads_.size()); }
+  const RingDesc& ring_host(int t) const { return threads_.at(t)->ring_->host_desc(); }
+  const RingDesc& ring_device(int t) const { return threads_.at(t)->ring_->device_desc(); }
+  const SignalBlock& signals_host() const { return sig_host_; }
+  const SignalBlock& signals_device() const { return sig_dev_; }
+
+  // CPU producer: pushes commands into thread t's ring (blocks on a full ring up to the timeout).
+  void push(int t, const Command* cmds, size_t n);
+  // Waits until seq_tail[src][ch] >= target; throws a timeout error naming rank, peer, channel, phase.
+  void wait_seq(int src, int ch, uint64_t target, double timeout_s, const std::string& phase);
+  void wait_flushed(int t, uint64_t target, double timeout_s);
+  // First error recorded by any proxy thread, "" if none.
+  std::string error() const;
+  void set_error(const std::string& e);
+  ProxyStats stats() const;
+  std::vector<int> thread_cpus() const;
+
+  const LocalRegion* region(uint32_t id) const {
+    return (id < regions_.size() && regions_[id].id >= 0) ? &regions_[id] : nullptr;
+  }
+  std::string fault_spec() const { return fault_.str(); }
+  const FaultSpec& fault() const { return fault_; }
+
+ private:
+  friend class ProxyThread;
+  ProxyConfig cfg_;
+  FaultSpec fault_;
+  std::vector<LocalRegion> regions_;
+  HostMemory sig_mem_;
+  SignalBlock sig_host_, sig_dev_;
+  std::vector<std::unique_ptr<ProxyThread>> threads_;
+  bool connected_ = false, running_ = false;
+  mutable std::mutex err_mu_;
+  std::string error_;
+  std::atomic<bool> failed_{false};
+};
+
+// Cores near `gpu` (its NUMA node), intersected with this process's allowed CPUs; all allowed CPUs when
+// the node is unknown.
+std::vector<int> cpus_near_gpu(int gpu);
+
+}  // namespace uccl

@@ -1,0 +1,237 @@
+// Python bindings for the command channel: Proxy, the command constants, OrderingEmulator (for tests).
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "bindings.h"
+#include "common/check.h"
+#include "proxy/fault.h"
+#include "proxy/ordering.h"
+#include "proxy/proxy.h"
+#include "common/env.h"
+
+namespace py = pybind11;
+using namespace uccl;
+
+namespace {
+
+py::dict ring_dict(const RingDesc& d) {
+  py::dict r;
+  r["slots"] = reinterpret_cast<uintptr_t>(d.slots);
+  r["claim"] = reinterpret_cast<uintptr_t>(d.claim);
+  r["tail_cache"] = reinterpret_cast<uintptr_t>(d.tail_cache);
+  r["tail"] = reinterpret_cast<uintptr_t>(d.tail);
+  r["flushed"] = reinterpret_cast<uintptr_t>(d.flushed);
+  r["echo"] = reinterpret_cast<uintptr_t>(d.echo);
+  r["capacity"] = d.capacity;
+  return r;
+}
+
+py::dict stats_dict(const ProxyStats& s) {
+  py::dict d;
+  d["commands"] = s.commands;
+  d["writes"] = s.writes;
+  d["atomics"] = s.atomics;
+  d["flushes"] = s.flushes;
+  d["nops"] = s.nops;
+  d["rejected"] = s.rejected;
+  d["bytes"] = s.bytes;
+  d["local_completions"] = s.local_completions;
+  d["arrivals"] = s.arrivals;
+  d["out_of_order"] = s.out_of_order;
+  d["fault_held"] = s.fault_held;
+  d["idle_sleeps"] = s.idle_sleeps;
+  return d;
+}
+
+unsigned long long load(const unsigned long long* p) { return __atomic_load_n(p, __ATOMIC_ACQUIRE); }
+
+// Test harness around OrderingEmulator: its own signal block and 64 int64 counters as region 0.
+struct OrderingHarness {
+  explicit OrderingHarness(int world)
+      : world(world), seq(size_t(world) * kMaxChannels), imm(size_t(world) * kMaxChannels), bar(size_t(world)),
+        counters(64, 0) {
+    SignalBlock s;
+    s.seq_tail = seq.data();
+    s.imm_count = imm.data();
+    s.barrier_count = bar.data();
+    s.world = world;
+    emu.reset(new OrderingEmulator(world, s, [this](uint32_t region, uint64_t off, int64_t v, int) {
+      if (region != 0 || off / 8 >= counters.size()) UCCL_THROW("harness: bad atomic target " << region << "/" << off);
+      // Record what had been applied on that stream when the atomic ran (checks "in order").
+      counters[off / 8] += v;
+      log.push_back(v);
+    }));
+  }
+  int world;
+  std::vector<unsigned long long> seq, imm, bar;
+  std::vector<int64_t> counters;
+  std::vector<int64_t> log;
+  std::unique_ptr<OrderingEmulator> emu;
+};
+
+}  // namespace
+
+void register_proxy(py::module_& m) {
+  m.attr("COMMAND_BYTES") = int(sizeof(Command));
+  m.attr("MAX_CHANNELS") = kMaxChannels;
+  m.attr("OP_WRITE") = int(OP_WRITE);
+  m.attr("OP_WRITE_IMM") = int(OP_WRITE_IMM);
+  m.attr("OP_ATOMIC_ADD") = int(OP_ATOMIC_ADD);
+  m.attr("OP_FLUSH") = int(OP_FLUSH);
+  m.attr("OP_BARRIER") = int(OP_BARRIER);
+  m.attr("OP_NOP") = int(OP_NOP);
+  m.attr("KIND_ARRIVAL") = int(Completion::kArrival);
+  m.attr("KIND_ATOMIC") = int(Completion::kAtomic);
+  m.attr("KIND_MARKER") = int(Completion::kMarker);
+
+  m.def("make_imm", &make_imm, py::arg("channel"), py::arg("seq"), py::arg("signal") = false);
+  m.def("parse_fault", [](const std::string& s) {
+    FaultSpec f;
+    try {
+      f = FaultSpec::parse(s);
+    } catch (const std::invalid_argument& e) {
+      throw py::value_error(e.what());
+    }
+    py::dict d;
+    d["reorder"] = f.reorder;
+    d["delay_us"] = f.delay_us;
+    d["seed"] = f.seed;
+    return d;
+  });
+  m.def("cpus_near_gpu", &cpus_near_gpu, py::arg("gpu"));
+
+  py::class_<Proxy>(m, "Proxy", "CPU proxy threads, rings and transport endpoints for one rank")
+      .def(py::init([](int rank, int world, int gpu, const std::string& transport, py::object num_threads,
+                       uint32_t ring_capacity, py::object provider, bool low_latency, py::object max_inflight,
+                       py::object max_inflight_bytes, py::object adaptive_sleep, py::object timeout_s, py::object fault,
+                       py::object pin_threads, const std::string& job) {
+             ProxyConfig c = ProxyConfig::from_env(rank, world, gpu);
+             c.transport = transport;
+             c.ring_capacity = ring_capacity;
+             c.job = job;
+             c.low_latency = low_latency;
+             if (low_latency) c.max_inflight = int(env_long("UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", 32));
+             if (!num_threads.is_none()) c.num_threads = num_threads.cast<int>();
+             if (!provider.is_none()) c.provider = provider.cast<std::string>();
+             if (!max_inflight.is_none()) c.max_inflight = max_inflight.cast<int>();
+             if (!max_inflight_bytes.is_none()) c.max_inflight_bytes = max_inflight_bytes.cast<uint64_t>();
+             if (!adaptive_sleep.is_none()) c.adaptive_sleep = adaptive_sleep.cast<bool>();
+             if (!timeout_s.is_none()) c.timeout_s = timeout_s.cast<double>();
+             if (!fault.is_none()) c.fault = fault.cast<std::string>();
+             if (!pin_threads.is_none()) c.pin_threads = pin_threads.cast<bool>();
+             return new Proxy(c);
+           }),
+           py::arg("rank"), py::arg("world"), py::arg("gpu") = -1, py::arg("transport") = "fabric",
+           py::arg("num_threads") = py::none(), py::arg("ring_capacity") = 2048, py::arg("provider") = py::none(),
+           py::arg("low_latency") = false, py::arg("max_inflight") = py::none(),
+           py::arg("max_inflight_bytes") = py::none(), py::arg("adaptive_sleep") = py::none(),
+           py::arg("timeout_s") = py::none(), py::arg("fault") = py::none(), py::arg("pin_threads") = py::none(),
+           py::arg("job") = "")
+      .def("register_region", &Proxy::register_region, py::arg("id"), py::arg("ptr"), py::arg("size"),
+           py::arg("device") = false)
+      .def("local_blob", [](Proxy& p, int t) { return py::bytes(p.local_blob(t)); })
+      .def("connect",
+           [](Proxy& p, const std::vector<std::vector<py::bytes>>& blobs) {
+             std::vector<std::vector<std::string>> b;
+             for (const auto& r : blobs) {
+               b.emplace_back();
+               for (const auto& x : r) b.back().push_back(std::string(x));
+             }
+             p.connect(b);
+           })
+      .def("start", &Proxy::start)
+      .def("stop", &Proxy::stop, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("running", &Proxy::running)
+      .def_property_readonly("num_threads", &Proxy::num_threads)
+      .def_property_readonly("rank", [](const Proxy& p) { return p.config().rank; })
+      .def_property_readonly("world", [](const Proxy& p) { return p.config().world; })
+      .def("config",
+           [](const Proxy& p) {
+             const ProxyConfig& c = p.config();
+             py::dict d;
+             d["rank"] = c.rank;
+             d["world"] = c.world;
+             d["num_threads"] = c.num_threads;
+             d["ring_capacity"] = c.ring_capacity;
+             d["gpu"] = c.gpu;
+             d["transport"] = c.transport;
+             d["provider"] = c.provider;
+             d["pin_threads"] = c.pin_threads;
+             d["low_latency"] = c.low_latency;
+             d["max_inflight"] = c.max_inflight;
+             d["max_inflight_bytes"] = c.max_inflight_bytes;
+             d["adaptive_sleep"] = c.adaptive_sleep;
+             d["timeout_s"] = c.timeout_s;
+             d["fault"] = p.fault_spec();
+             return d;
+           })
+      .def("push",
+           [](Proxy& p, int t, py::buffer buf) {
+             py::buffer_info info = buf.request();
+             const size_t bytes = size_t(info.size) * size_t(info.itemsize);
+             if (bytes % sizeof(Command)) throw py::value_error("push: buffer size must be a multiple of 16 bytes");
+             const Command* c = static_cast<const Command*>(info.ptr);
+             py::gil_scoped_release nogil;
+             p.push(t, c, bytes / sizeof(Command));
+           },
+           py::arg("ring"), py::arg("commands"))
+      .def("wait_seq", &Proxy::wait_seq, py::arg("src"), py::arg("channel"), py::arg("target"), py::arg("timeout_s"),
+           py::arg("phase") = "arrival", py::call_guard<py::gil_scoped_release>())
+      .def("wait_flushed", &Proxy::wait_flushed, py::arg("ring"), py::arg("target"), py::arg("timeout_s"),
+           py::call_guard<py::gil_scoped_release>())
+      .def("seq_tail", [](const Proxy& p, int src, int ch) {
+        if (src < 0 || src >= p.config().world || ch < 0 || ch >= kMaxChannels) throw py::index_error("seq_tail: bad src/channel");
+        return load(&p.signals_host().seq_tail[size_t(src) * kMaxChannels + ch]);
+      })
+      .def("imm_count", [](const Proxy& p, int src, int ch) {
+        if (src < 0 || src >= p.config().world || ch < 0 || ch >= kMaxChannels) throw py::index_error("imm_count: bad src/channel");
+        return load(&p.signals_host().imm_count[size_t(src) * kMaxChannels + ch]);
+      })
+      .def("barrier_count", [](const Proxy& p, int src) {
+        if (src < 0 || src >= p.config().world) throw py::index_error("barrier_count: bad src");
+        return load(&p.signals_host().barrier_count[src]);
+      })
+      .def("flushed", [](const Proxy& p, int t) { return load(p.ring_host(t).flushed); })
+      .def("echo", [](const Proxy& p, int t) { return load(p.ring_host(t).echo); })
+      .def("ring_tail", [](const Proxy& p, int t) { return load(p.ring_host(t).tail); })
+      .def("ring_desc", [](const Proxy& p, int t, bool device) { return ring_dict(device ? p.ring_device(t) : p.ring_host(t)); },
+           py::arg("ring"), py::arg("device") = false)
+      .def("signals",
+           [](const Proxy& p, bool device) {
+             const SignalBlock& s = device ? p.signals_device() : p.signals_host();
+             py::dict d;
+             d["seq_tail"] = reinterpret_cast<uintptr_t>(s.seq_tail);
+             d["imm_count"] = reinterpret_cast<uintptr_t>(s.imm_count);
+             d["barrier_count"] = reinterpret_cast<uintptr_t>(s.barrier_count);
+             d["max_channels"] = kMaxChannels;
+             return d;
+           },
+           py::arg("device") = false)
+      .def("error", &Proxy::error)
+      .def("stats", [](const Proxy& p) { return stats_dict(p.stats()); })
+      .def("thread_cpus", &Proxy::thread_cpus);
+
+  py::class_<OrderingHarness>(m, "OrderingEmulator",
+                              "OrderingEmulator with its own signal block and 64 int64 counters as region 0 (tests)")
+      .def(py::init<int>(), py::arg("world"))
+      .def("on_arrival",
+           [](OrderingHarness& h, int kind, int peer, uint32_t imm, uint32_t region, uint64_t offset, int64_t value) {
+             Completion c;
+             c.kind = Completion::Kind(kind);
+             c.peer = peer;
+             c.imm = imm;
+             c.region = region;
+             c.offset = offset;
+             c.value = value;
+             h.emu->on_arrival(c);
+           },
+           py::arg("kind"), py::arg("peer"), py::arg("imm"), py::arg("region") = kNoRegion, py::arg("offset") = 0,
+           py::arg("value") = 0)
+      .def("seq_tail", [](const OrderingHarness& h, int src, int ch) { return h.seq.at(size_t(src) * kMaxChannels + ch); })
+      .def("imm_count", [](const OrderingHarness& h, int src, int ch) { return h.imm.at(size_t(src) * kMaxChannels + ch); })
+      .def("barrier_count", [](const OrderingHarness& h, int src) { return h.bar.at(size_t(src)); })
+      .def("counter", [](const OrderingHarness& h, int i) { return h.counters.at(size_t(i)); })
+      .def_property_readonly("atomic_log", [](const OrderingHarness& h) { return h.log; })
+      .def_property_readonly("waiting", [](const OrderingHarness& h) { return h.emu->waiting(); })
+      .def_property_readonly("out_of_order", [](const OrderingHarness& h) { return h.emu->out_of_order(); });
+}

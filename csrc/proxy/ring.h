@@ -1,0 +1,241 @@
+// The GPU→CPU command channel: one header shared by device code (CUDA/HIP) and host C++.
+//
+// A ring lives in pinned, GPU-mapped host memory. Producers (GPU warps, or CPU threads in tests) claim
+// slots with one atomic on a claim counter, write the 12-byte command body, fence at system scope, then
+// store the 4-byte header word that carries the opcode and the lap parity bit: that store publishes the
+// slot. The single consumer (one CPU proxy thread per ring) acquire-loads header words in slot order,
+// copies commands out, and returns credits by storing its tail with release semantics. Producers keep a
+// cached copy of the tail next to the claim counter (GPU memory) and read the host tail over PCIe only
+// when the ring looks full.
+//
+// Slot validity needs no consumer write-back: a slot at index i is ready when its opcode is non-zero and
+// its lap bit equals (i / capacity) & 1, so stale commands from the previous lap never look ready.
+#pragma once
+
+#include "common/portability.h"
+
+namespace uccl {
+
+enum Opcode : uint8_t {
+  OP_INVALID = 0,     // never published (zeroed memory)
+  OP_WRITE = 1,       // RDMA write local[local_off, +length) -> dst's region[remote_off, +length); sequenced
+  OP_WRITE_IMM = 2,   // as OP_WRITE, and the receiver bumps imm_count[src][channel] when it is applied in order
+  OP_ATOMIC_ADD = 3,  // dst's int64 at region[remote_off] += (int32)length, applied in sequence order
+  OP_FLUSH = 4,       // quiet: wait until every earlier command of this ring completed, then flushed++
+  OP_BARRIER = 5,     // flush, then a sequenced marker to dst: its barrier_count[src] += 1 in order
+  OP_NOP = 6,         // no transport work; the proxy echoes `length` into the ring's echo word (latency probe)
+  OP_LAST = OP_NOP,
+};
+constexpr uint8_t kOpcodeMask = 0x3f;
+constexpr uint8_t kLapBit = 0x80;
+constexpr int kMaxChannels = 64;  // channel field < 64; a channel always maps to ring (channel % num_rings)
+
+// 16 bytes, naturally aligned. Word 0 is the header (published last).
+struct alignas(16) Command {
+  uint8_t op;          // Opcode | lap bit (bit 7); bits 6..5 reserved
+  uint8_t dst_rank;    // destination rank (< 256)
+  uint8_t channel;     // ordering channel (< kMaxChannels)
+  uint8_t region;      // registered region id, the same id on every rank (symmetric buffers)
+  uint32_t length;     // bytes for writes; signed addend for OP_ATOMIC_ADD; cookie for OP_NOP
+  uint32_t local_off;  // byte offset into this rank's region
+  uint32_t remote_off; // byte offset into the destination's region
+};
+static_assert(sizeof(Command) == 16, "Command must stay 16 bytes");
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE uint32_t command_header(const Command& c) {
+  return uint32_t(c.op) | (uint32_t(c.dst_rank) << 8) | (uint32_t(c.channel) << 16) | (uint32_t(c.region) << 24);
+}
+
+// Ring descriptor: plain pointers, passed by value to kernels. For the GPU view every pointer is a device
+// pointer (slots/tail/flushed/echo are device-mapped host memory; claim/tail_cache are GPU memory).
+struct RingDesc {
+  Command* slots;
+  unsigned long long* claim;       // producers' claim counter
+  unsigned long long* tail_cache;  // producers' cached tail (monotonic max)
+  unsigned long long* tail;        // consumer tail = credits returned (host memory)
+  unsigned long long* flushed;     // number of OP_FLUSH/OP_BARRIER completed by the proxy
+  unsigned long long* echo;        // last OP_NOP cookie picked up (latency probe)
+  uint32_t capacity;               // power of two
+  uint32_t mask;
+};
+
+// ---------------------------------------------------------------------------------------------------
+// Memory-order primitives (device: system scope; host: GCC atomics)
+UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_load_acquire_sys(const unsigned long long* p) {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned long long v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#elif UCCL_DEVICE_CODE
+  unsigned long long v = *reinterpret_cast<const volatile unsigned long long*>(p);
+  __threadfence_system();
+  return v;
+#else
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#endif
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_fetch_add(unsigned long long* p, unsigned long long v) {
+#if UCCL_DEVICE_CODE
+  return atomicAdd(p, v);
+#else
+  return __atomic_fetch_add(p, v, __ATOMIC_ACQ_REL);
+#endif
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fetch_max(unsigned long long* p, unsigned long long v) {
+#if UCCL_DEVICE_CODE
+  atomicMax(p, v);
+#else
+  unsigned long long cur = __atomic_load_n(p, __ATOMIC_RELAXED);
+  while (cur < v && !__atomic_compare_exchange_n(p, &cur, v, true, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+  }
+#endif
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fence_sys() {
+#if UCCL_DEVICE_CODE
+  __threadfence_system();
+#else
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_header(Command* slot, uint32_t header) {
+#if UCCL_DEVICE_CODE
+  *reinterpret_cast<volatile uint32_t*>(slot) = header;  // ordered after the body by ring_fence_sys()
+#else
+  __atomic_store_n(reinterpret_cast<uint32_t*>(slot), header, __ATOMIC_RELEASE);
+#endif
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_body(Command* slot, const Command& c) {
+  volatile uint32_t* w = reinterpret_cast<volatile uint32_t*>(slot);
+  w[1] = c.length;
+  w[2] = c.local_off;
+  w[3] = c.remote_off;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Producer side.
+
+// Claims n consecutive slots (n <= capacity) and waits for credits. Returns the first slot index, or
+// ~0ull if `spin_limit` polls of the host tail passed without space (0 = wait forever).
+UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_claim(const RingDesc& r, uint32_t n,
+                                                                unsigned long long spin_limit = 0) {
+  const unsigned long long first = ring_fetch_add(r.claim, n);
+  const unsigned long long need = first + n - r.capacity;  // tail must reach `need`
+  if (first + n > r.capacity) {
+#if UCCL_DEVICE_CODE
+    unsigned long long t = *reinterpret_cast<volatile unsigned long long*>(r.tail_cache);
+#else
+    unsigned long long t = __atomic_load_n(r.tail_cache, __ATOMIC_RELAXED);
+#endif
+    unsigned long long spins = 0;
+    while (t < need) {
+      t = ring_load_acquire_sys(r.tail);  // the only PCIe read: the ring looked full
+      if (t >= need) {
+        ring_fetch_max(r.tail_cache, t);
+        break;
+      }
+      if (spin_limit && ++spins > spin_limit) return ~0ull;
+#if !UCCL_DEVICE_CODE
+      uccl_cpu_relax();
+#endif
+    }
+  }
+  return first;
+}
+
+// Writes one command into claimed slot `idx` (body only; publish with ring_publish after a fence).
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fill(const RingDesc& r, unsigned long long idx, const Command& c) {
+  ring_store_body(&r.slots[idx & r.mask], c);
+}
+
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish(const RingDesc& r, unsigned long long idx, const Command& c) {
+  Command h = c;
+  h.op = uint8_t((c.op & kOpcodeMask) | (((idx / r.capacity) & 1ull) ? kLapBit : 0));
+  ring_store_header(&r.slots[idx & r.mask], command_header(h));
+}
+
+// Single-thread push of n commands: claim, bodies, one system fence, headers.
+UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, uint32_t n,
+                                       unsigned long long spin_limit = 0) {
+  if (n == 0) return true;
+  const unsigned long long first = ring_claim(r, n, spin_limit);
+  if (first == ~0ull) return false;
+  for (uint32_t i = 0; i < n; ++i) ring_fill(r, first + i, cmds[i]);
+  ring_fence_sys();
+  for (uint32_t i = 0; i < n; ++i) ring_publish(r, first + i, cmds[i]);
+  return true;
+}
+
+#if UCCL_DEVICE_CODE
+// Warp-cooperative push: every active lane of `mask` contributes one command (lanes with has_cmd=false
+// contribute nothing). One claim atomic, one system fence per warp. Must be called by all lanes in mask.
+__device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {
+  const unsigned lane = threadIdx.x & 31u;
+  const unsigned vote = __ballot_sync(mask, has_cmd);
+  if (vote == 0) return;
+  const unsigned n = __popc(vote);
+  const unsigned leader = __ffs(vote) - 1;
+  unsigned long long first = 0;
+  if (lane == leader) first = ring_claim(r, n);
+  first = __shfl_sync(mask, first, leader);
+  const unsigned rank_in_vote = __popc(vote & ((1u << lane) - 1u));
+  if (has_cmd) ring_fill(r, first + rank_in_vote, c);
+  __syncwarp(mask);
+  __threadfence_system();
+  if (has_cmd) ring_publish(r, first + rank_in_vote, c);
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------
+// Consumer side (host only): one consumer per ring.
+#if !UCCL_DEVICE_CODE
+class RingConsumer {
+ public:
+  RingConsumer() = default;
+  explicit RingConsumer(const RingDesc& d) : d_(d), tail_(0) {}
+
+  // Copies up to `max` ready commands (in slot order) into out; returns how many. Opcode bits are
+  // returned with the lap bit cleared. Does not return credits: call release() after using them.
+  uint32_t peek(Command* out, uint32_t max) {
+    uint32_t n = 0;
+    while (n < max) {
+      const unsigned long long idx = tail_ + n;
+      Command* slot = &d_.slots[idx & d_.mask];
+      const uint32_t h = __atomic_load_n(reinterpret_cast<const uint32_t*>(slot), __ATOMIC_ACQUIRE);
+      const uint8_t op = uint8_t(h & 0xff);
+      const uint8_t lap = ((idx / d_.capacity) & 1ull) ? kLapBit : 0;
+      if ((op & kOpcodeMask) == 0 || (op & kLapBit) != lap) break;
+      Command c;
+      const volatile uint32_t* w = reinterpret_cast<const volatile uint32_t*>(slot);
+      c.op = op & kOpcodeMask;
+      c.dst_rank = uint8_t(h >> 8);
+      c.channel = uint8_t(h >> 16);
+      c.region = uint8_t(h >> 24);
+      c.length = w[1];
+      c.local_off = w[2];
+      c.remote_off = w[3];
+      out[n++] = c;
+    }
+    return n;
+  }
+
+  // Returns n credits to producers (release store of the tail).
+  void release(uint32_t n) {
+    if (n == 0) return;
+    tail_ += n;
+    __atomic_store_n(d_.tail, tail_, __ATOMIC_RELEASE);
+  }
+
+  unsigned long long tail() const { return tail_; }
+
+ private:
+  RingDesc d_{};
+  unsigned long long tail_ = 0;
+};
+#endif
+
+}  // namespace uccl

@@ -1,0 +1,90 @@
+// The one small interface every transport implements: register memory -> key, write with immediate,
+// atomic add, poll completions. Transports know nothing of tokens, experts or rings.
+//
+// Immediate data (32 bits, fits verbs' imm_data): bits 31..25 channel, bit 24 "signal" (OP_WRITE_IMM),
+// bits 23..0 sequence number per (source rank, channel). The proxy assigns it; the transport only carries it.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace uccl {
+
+constexpr uint32_t kSeqBits = 24;
+constexpr uint32_t kSeqMask = (1u << kSeqBits) - 1;
+constexpr uint32_t kImmSignalBit = 1u << 24;
+
+inline uint32_t make_imm(uint32_t channel, uint32_t seq, bool signal) {
+  return (channel << 25) | (signal ? kImmSignalBit : 0u) | (seq & kSeqMask);
+}
+inline uint32_t imm_channel(uint32_t imm) { return imm >> 25; }
+inline uint32_t imm_seq(uint32_t imm) { return imm & kSeqMask; }
+inline bool imm_signal(uint32_t imm) { return (imm & kImmSignalBit) != 0; }
+
+// Region id meaning "no memory effect" (ordering markers, barriers).
+constexpr uint32_t kNoRegion = 0xffffffffu;
+
+struct Completion {
+  enum Kind : uint8_t {
+    kLocal = 0,    // an operation this endpoint posted has completed locally (wr_id identifies it)
+    kArrival = 1,  // a write with immediate from `peer` landed here
+    kAtomic = 2,   // an emulated atomic from `peer`: apply region[offset] += value in sequence order
+    kMarker = 3,   // a sequenced marker (no memory effect): barrier
+  };
+  Kind kind = kLocal;
+  int peer = -1;
+  uint32_t imm = 0;
+  uint32_t region = kNoRegion;
+  uint64_t wr_id = 0;
+  uint64_t offset = 0;
+  int64_t value = 0;
+};
+
+// Region as registered locally.
+struct LocalRegion {
+  int id = -1;
+  char* base = nullptr;
+  uint64_t size = 0;
+  bool device = false;  // GPU memory (not dereferenceable by the CPU)
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  // This endpoint's address, an opaque blob exchanged through the bootstrap.
+  virtual std::string address() = 0;
+  // Registers [ptr, ptr+len) as region `id` and returns its key blob for peers.
+  virtual std::string register_region(const LocalRegion& region) = 0;
+  // Adds peer `peer` (its address blob) and its region keys (one blob per region id, "" if absent).
+  virtual void connect(int peer, const std::string& address, const std::vector<std::string>& region_keys) = 0;
+  // Posts a write of `len` bytes with immediate `imm` (len may be 0: a pure sequenced notification).
+  virtual void write(int peer, uint32_t region, uint64_t local_off, uint64_t remote_off, uint64_t len,
+                     uint32_t imm, uint64_t wr_id) = 0;
+  // Posts an atomic add of `value` to the int64 at peer's region[remote_off], sequenced by `imm`.
+  // region == kNoRegion: a sequenced marker with no memory effect.
+  virtual void atomic_add(int peer, uint32_t region, uint64_t remote_off, int64_t value, uint32_t imm,
+                          uint64_t wr_id) = 0;
+  // Drains up to `max` completions (local and remote).
+  virtual int poll(Completion* out, int max) = 0;
+  // Releases everything (also done by the destructor); idempotent.
+  virtual void close() {}
+};
+
+struct TransportOptions {
+  int rank = 0;
+  int world = 1;
+  int thread_index = 0;
+  int gpu = -1;
+  std::string provider;  // fabric: FI_PROVIDER-style name ("tcp", "shm", "sockets"); empty: libfabric's choice
+  std::string verbs_device;  // verbs: device name; empty: first
+  std::string job;           // ipc: job-unique prefix for shared-memory names
+};
+
+// Factories; each throws a clear error when the transport is not compiled in.
+std::unique_ptr<Transport> make_transport(const std::string& kind, const TransportOptions& opts);
+std::vector<std::string> compiled_transports();
+
+}  // namespace uccl

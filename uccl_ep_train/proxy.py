@@ -1,0 +1,259 @@
+"""CPU proxies for the GPU→CPU command channel (Python side of csrc/proxy and csrc/transport).
+
+A `ProxyGroup` is one rank's set of proxy threads: each owns a ring buffer in pinned host memory that GPU
+warps (or CPU threads in tests) push 16-byte commands into, and one transport endpoint (`fabric`, `ipc`
+or `verbs`) that carries the writes and atomics to peer ranks. Peers exchange endpoint addresses and
+memory keys over torch.distributed at construction; `close()` joins the threads and deregisters memory.
+
+    group = ProxyGroup(rank, world, regions={0: tensor}, group=pg)          # bootstrap + start
+    group.push(ring, make_commands([...]))                                  # CPU producer (tests)
+    group.wait_seq(src, channel, n, phase="dispatch")                       # in-order arrivals from src
+    group.close()
+
+Command fields (`COMMAND_DTYPE`, 16 bytes): op, dst, channel, region, length, local_off, remote_off.
+Opcodes: OP_WRITE, OP_WRITE_IMM (also bumps the receiver's imm_count), OP_ATOMIC_ADD (length is the signed
+addend, remote_off an 8-byte aligned int64 in a host region), OP_FLUSH, OP_BARRIER, OP_NOP. Channel c is
+served by ring c % num_threads. Knobs: UCCL_EP_PROXY_THREADS, UCCL_EP_DISABLE_CPU_AFFINITY,
+UCCL_IB_MAX_INFLIGHT_{BYTES,NORMAL,LOW_LATENCY}, UCCL_RDMA_ADAPTIVE_SLEEP, UCCL_EP_TIMEOUT_S, UCCL_EP_FAULT,
+UCCL_EP_TRANSPORT (fabric | ipc | verbs), FI_PROVIDER (tcp | shm | sockets).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from typing import Any, Callable, Iterable, Mapping, Optional
+
+import numpy as np
+
+log = logging.getLogger("uccl_ep_train")
+
+try:
+    from . import _native  # type: ignore[attr-defined]
+except ImportError:  # pure-Python install: no proxies
+    _native = None
+
+COMMAND_DTYPE = np.dtype([("op", "u1"), ("dst", "u1"), ("channel", "u1"), ("region", "u1"),
+                          ("length", "<u4"), ("local_off", "<u4"), ("remote_off", "<u4")])
+assert COMMAND_DTYPE.itemsize == 16
+
+OP_WRITE, OP_WRITE_IMM, OP_ATOMIC_ADD, OP_FLUSH, OP_BARRIER, OP_NOP = 1, 2, 3, 4, 5, 6
+MAX_CHANNELS = 64
+
+
+def available() -> bool:
+    """True when the native module with proxies is importable."""
+    return _native is not None and hasattr(_native, "Proxy")
+
+
+def compiled_transports() -> list[str]:
+    return list(_native.compiled_transports()) if available() else []
+
+
+def make_commands(rows: Iterable[tuple]) -> np.ndarray:
+    """Packs (op, dst, channel, region, length, local_off, remote_off) tuples into a command array.
+
+    `length` may be negative for OP_ATOMIC_ADD (it is the signed addend)."""
+    rows = [tuple(r) for r in rows]
+    out = np.zeros(len(rows), dtype=COMMAND_DTYPE)
+    for i, r in enumerate(rows):
+        if len(r) != 7:
+            raise ValueError(f"make_commands: row {i} has {len(r)} fields, expected 7 "
+                             "(op, dst, channel, region, length, local_off, remote_off)")
+        op, dst, ch, region, length, loff, roff = r
+        out[i] = (op, dst, ch, region, int(length) & 0xFFFFFFFF, loff, roff)
+    return out
+
+
+def _region_of(obj: Any) -> tuple[int, int, bool]:
+    """(ptr, nbytes, is_device) of a torch tensor, numpy array or (ptr, nbytes[, device]) tuple."""
+    if isinstance(obj, tuple):
+        ptr, nbytes = int(obj[0]), int(obj[1])
+        return ptr, nbytes, bool(obj[2]) if len(obj) > 2 else False
+    if isinstance(obj, np.ndarray):
+        if not obj.flags.c_contiguous:
+            raise ValueError("regions: numpy arrays must be C-contiguous")
+        return obj.ctypes.data, obj.nbytes, False
+    try:
+        import torch
+    except ImportError:  # pragma: no cover
+        torch = None
+    if torch is not None and isinstance(obj, torch.Tensor):
+        if not obj.is_contiguous():
+            raise ValueError("regions: tensors must be contiguous")
+        return obj.data_ptr(), obj.numel() * obj.element_size(), obj.is_cuda
+    raise TypeError(f"regions: expected a tensor, numpy array or (ptr, nbytes[, device]) tuple, got {type(obj).__name__}")
+
+
+def _default_transport(gpu: int, hostnames: Optional[list[str]]) -> str:
+    env = os.environ.get("UCCL_EP_TRANSPORT")
+    if env:
+        return env
+    compiled = compiled_transports()
+    same_host = hostnames is None or len(set(hostnames)) == 1
+    if gpu >= 0 and "ipc" in compiled and same_host:
+        return "ipc"
+    if "verbs" in compiled and _native.verbs_devices():
+        return "verbs"
+    return "fabric"
+
+
+def _all_gather(obj: Any, group: Any, world: int) -> list:
+    if world == 1:
+        return [obj]
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        raise RuntimeError("ProxyGroup: world > 1 needs torch.distributed initialised (or an `exchange` callable)")
+    out: list = [None] * world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+class ProxyGroup:
+    """One rank's proxy threads + rings + transport endpoints, bootstrapped over torch.distributed.
+
+    Args:
+        rank, world: this rank and the number of ranks (of `group`).
+        regions: {region_id: buffer}; buffers are symmetric (same id and size on every rank). A buffer is a
+            torch tensor, numpy array or (ptr, nbytes[, is_device]). Atomic targets must be host memory.
+        group: torch.distributed process group used for the bootstrap (None: the default group).
+        transport: 'fabric' | 'ipc' | 'verbs'; default UCCL_EP_TRANSPORT, else ipc for GPUs on one host,
+            verbs when RDMA devices exist, else fabric.
+        gpu: CUDA/HIP device whose kernels feed the rings, or -1 for CPU producers (`push`).
+        exchange: optional callable(obj) -> list of every rank's obj, replacing torch.distributed.
+        **options: num_threads, ring_capacity, provider, low_latency, max_inflight, max_inflight_bytes,
+            adaptive_sleep, timeout_s, fault, pin_threads (defaults from the environment).
+    """
+
+    def __init__(self, rank: int, world: int, regions: Mapping[int, Any], group: Any = None,
+                 transport: Optional[str] = None, gpu: int = -1,
+                 exchange: Optional[Callable[[Any], list]] = None, start: bool = True, **options: Any):
+        if not available():
+            raise RuntimeError("ProxyGroup: the native module uccl_ep_train._native is not built "
+                               "(run `python setup.py build_ext --inplace`)")
+        if not (0 <= rank < world):
+            raise ValueError(f"ProxyGroup: rank {rank} out of range for world {world}")
+        gather = exchange or (lambda obj: _all_gather(obj, group, world))
+        self.rank, self.world, self.gpu = rank, world, gpu
+        self._closed = False
+        job, hostnames = None, None
+        # Phase 1: job id (rank 0's) and host names, so every rank picks the same transport.
+        info = gather((uuid.uuid4().hex[:12], socket.gethostname()))
+        job = info[0][0]
+        hostnames = [h for _, h in info]
+        self.transport = transport or _default_transport(gpu, hostnames)
+        if self.transport not in ("fabric", "ipc", "verbs"):
+            raise ValueError(f"ProxyGroup: transport must be 'fabric', 'ipc' or 'verbs', got {self.transport!r}")
+        self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job, **options)
+        self._keepalive = dict(regions)  # the buffers must outlive the registrations
+        for rid, buf in regions.items():
+            ptr, nbytes, device = _region_of(buf)
+            self._native.register_region(int(rid), ptr, nbytes, device)
+        # Phase 2: endpoint addresses + memory keys of every thread of every rank.
+        blobs = [self._native.local_blob(t) for t in range(self._native.num_threads)]
+        self._native.connect(gather(blobs))
+        if start:
+            self._native.start()
+
+    # -- producers and waits -------------------------------------------------------------------
+    @property
+    def num_threads(self) -> int:
+        return self._native.num_threads
+
+    def ring_for_channel(self, channel: int) -> int:
+        return channel % self.num_threads
+
+    def push(self, ring: int, commands: np.ndarray) -> None:
+        """CPU producer: pushes a COMMAND_DTYPE array into `ring` (waits on a full ring, with timeout)."""
+        arr = np.ascontiguousarray(commands)
+        if arr.dtype != COMMAND_DTYPE:
+            raise TypeError(f"push: commands must have COMMAND_DTYPE, got {arr.dtype}")
+        self._native.push(ring, arr.view(np.uint8))
+
+    def wait_seq(self, src: int, channel: int, target: int, timeout_s: Optional[float] = None,
+                 phase: str = "arrival") -> None:
+        """Waits until `target` operations from `src` on `channel` have been applied in order."""
+        self._native.wait_seq(src, channel, target, self._timeout(timeout_s), phase)
+
+    def wait_flushed(self, ring: int, target: int, timeout_s: Optional[float] = None) -> None:
+        self._native.wait_flushed(ring, target, self._timeout(timeout_s))
+
+    def _timeout(self, t: Optional[float]) -> float:
+        return float(t if t is not None else self._native.config()["timeout_s"])
+
+    def seq_tail(self, src: int, channel: int) -> int:
+        return self._native.seq_tail(src, channel)
+
+    def imm_count(self, src: int, channel: int) -> int:
+        return self._native.imm_count(src, channel)
+
+    def barrier_count(self, src: int) -> int:
+        return self._native.barrier_count(src)
+
+    def flushed(self, ring: int) -> int:
+        return self._native.flushed(ring)
+
+    def ring_desc(self, ring: int, device: bool = True) -> dict:
+        return self._native.ring_desc(ring, device)
+
+    def signals(self, device: bool = True) -> dict:
+        return self._native.signals(device)
+
+    def stats(self) -> dict:
+        return self._native.stats()
+
+    def config(self) -> dict:
+        return self._native.config()
+
+    def thread_cpus(self) -> list[int]:
+        return self._native.thread_cpus()
+
+    def check(self) -> None:
+        """Raises RuntimeError with the first error any proxy thread recorded (rejected command, transport
+        failure, timeout naming rank, peer, channel and phase)."""
+        err = self._native.error()
+        if err:
+            raise RuntimeError(err)
+
+    # -- teardown ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Joins the threads and releases transports and registrations; idempotent, safe after errors."""
+        if self._closed:
+            return
+        self._closed = True
+        self._native.stop()
+
+    stop = close
+
+    def __enter__(self) -> "ProxyGroup":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __del__(self) -> None:  # pragma: no cover - best effort
+        try:
+            self.close()
+        except Exception:
+            pass
+
+
+def start_proxies(runtime: Any, **kw: Any) -> tuple[list, list]:
+    """Called by `initialize_uccl`: starts this GPU's proxies over the runtime's scratch (RDMA) region.
+
+    Proxies start when the native module is built and the scratch lives on a GPU (or
+    UCCL_EP_START_PROXIES=1 for CPU runs); otherwise nothing runs and both lists are empty."""
+    scratch = getattr(runtime, "scratch", None)
+    if not available() or scratch is None:
+        return [], []
+    on_gpu = bool(getattr(scratch, "is_cuda", False))
+    if not on_gpu and os.environ.get("UCCL_EP_START_PROXIES") != "1":
+        log.info("uccl_ep_train: CPU scratch, proxies not started (UCCL_EP_START_PROXIES=1 forces them)")
+        return [], []
+    gpu = scratch.device.index if on_gpu else -1
+    regions = {0: scratch[: max(1, runtime.num_rdma_bytes // max(1, scratch.element_size()))]} if runtime.num_rdma_bytes else {0: scratch}
+    group = ProxyGroup(runtime.rank, runtime.num_ranks, regions, group=runtime.group, gpu=gpu, **kw)
+    log.info("uccl_ep_train: %d proxy threads on %s transport (cpus %s)", group.num_threads, group.transport,
+             group.thread_cpus())
+    return [group], []
