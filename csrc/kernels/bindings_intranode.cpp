@@ -1,0 +1,43 @@
+// pybind11 face of the intranode path: `_native.IntranodeBuffer` (+ `_native.intranode_row_capacity`).
+// Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream): no libtorch here.
+// Without a GPU compiler nothing is registered, and Python falls back to the reference backend.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "kernels/intranode_api.h"
+#endif
+
+namespace py = pybind11;
+
+void register_intranode(py::module_& m) {
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  using uccl_ep::intranode::IntranodeBuffer;
+  m.attr("INTRANODE_MAX_RANKS") = uccl_ep::intranode::kMaxRanks;
+  m.def(
+      "intranode_row_capacity",
+      [](int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
+        return uccl_ep::intranode::make_row_layout(data_bytes, x_bytes, scale_bytes, num_topk, with_src).cap_rows;
+      },
+      "rows of (x, scales, topk idx/weights, src idx) that fit in `data_bytes` of an intranode buffer");
+  py::class_<IntranodeBuffer>(m, "IntranodeBuffer",
+                              "One rank's IPC-shared NVLink buffer and the intranode kernels that use it")
+      .def(py::init<int, int, int, int64_t, double>(), py::arg("device"), py::arg("rank"), py::arg("num_ranks"),
+           py::arg("num_bytes"), py::arg("timeout_s"))
+      .def("ipc_handle", [](const IntranodeBuffer& b) { return py::bytes(b.ipc_handle()); })
+      .def("open_peers", &IntranodeBuffer::open_peers, py::arg("handles"))
+      .def("destroy", &IntranodeBuffer::destroy)
+      .def("is_open", &IntranodeBuffer::is_open)
+      .def("header_bytes", &IntranodeBuffer::header_bytes)
+      .def("data_bytes", &IntranodeBuffer::data_bytes)
+      .def("local_ptr", &IntranodeBuffer::local_ptr)
+      .def("error", &IntranodeBuffer::error)
+      .def("clear_error", &IntranodeBuffer::clear_error)
+      .def("dispatch_layout", &IntranodeBuffer::dispatch_layout, py::call_guard<py::gil_scoped_release>())
+      .def("notify", &IntranodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
+      .def("dispatch", &IntranodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &IntranodeBuffer::combine, py::call_guard<py::gil_scoped_release>());
+#else
+  (void)m;
+#endif
+}

@@ -1,0 +1,160 @@
+// Device helpers shared by the kernels: CUDA/HIP portable loads/stores, system-scope signals, waits with
+// deadlines, the error record that waits fill instead of hanging, and bf16 <-> float conversions.
+#pragma once
+
+#include <cstdint>
+#include <cstdio>
+
+#include "common/portability.h"
+
+namespace uccl_ep::intranode {
+
+#if defined(UCCL_EP_WITH_HIP)
+constexpr int kWarpSize = 64;
+#else
+constexpr int kWarpSize = 32;
+#endif
+
+// Header of every rank's IPC buffer (byte offsets). Signals are monotonically increasing counters:
+//   arrive[s]  in the receiver's buffer: blocks of rank s that finished pushing into it
+//   free_[r]   in the sender's buffer:   blocks of rank r that finished reading their own buffer
+constexpr int64_t kArriveOffset = 0;
+constexpr int64_t kFreeOffset = 256;
+constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
+constexpr int64_t kCountsOffset = 4096;
+constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
+constexpr int64_t kHeaderBytes = kCountsOffset + 8 * kCountsSlotInts * 4;  // 1 MiB + 4 KiB
+
+enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3 };
+enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3 };
+
+struct ErrorRecord {
+  int code, rank, peer, block, phase, need, have, pad;
+};
+
+// The record lives in pinned host memory (plain stores only: PCIe atomics are not everywhere); the claim
+// word that picks the one reporter lives in this rank's device buffer (`claim`).
+__device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int code, int rank, int peer, int phase,
+                                             int need, int have) {
+  if (atomicCAS(claim, 0, 1) == 0) {
+    err->rank = rank;
+    err->peer = peer;
+    err->block = (int)blockIdx.x;
+    err->phase = phase;
+    err->need = need;
+    err->have = have;
+    __threadfence_system();
+    *(volatile int*)&err->code = code;
+    __threadfence_system();
+    printf("uccl_ep_train native: error %d on rank %d (peer %d, block %d, phase %d, need %d, have %d)\n", code,
+           rank, peer, (int)blockIdx.x, phase, need, have);
+  }
+}
+
+__device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
+#if defined(UCCL_EP_WITH_HIP)
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
+  uint64_t v;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+// Release: every earlier write of this thread (and, through the preceding barrier, of its block) becomes
+// visible to whoever observes the increment.
+__device__ __forceinline__ void signal_add(uint64_t* p) {
+  __threadfence_system();
+  atomicAdd_system(reinterpret_cast<unsigned long long*>(p), 1ULL);
+}
+
+// Waits until *p >= target; on deadline (or an error recorded elsewhere) reports and returns false.
+__device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int64_t timeout_cycles,
+                                         ErrorRecord* err, int* claim, int rank, int peer, int phase) {
+  const long long start = clock64();
+  uint32_t iter = 0;
+  while (ld_acquire_sys(p) < target) {
+    if ((++iter & 1023u) == 0) {
+      if (*(volatile int*)claim != 0) return false;  // another wait already failed: do not pile up
+      if (clock64() - start > timeout_cycles) {
+        report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+// 16-byte streaming load of data read once.
+__device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
+#if defined(UCCL_EP_WITH_HIP)
+  return *p;  // plain load: the nontemporal builtin does not take HIP's int4 struct
+#else
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+
+__device__ __forceinline__ int warp_shfl(int v, int src) {
+#if defined(UCCL_EP_WITH_HIP)
+  return __shfl(v, src);
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+
+__device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
+
+// Round to nearest even, as torch does; NaN stays NaN.
+__device__ __forceinline__ uint16_t float_to_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (uint16_t)(u >> 16);
+}
+
+// Copies `n` bytes, all threads of the grid cooperating (thread `tid` of `nthreads`), widest aligned vector.
+__device__ __forceinline__ void grid_copy_bytes(void* dst, const void* src, int64_t n, int64_t tid,
+                                                int64_t nthreads) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | (uintptr_t)n;
+  if ((a & 15u) == 0) {
+    const int4* s = reinterpret_cast<const int4*>(src);
+    int4* d = reinterpret_cast<int4*>(dst);
+    const int64_t m = n / 16;
+    int64_t i = tid;
+    for (; i + 3 * nthreads < m; i += 4 * nthreads) {
+      int4 v0 = ld_nc_v4(s + i), v1 = ld_nc_v4(s + i + nthreads), v2 = ld_nc_v4(s + i + 2 * nthreads),
+           v3 = ld_nc_v4(s + i + 3 * nthreads);
+      d[i] = v0;
+      d[i + nthreads] = v1;
+      d[i + 2 * nthreads] = v2;
+      d[i + 3 * nthreads] = v3;
+    }
+    for (; i < m; i += nthreads) d[i] = ld_nc_v4(s + i);
+  } else if ((a & 3u) == 0) {
+    const int* s = reinterpret_cast<const int*>(src);
+    int* d = reinterpret_cast<int*>(dst);
+    for (int64_t i = tid; i < n / 4; i += nthreads) d[i] = s[i];
+  } else {
+    const char* s = reinterpret_cast<const char*>(src);
+    char* d = reinterpret_cast<char*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = s[i];
+  }
+}
+
+// Zeroes `n` bytes with all threads of the grid, 16 bytes at a time where aligned.
+__device__ __forceinline__ void grid_zero_bytes(void* dst, int64_t n, int64_t tid, int64_t nthreads) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(dst) | (uintptr_t)n;
+  if ((a & 15u) == 0) {
+    int4* d = reinterpret_cast<int4*>(dst);
+    for (int64_t i = tid; i < n / 16; i += nthreads) d[i] = make_int4(0, 0, 0, 0);
+  } else {
+    char* d = reinterpret_cast<char*>(dst);
+    for (int64_t i = tid; i < n; i += nthreads) d[i] = 0;
+  }
+}
+
+}  // namespace uccl_ep::intranode

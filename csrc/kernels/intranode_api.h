@@ -1,0 +1,90 @@
+// Host-side interface of the intranode (NVLink / xGMI) high-throughput path.
+//
+// Plain C++ (no GPU headers), so the pybind11 bindings compile with the host compiler; the implementation
+// lives in intranode_buffer.cu / layout.cu / intranode.cu and is built only when nvcc or hipcc is found.
+// Every pointer and stream crosses this boundary as an integer: the native module never sees torch.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace uccl_ep::intranode {
+
+constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
+
+// Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.
+struct RowLayout {
+  int64_t cap_rows = 0;  // rows that fit
+  int64_t off_x = 0, off_scales = 0, off_topk_idx = 0, off_topk_w = 0, off_src = 0;
+};
+
+// Computes the layout of `rows` of (x_bytes, scale_bytes, topk*8, topk*4, 4) in `data_bytes`.
+RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk,
+                          bool with_src);
+
+class IntranodeBuffer {
+ public:
+  // Allocates `num_bytes` of device memory on `device` (header + data), zeroed, shareable by IPC.
+  IntranodeBuffer(int device, int rank, int num_ranks, int64_t num_bytes, double timeout_s);
+  ~IntranodeBuffer();
+  IntranodeBuffer(const IntranodeBuffer&) = delete;
+  IntranodeBuffer& operator=(const IntranodeBuffer&) = delete;
+
+  std::string ipc_handle() const;                         // this rank's handle, as bytes
+  void open_peers(const std::vector<std::string>& handles);  // every rank's handle, in rank order
+  void destroy();                                          // closes peer mappings, frees everything
+  bool is_open() const { return opened_; }
+
+  int64_t header_bytes() const;
+  int64_t data_bytes() const;
+  int64_t local_ptr() const { return reinterpret_cast<int64_t>(base_); }
+
+  // Device-side error record (timeouts, capacity): "" when none.
+  std::string error() const;
+  void clear_error();
+
+  // get_dispatch_layout: outputs must be zeroed int32 [R], int32 [E], and bool [N, R].
+  void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int64_t out_per_rank,
+                       int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
+
+  // Counts exchange. Writes send_pos [N, R] int32 (row of token t among rows sent to r, -1 if none) and
+  // info int32 [R*R + experts_per_rank]: the rank prefix matrix, then this rank's per-local-expert counts.
+  void notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
+              int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info, int num_worst_tokens,
+              int64_t stream);
+
+  // Push dispatch. flags: kWithTopk (topk_idx given: recv ids/weights written), kWithWeights,
+  // kWithSrc (fresh dispatch: recv_src_idx written). Cached dispatch passes 0. Scales when scale_bytes > 0.
+  static constexpr int kWithTopk = 1, kWithWeights = 2, kWithSrc = 4;
+  void dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
+                int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens, int64_t send_pos,
+                int64_t rank_prefix, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
+                int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int num_sms, int64_t stream);
+
+  // Push combine: rows (dtype 0 bf16, 1 fp16, 2 fp32) back to their sources, summed in float32 in rank
+  // order, then + bias_0 + bias_1 (same dtype as x), rounded once.
+  void combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens, int64_t send_pos,
+               int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out, int64_t out_topk_weights,
+               int num_sms, int64_t stream);
+
+  int rank() const { return rank_; }
+  int num_ranks() const { return num_ranks_; }
+
+ private:
+  void check_open(const char* what) const;
+  int* claim_ptr() const;
+  int device_ = 0, rank_ = 0, num_ranks_ = 1;
+  int64_t num_bytes_ = 0;
+  void* base_ = nullptr;            // this rank's device buffer
+  void* peers_[kMaxRanks] = {};     // every rank's buffer as mapped here (own included)
+  bool opened_ = false;
+  void* err_host_ = nullptr;        // pinned, mapped error record
+  void* err_dev_ = nullptr;
+  uint64_t sig_total_ = 0;          // blocks signalled by all previous ops (same on every rank)
+  int64_t timeout_cycles_ = 0;
+  int num_device_sms_ = 0;
+};
+
+}  // namespace uccl_ep::intranode

@@ -1,0 +1,309 @@
+// IntranodeBuffer: the IPC-shared device buffer of one rank, its peers' mappings, and the op launchers.
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+
+#include "common/check.h"
+#include "kernels/launch.cuh"
+
+namespace uccl_ep::intranode {
+
+namespace {
+int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+gpuStream_t as_stream(int64_t s) { return reinterpret_cast<gpuStream_t>(s); }
+template <typename T>
+T* as_ptr(int64_t p) {
+  return reinterpret_cast<T*>(p);
+}
+}  // namespace
+
+RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
+  RowLayout l;
+  const int64_t per_row = x_bytes + scale_bytes + (int64_t)num_topk * 12 + (with_src ? 4 : 0);
+  const int64_t slack = 5 * 256;  // alignment of the five arrays
+  if (per_row <= 0 || data_bytes <= slack) return l;
+  l.cap_rows = (data_bytes - slack) / per_row;
+  int64_t off = 0;
+  l.off_x = off;
+  off = align_up(off + l.cap_rows * x_bytes, 256);
+  l.off_scales = off;
+  off = align_up(off + l.cap_rows * scale_bytes, 256);
+  l.off_topk_idx = off;
+  off = align_up(off + l.cap_rows * num_topk * 8, 256);
+  l.off_topk_w = off;
+  off = align_up(off + l.cap_rows * num_topk * 4, 256);
+  l.off_src = off;
+  return l;
+}
+
+IntranodeBuffer::IntranodeBuffer(int device, int rank, int num_ranks, int64_t num_bytes, double timeout_s)
+    : device_(device), rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes) {
+  UCCL_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks,
+             "intranode buffer: num_ranks " << num_ranks << " outside [1, " << kMaxRanks << "] (one NVLink domain)");
+  UCCL_CHECK(rank >= 0 && rank < num_ranks, "intranode buffer: rank " << rank << " outside [0, " << num_ranks << ")");
+  UCCL_CHECK(num_bytes >= kHeaderBytes, "intranode buffer: num_nvl_bytes " << num_bytes << " is smaller than the "
+                                                                            << kHeaderBytes << "-byte header");
+  UCCL_CHECK_GPU(gpuSetDevice(device));
+  int clock_khz = 0;
+#if defined(UCCL_EP_WITH_HIP)
+  UCCL_CHECK_GPU(hipDeviceGetAttribute(&clock_khz, hipDeviceAttributeClockRate, device));
+  UCCL_CHECK_GPU(hipDeviceGetAttribute(&num_device_sms_, hipDeviceAttributeMultiprocessorCount, device));
+#else
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device));
+#endif
+  if (clock_khz <= 0) clock_khz = 2000000;
+  timeout_cycles_ = (int64_t)(timeout_s * (double)clock_khz * 1000.0);
+  UCCL_CHECK_GPU(gpuMalloc(&base_, (size_t)num_bytes));
+  // Zero before the handle leaves this process: peers rely on signals starting at 0.
+  gpuError_t e = gpuMemset(base_, 0, (size_t)num_bytes);
+  if (e == gpuSuccess) e = gpuHostAlloc(&err_host_, sizeof(ErrorRecord), gpuHostAllocMapped | gpuHostAllocPortable);
+  if (e == gpuSuccess) {
+    std::memset(err_host_, 0, sizeof(ErrorRecord));
+    e = gpuHostGetDevicePointer(&err_dev_, err_host_, 0);
+  }
+  if (e == gpuSuccess) e = gpuGetLastError();
+#if defined(UCCL_EP_WITH_HIP)
+  if (e == gpuSuccess) e = hipDeviceSynchronize();
+#else
+  if (e == gpuSuccess) e = cudaDeviceSynchronize();
+#endif
+  if (e != gpuSuccess) {
+    destroy();
+    UCCL_THROW("intranode buffer: allocating " << num_bytes << " bytes on device " << device
+                                               << " failed: " << gpuGetErrorString(e));
+  }
+  peers_[rank_] = base_;
+}
+
+IntranodeBuffer::~IntranodeBuffer() {
+  try {
+    destroy();
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "uccl_ep_train native: ~IntranodeBuffer: %s\n", ex.what());
+  }
+}
+
+std::string IntranodeBuffer::ipc_handle() const {
+  UCCL_CHECK(base_ != nullptr, "intranode buffer: destroyed");
+  gpuIpcMemHandle_t h;
+  UCCL_CHECK_GPU(gpuIpcGetMemHandle(&h, base_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
+  UCCL_CHECK(base_ != nullptr, "intranode buffer: destroyed");
+  UCCL_CHECK(!opened_, "intranode buffer: peers already opened");
+  UCCL_CHECK((int)handles.size() == num_ranks_, "intranode buffer: expected " << num_ranks_ << " IPC handles, got "
+                                                                               << handles.size());
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  for (int r = 0; r < num_ranks_; ++r) {
+    if (r == rank_) continue;
+    UCCL_CHECK(handles[r].size() == sizeof(gpuIpcMemHandle_t), "intranode buffer: IPC handle of rank " << r
+                                                                                                      << " has the wrong size");
+    gpuIpcMemHandle_t h;
+    std::memcpy(&h, handles[r].data(), sizeof(h));
+    void* p = nullptr;
+    gpuError_t e = gpuIpcOpenMemHandle(&p, h, gpuIpcMemLazyEnablePeerAccess);
+    if (e != gpuSuccess) {
+      for (int q = 0; q < r; ++q)
+        if (q != rank_ && peers_[q] != nullptr) {
+          (void)gpuIpcCloseMemHandle(peers_[q]);
+          peers_[q] = nullptr;
+        }
+      UCCL_THROW("intranode buffer: rank " << rank_ << " could not map the buffer of rank " << r
+                                           << " (cudaIpcOpenMemHandle: " << gpuGetErrorString(e)
+                                           << "); are all ranks on one node with peer access?");
+    }
+    peers_[r] = p;
+  }
+  opened_ = true;
+}
+
+void IntranodeBuffer::destroy() {
+  gpuError_t first = gpuSuccess;
+  if (base_ != nullptr || err_host_ != nullptr) (void)gpuSetDevice(device_);
+  for (int r = 0; r < kMaxRanks; ++r) {
+    if (r != rank_ && peers_[r] != nullptr) {
+      gpuError_t e = gpuIpcCloseMemHandle(peers_[r]);
+      if (first == gpuSuccess) first = e;
+    }
+    peers_[r] = nullptr;
+  }
+  opened_ = false;
+  if (base_ != nullptr) {
+    gpuError_t e = gpuFree(base_);
+    if (first == gpuSuccess) first = e;
+    base_ = nullptr;
+  }
+  if (err_host_ != nullptr) {
+    gpuError_t e = gpuFreeHost(err_host_);
+    if (first == gpuSuccess) first = e;
+    err_host_ = err_dev_ = nullptr;
+  }
+  if (first != gpuSuccess) UCCL_THROW("intranode buffer: releasing resources failed: " << gpuGetErrorString(first));
+}
+
+int64_t IntranodeBuffer::header_bytes() const { return kHeaderBytes; }
+int64_t IntranodeBuffer::data_bytes() const { return num_bytes_ - kHeaderBytes; }
+
+std::string IntranodeBuffer::error() const {
+  if (err_host_ == nullptr) return "";
+  const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
+  if (r->code <= 0) return "";
+  static const char* phases[] = {"?", "notify", "dispatch", "combine"};
+  const char* phase = (r->phase >= 1 && r->phase <= 3) ? phases[r->phase] : "?";
+  std::ostringstream os;
+  switch (r->code) {
+    case kErrTimeout:
+      os << "timeout on rank " << r->rank << " waiting for rank " << r->peer << " (block/channel " << r->block
+         << ", phase " << phase << ", signal " << r->have << " < " << r->need
+         << "); is every rank calling the same op with the same num_sms? (UCCL_EP_TIMEOUT_S)";
+      break;
+    case kErrCapacity:
+      os << "buffer too small on rank " << r->peer << " (phase " << phase << "): " << r->need
+         << " rows needed, " << r->have << " fit; pass a larger num_nvl_bytes";
+      break;
+    case kErrWorstTokens:
+      os << "rank " << r->rank << " receives " << r->need << " tokens, more than num_worst_tokens=" << r->have;
+      break;
+    default:
+      os << "error code " << r->code << " on rank " << r->rank;
+  }
+  return os.str();
+}
+
+void IntranodeBuffer::clear_error() {
+  if (err_host_ != nullptr) std::memset(err_host_, 0, sizeof(ErrorRecord));
+  if (base_ != nullptr) {
+    UCCL_CHECK_GPU(gpuSetDevice(device_));
+    UCCL_CHECK_GPU(gpuMemset(claim_ptr(), 0, sizeof(int)));
+  }
+}
+
+int* IntranodeBuffer::claim_ptr() const {
+  return reinterpret_cast<int*>(static_cast<char*>(base_) + kErrorClaimOffset);
+}
+
+void IntranodeBuffer::check_open(const char* what) const {
+  UCCL_CHECK(base_ != nullptr, what << ": the intranode buffer was destroyed");
+  UCCL_CHECK(opened_, what << ": peers' IPC buffers are not opened yet");
+}
+
+void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
+                                      int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,
+                                      int64_t stream) {
+  UCCL_CHECK(base_ != nullptr, "get_dispatch_layout: the intranode buffer was destroyed");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  if (num_tokens == 0) return;
+  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_,
+                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
+                         as_stream(stream));
+}
+
+static PeerPtrs peer_ptrs(void* const* peers) {
+  PeerPtrs p{};
+  for (int r = 0; r < kMaxRanks; ++r) p.p[r] = static_cast<char*>(peers[r]);
+  return p;
+}
+
+void IntranodeBuffer::notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
+                             int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info,
+                             int num_worst_tokens, int64_t stream) {
+  check_open("dispatch (notify)");
+  UCCL_CHECK(num_experts % num_ranks_ == 0, "num_experts " << num_experts << " not divisible by " << num_ranks_);
+  UCCL_CHECK(num_ranks_ + num_experts / num_ranks_ <= kCountsSlotInts,
+             "num_experts " << num_experts << " too large for the counts exchange");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  NotifyArgs a{};
+  a.peers = peer_ptrs(peers_);
+  a.rank = rank_;
+  a.num_ranks = num_ranks_;
+  a.num_tokens = num_tokens;
+  a.num_experts = num_experts;
+  a.num_worst_tokens = num_worst_tokens;
+  a.per_rank = as_ptr<const int>(num_tokens_per_rank);
+  a.per_expert = as_ptr<const int>(num_tokens_per_expert);
+  a.in_rank = as_ptr<const bool>(is_token_in_rank);
+  a.send_pos = as_ptr<int>(out_send_pos);
+  a.info = as_ptr<int>(out_info);
+  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  launch_notify(a, as_stream(stream));
+  sig_total_ += 1;
+}
+
+void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
+                               int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens,
+                               int64_t send_pos, int64_t rank_prefix, int64_t recv_x, int64_t recv_scales,
+                               int64_t recv_topk_idx, int64_t recv_topk_weights, int64_t recv_src_idx,
+                               int64_t out_rows, int num_sms, int64_t stream) {
+  check_open("dispatch");
+  UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
+                                                                               << num_device_sms_ << "]");
+  UCCL_CHECK(scale_bytes % 4 == 0, "dispatch: scale row bytes " << scale_bytes << " not a multiple of 4");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  DispatchArgs a{};
+  a.with_topk = (flags & kWithTopk) != 0;
+  a.with_weights = a.with_topk && (flags & kWithWeights) != 0;
+  a.with_src = (flags & kWithSrc) != 0;
+  a.peers = peer_ptrs(peers_);
+  a.rank = rank_;
+  a.num_ranks = num_ranks_;
+  a.num_tokens = num_tokens;
+  a.num_topk = a.with_topk ? num_topk : 0;
+  a.experts_per_rank = experts_per_rank;
+  a.x = as_ptr<const char>(x);
+  a.x_bytes = x_bytes;
+  a.scales = as_ptr<const char>(scales);
+  a.scale_bytes = scale_bytes;
+  a.topk_idx = as_ptr<const int64_t>(topk_idx);
+  a.topk_w = as_ptr<const float>(topk_weights);
+  a.send_pos = as_ptr<const int>(send_pos);
+  a.rank_prefix = as_ptr<const int>(rank_prefix);
+  a.recv_x = as_ptr<char>(recv_x);
+  a.recv_scales = as_ptr<char>(recv_scales);
+  a.recv_idx = as_ptr<int64_t>(recv_topk_idx);
+  a.recv_w = as_ptr<float>(recv_topk_weights);
+  a.recv_src = as_ptr<int>(recv_src_idx);
+  a.out_rows = out_rows;
+  a.lay = make_row_layout(data_bytes(), x_bytes, scale_bytes, a.num_topk, a.with_src);
+  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  launch_dispatch(a, num_sms, as_stream(stream));
+  sig_total_ += (uint64_t)num_sms;
+}
+
+void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
+                              int64_t send_pos, int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out,
+                              int64_t out_topk_weights, int num_sms, int64_t stream) {
+  check_open("combine");
+  UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
+                                                                              << num_device_sms_ << "]");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  CombineArgs a{};
+  a.peers = peer_ptrs(peers_);
+  a.rank = rank_;
+  a.num_ranks = num_ranks_;
+  a.num_tokens = num_tokens;
+  a.hidden = hidden;
+  a.with_weights = with_weights;
+  a.num_topk = with_weights ? num_topk : 0;
+  UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
+             "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
+  a.dtype = dtype;
+  a.x = as_ptr<const void>(x);
+  a.topk_w = as_ptr<const float>(topk_weights);
+  a.send_pos = as_ptr<const int>(send_pos);
+  a.rank_prefix = as_ptr<const int>(rank_prefix);
+  a.bias0 = as_ptr<const void>(bias0);  // 0 -> nullptr: no bias
+  a.bias1 = as_ptr<const void>(bias1);
+  a.out = as_ptr<void>(out);
+  a.out_w = as_ptr<float>(out_topk_weights);
+  const int64_t elem = dtype == kDtypeFp32 ? 4 : 2;
+  a.lay = make_row_layout(data_bytes(), (int64_t)hidden * elem, 0, a.num_topk, false);
+  // combine uses off_x for rows and off_topk_w for weights: keep them where make_row_layout put them
+  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  launch_combine(a, num_sms, as_stream(stream));
+  sig_total_ += (uint64_t)num_sms;
+}
+
+}  // namespace uccl_ep::intranode

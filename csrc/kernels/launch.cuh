@@ -1,0 +1,87 @@
+// Kernel argument structs and launchers of the intranode path (internal to csrc/kernels).
+#pragma once
+
+#include <cstdint>
+
+#include "common/portability.h"
+#include "kernels/device_utils.cuh"
+#include "kernels/intranode_api.h"
+
+namespace uccl_ep::intranode {
+
+constexpr int kDispatchThreads = 512;
+constexpr int kCombineThreads = 512;
+constexpr int kNotifyThreads = 1024;
+constexpr int kLayoutThreads = 256;
+
+struct PeerPtrs {
+  char* p[kMaxRanks];  // every rank's buffer base as mapped on this GPU (own included)
+};
+
+struct SignalArgs {
+  uint64_t base;           // blocks signalled by all previous ops
+  int64_t timeout_cycles;  // per wait
+  ErrorRecord* err;        // pinned host memory, mapped
+  int* claim;              // in this rank's device buffer (kErrorClaimOffset)
+};
+
+struct NotifyArgs {
+  PeerPtrs peers;
+  int rank, num_ranks, num_tokens, num_experts, num_worst_tokens;
+  const int* per_rank;
+  const int* per_expert;
+  const bool* in_rank;
+  int* send_pos;
+  int* info;
+  SignalArgs sig;
+};
+
+struct DispatchArgs {
+  PeerPtrs peers;
+  int rank, num_ranks, num_tokens, num_topk, experts_per_rank;
+  const char* x;
+  int64_t x_bytes;
+  const char* scales;
+  int64_t scale_bytes;
+  const int64_t* topk_idx;
+  const float* topk_w;
+  const int* send_pos;
+  const int* rank_prefix;
+  char* recv_x;
+  char* recv_scales;
+  int64_t* recv_idx;
+  float* recv_w;
+  int* recv_src;
+  int64_t out_rows;
+  bool with_topk;     // fresh dispatch with topk_idx: recv_idx / recv_w are written (w = 0 without weights)
+  bool with_weights;  // topk_weights given
+  bool with_src;      // fresh dispatch: recv_src is written
+  RowLayout lay;
+  SignalArgs sig;
+};
+
+enum CombineDtype : int { kDtypeBf16 = 0, kDtypeFp16 = 1, kDtypeFp32 = 2 };
+
+struct CombineArgs {
+  PeerPtrs peers;
+  int rank, num_ranks, num_tokens, hidden, num_topk, dtype;
+  const void* x;  // [rows, hidden] of dtype
+  const float* topk_w;
+  const int* send_pos;
+  const int* rank_prefix;
+  const void* bias0;  // [num_tokens, hidden] of dtype, or null
+  const void* bias1;
+  void* out;
+  float* out_w;
+  bool with_weights;  // topk_weights given: rows carry weights and out_w is written
+  RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
+  SignalArgs sig;
+};
+
+void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream);
+void launch_notify(const NotifyArgs& a, gpuStream_t stream);
+void launch_dispatch(const DispatchArgs& a, int num_blocks, gpuStream_t stream);
+void launch_combine(const CombineArgs& a, int num_blocks, gpuStream_t stream);
+
+}  // namespace uccl_ep::intranode

@@ -1,0 +1,54 @@
+// get_dispatch_layout: per-rank and per-expert token counts and the token-in-rank mask from topk_idx.
+#include "common/check.h"
+#include "kernels/launch.cuh"
+
+namespace uccl_ep::intranode {
+
+// Counts in shared memory, then one global atomic per non-zero counter per block (outputs start zeroed).
+__global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const int64_t* topk_idx, int num_tokens,
+                                                                         int num_topk, int num_experts,
+                                                                         int num_ranks, int* per_rank,
+                                                                         int* per_expert, bool* in_rank) {
+  extern __shared__ int s_counts[];  // [num_experts + num_ranks]
+  for (int i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) s_counts[i] = 0;
+  __syncthreads();
+  const int experts_per_rank = num_experts / num_ranks;
+  for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
+    unsigned mask = 0;
+    for (int k = 0; k < num_topk; ++k) {
+      const int64_t e = topk_idx[(int64_t)t * num_topk + k];
+      if (e < 0 || e >= num_experts) continue;  // -1: no selection
+      atomicAdd(&s_counts[e], 1);
+      mask |= 1u << (int)(e / experts_per_rank);
+    }
+    for (int r = 0; r < num_ranks; ++r) {
+      const bool hit = (mask >> r) & 1u;
+      in_rank[(int64_t)t * num_ranks + r] = hit;
+      if (hit) atomicAdd(&s_counts[num_experts + r], 1);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) {
+    const int c = s_counts[i];
+    if (c == 0) continue;
+    if (i < num_experts)
+      atomicAdd(&per_expert[i], c);
+    else
+      atomicAdd(&per_rank[i - num_experts], c);
+  }
+}
+
+void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream) {
+  UCCL_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks " << num_ranks << " out of [1, " << kMaxRanks << "]");
+  UCCL_CHECK(num_experts % num_ranks == 0, "num_experts " << num_experts << " not divisible by " << num_ranks);
+  const int smem = (num_experts + num_ranks) * (int)sizeof(int);
+  UCCL_CHECK(smem <= 48 * 1024, "num_experts " << num_experts << " too large for the layout kernel");
+  int blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
+  blocks = blocks < 1 ? 1 : (blocks > 128 ? 128 : blocks);
+  dispatch_layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(topk_idx, num_tokens, num_topk, num_experts,
+                                                                   num_ranks, per_rank, per_expert, in_rank);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+}  // namespace uccl_ep::intranode

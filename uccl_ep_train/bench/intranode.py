@@ -1,0 +1,260 @@
+"""`uccl-ep-train bench intranode`: high-throughput dispatch/combine on the GPUs of one node.
+
+DeepEP's conventions, so lines compare with its tests/test_intranode.py: per-rank "NVL GB/s" = bytes
+this rank receives (its own tokens included) over the kernel time, and µs per call. Kernel time is read
+from the profiler (kernels whose names contain `dispatch` / `combine`), as DeepEP's bench_kineto does;
+the time the Python API takes (events around the Buffer call, host work included) is printed beside it.
+Timed like DeepEP's tuning: cached-handle dispatch (BF16 and FP8 + scales) and combine (BF16) per SM
+count; the fresh dispatch (layout exchange + one host sync for the receive size) is timed once per SM
+count as API time. NCCL all_to_all_single moving the same bytes is the yardstick.
+
+Runs its own ranks (torch.multiprocessing, one per GPU) unless started by torchrun. Writes `--json PATH`
+(records: bench, op, ranks, gbps, us, device, sms, tokens, hidden, topk, experts, backend, timing) and
+`--plot PATH.png` (GB/s against SMs).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+FP8_BLOCK = 128
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench intranode", description=__doc__.splitlines()[0])
+    p.add_argument("--num-processes", type=int, default=0, help="ranks to spawn (default: all visible GPUs)")
+    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=256)
+    p.add_argument("--sms", default="8,16,24", help="comma-separated SM counts to sweep")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--backend", default="native", choices=("native", "reference"))
+    p.add_argument("--num-nvl-bytes", type=float, default=0, help="NVLink buffer bytes (default: what the shape needs)")
+    p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--json", default=None, help="write the records here")
+    p.add_argument("--plot", default=None, help="draw GB/s vs SMs into this PNG (needs matplotlib)")
+    return p.parse_args(argv)
+
+
+def _kernel_us(fn, names, iters, warmup):
+    """Mean device time per call of kernels whose name contains one of `names` (µs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    total = 0.0
+    for evt in prof.events():
+        if any(n in evt.name for n in names):
+            dt = getattr(evt, "device_time", None)
+            if dt is None:
+                dt = getattr(evt, "cuda_time", 0.0)
+            total += float(dt)
+    return total / iters
+
+
+def _api_us(fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / iters
+
+
+def _rank_main(rank: int, world: int, args) -> list[dict]:
+    from uccl_ep_train import Buffer, Config
+    from uccl_ep_train.fp8 import fp8_dtype_for, per_token_cast_to_fp8
+
+    os.environ["UCCL_EP_BACKEND"] = args.backend
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    g = torch.Generator(device=dev).manual_seed(1234 + rank)
+    x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
+    scores = torch.randn((T, E), device=dev, generator=g).abs() + 1
+    topk_idx = torch.topk(scores, K, dim=-1, largest=True, sorted=False).indices.to(torch.int64)
+    topk_w = torch.rand((T, K), device=dev, generator=g)
+    x_fp8 = per_token_cast_to_fp8(x, dtype=fp8_dtype_for(dev))
+
+    nvl = int(args.num_nvl_bytes) or (world * T * (H * 2 + K * 12 + H // FP8_BLOCK * 4 + 4) + (64 << 20))
+    buf = Buffer(group, nvl, 0)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+    cfg0 = Config(24, 6, 256)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                   num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                                                   topk_weights=topk_w, config=cfg0)
+    num_recv = recv_x.size(0)
+    bf16_bytes = num_recv * H * 2
+    fp8_bytes = num_recv * (H + H // FP8_BLOCK * 4)
+    name = torch.cuda.get_device_name(dev)
+    shape = {"tokens": T, "hidden": H, "topk": K, "experts": E}
+    records = []
+
+    def rec(op, us, nbytes, sms, timing):
+        records.append({"bench": "intranode", "op": op, "ranks": world, "rank": rank, "gbps": nbytes / us / 1e3,
+                        "us": us, "bytes": nbytes, "device": name, "sms": sms, "backend": buf.backend_name,
+                        "timing": timing, **shape})
+
+    for sms in [int(s) for s in args.sms.split(",") if s]:
+        cfg = Config(sms, 6, 256)
+        d_bf16 = lambda: buf.dispatch(x, handle=handle, config=cfg)  # noqa: E731
+        d_fp8 = lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)  # noqa: E731
+        comb = lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)  # noqa: E731
+        fresh = lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,  # noqa: E731
+                                     num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w,
+                                     config=cfg)
+        runs = [("dispatch_bf16", d_bf16, bf16_bytes, ("dispatch",))]
+        if not args.no_fp8:
+            runs.append(("dispatch_fp8", d_fp8, fp8_bytes, ("dispatch",)))
+        runs.append(("combine", comb, bf16_bytes, ("combine",)))
+        for op, fn, nbytes, names in runs:
+            if buf.backend_name == "native":
+                rec(op, _kernel_us(fn, names, args.iters, args.warmup), nbytes, sms, "kernel")
+            rec(op, _api_us(fn, args.iters, args.warmup), nbytes, sms, "api")
+        rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2), bf16_bytes, sms, "api")
+
+    if not args.no_nccl:
+        # the same bytes through NCCL: every rank sends num_recv rows' worth, split evenly over ranks
+        n = (bf16_bytes // 2) // world * world
+        inp = torch.randn(n, device=dev).to(torch.bfloat16)
+        out = torch.empty_like(inp)
+        a2a = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
+        rec("nccl_all_to_all", _api_us(a2a, args.iters, args.warmup), n * 2, 0, "api")
+    buf.destroy()
+    return records
+
+
+def _worker(rank, world, port, args, q):
+    try:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=300), device_id=torch.device("cuda", rank))
+        q.put((rank, _rank_main(rank, world, args)))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException as exc:  # report, do not hang the parent
+        import traceback
+
+        q.put((rank, f"rank {rank} failed: {exc}\n{traceback.format_exc()}"))
+
+
+def _summarise(records: list[dict]) -> list[dict]:
+    """Mean over ranks per (op, sms, timing); also keeps the slowest rank's GB/s."""
+    keys = {}
+    for r in records:
+        keys.setdefault((r["op"], r["sms"], r["timing"]), []).append(r)
+    out = []
+    for (op, sms, timing), rs in sorted(keys.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+        base = {k: v for k, v in rs[0].items() if k not in ("rank", "gbps", "us", "bytes")}
+        base.update(gbps=sum(r["gbps"] for r in rs) / len(rs), gbps_min=min(r["gbps"] for r in rs),
+                    us=sum(r["us"] for r in rs) / len(rs), bytes=sum(r["bytes"] for r in rs) // len(rs))
+        out.append(base)
+    return out
+
+
+def _print(summary: list[dict]) -> None:
+    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
+    for r in summary:
+        print(f"{r['op']:<22}{r['timing']:<8}{r['sms']:>5}{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
+
+
+def _plot(summary: list[dict], path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot: matplotlib is not installed; skipped", file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in ("dispatch_bf16", "dispatch_fp8", "combine"):
+        pts = [(r["sms"], r["gbps"]) for r in summary if r["op"] == op and r["timing"] == "kernel"]
+        if pts:
+            ax.plot(*zip(*sorted(pts)), marker="o", label=f"{op} (kernel)")
+    for r in summary:
+        if r["op"] == "nccl_all_to_all":
+            ax.axhline(r["gbps"], linestyle="--", color="gray", label="NCCL all_to_all_single")
+    if summary:
+        s = summary[0]
+        ax.set_title(f"intranode, {s['ranks']}x {s['device']}, {s['tokens']} tok/rank, hidden {s['hidden']}, "
+                     f"top-{s['topk']}, {s['experts']} experts", fontsize=9)
+    ax.set_xlabel("SMs")
+    ax.set_ylabel("NVL GB/s per rank (DeepEP convention)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    if not torch.cuda.is_available():
+        print("bench intranode: needs CUDA/HIP GPUs", file=sys.stderr)
+        return 2
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+        dist.init_process_group("nccl")
+        records = _rank_main(rank, world, args)
+        gathered: list = [None] * world
+        dist.all_gather_object(gathered, records)
+        dist.destroy_process_group()
+        if rank != 0:
+            return 0
+        records = [r for rs in gathered for r in rs]
+    else:
+        import torch.multiprocessing as mp
+
+        world = args.num_processes or torch.cuda.device_count()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        q = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, world, port, args, q), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        records, errors = [], []
+        for _ in range(world):
+            rank, payload = q.get(timeout=1800)
+            (errors.append(payload) if isinstance(payload, str) else records.extend(payload))
+        for p in procs:
+            p.join(timeout=30)
+        if errors:
+            print("\n".join(errors), file=sys.stderr)
+            return 1
+    summary = _summarise(records)
+    _print(summary)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        _plot(summary, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
