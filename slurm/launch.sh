@@ -67,9 +67,12 @@ count_gpus() {
   for v in "${SLURM_JOB_GPUS:-}" "${CUDA_VISIBLE_DEVICES:-}"; do
     if [ -n "$v" ]; then echo "$v" | tr ',' '\n' | grep -c .; return; fi
   done
-  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then nvidia-smi -L | grep -c '^GPU'; return; fi
-  if command -v rocm-smi >/dev/null 2>&1; then rocm-smi --showid 2>/dev/null | grep -c 'GPU\[' && return; fi
-  echo 1
+  n=0
+  if command -v nvidia-smi >/dev/null 2>&1; then n=$( (nvidia-smi -L 2>/dev/null || true) | grep -c '^GPU' || true); fi
+  if [ "${n:-0}" -eq 0 ] && command -v rocm-smi >/dev/null 2>&1; then
+    n=$( (rocm-smi --showid 2>/dev/null || true) | grep -o 'GPU\[[0-9]*\]' | sort -u | grep -c . || true)
+  fi
+  if [ "${n:-0}" -gt 0 ]; then echo "$n"; else echo 1; fi
 }
 
 NNODES=${NNODES:-${SLURM_JOB_NUM_NODES:-${SLURM_NNODES:-1}}}
@@ -93,7 +96,7 @@ if [ -z "${UCCL_SOCKET_IFNAME:-}" ]; then
   if [ -n "${NCCL_SOCKET_IFNAME:-}" ]; then
     UCCL_SOCKET_IFNAME=$NCCL_SOCKET_IFNAME
   elif command -v ip >/dev/null 2>&1; then
-    UCCL_SOCKET_IFNAME=$(ip -o route get "$MASTER_ADDR" 2>/dev/null | sed -n 's/.* dev \([^ ]*\).*/\1/p' | head -n1)
+    UCCL_SOCKET_IFNAME=$( (ip -o route get "$MASTER_ADDR" 2>/dev/null || true) | sed -n 's/.* dev \([^ ]*\).*/\1/p' | head -n1)
   fi
 fi
 if [ -n "${UCCL_SOCKET_IFNAME:-}" ]; then

@@ -227,26 +227,37 @@ class Recipe:
         return parser.parse_args(self.megatron_args() + list(extra or []))
 
     def transformer_config(self, **overrides: Any):
-        """megatron-core TransformerConfig (MLATransformerConfig with MLA) via Megatron's own translation.
+        """megatron-core TransformerConfig (MLATransformerConfig with MLA) via Megatron's own translation
+        (`core_transformer_config_from_args` on the parsed `megatron_args()`).
 
-        `overrides` replace config fields afterwards (e.g. `moe_token_dispatcher_type="alltoall"` or
-        `use_cpu_initialization=True`).
+        `overrides` are config fields to set (e.g. `moe_token_dispatcher_type="alltoall"`,
+        `use_cpu_initialization=True`): they go in before validation where Megatron reads them from the
+        arguments, and are set afterwards otherwise. With `uccl` registered (megatron_patch.apply()) the
+        config is validated as uccl; before that it is validated as alltoall and then labelled uccl.
         """
+        import dataclasses
+        import typing
+
         import torch
+        from megatron.core.transformer.transformer_config import TransformerConfig
         from megatron.training.argument_utils import core_transformer_config_from_args
         ns = self.parse_megatron_args()
         ns.params_dtype = torch.bfloat16 if ns.bf16 else (torch.float16 if ns.fp16 else torch.float32)
         if ns.expert_tensor_parallel_size is None:
             ns.expert_tensor_parallel_size = ns.tensor_model_parallel_size
         dispatcher = overrides.pop("moe_token_dispatcher_type", ns.moe_token_dispatcher_type)
-        ns.moe_token_dispatcher_type = "alltoall" if dispatcher == "uccl" else dispatcher
+        field = {f.name: f for f in dataclasses.fields(TransformerConfig)}["moe_token_dispatcher_type"]
+        registered = dispatcher in typing.get_args(field.type)
+        ns.moe_token_dispatcher_type = dispatcher if registered or dispatcher != "uccl" else "alltoall"
+        for k, v in overrides.items():
+            setattr(ns, k, v)
         cfg = core_transformer_config_from_args(ns)
         for k, v in overrides.items():
             if not hasattr(cfg, k):
                 raise ValueError(f"transformer_config: {type(cfg).__name__} has no field {k!r}")
-            setattr(cfg, k, v)
-        # set after validation so the config holds what the recipe asks for even before megatron_patch.apply()
-        object.__setattr__(cfg, "moe_token_dispatcher_type", dispatcher)
+            if getattr(cfg, k) != v:
+                setattr(cfg, k, v)
+        cfg.moe_token_dispatcher_type = dispatcher
         return cfg
 
 

@@ -1,0 +1,130 @@
+"""`uccl-ep-train plan`: layout validation, parameter counts, memory estimate, launch command."""
+import json
+import shlex
+
+import pytest
+
+from uccl_ep_train import plan
+from uccl_ep_train.plan import GiB, check_layout, count_params, estimate_memory, stage_layer_counts
+from uccl_ep_train.recipes import load_recipe
+
+
+def run(capsys, *argv):
+    rc = plan.main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def test_deepseek_v3_reference_layout_report(capsys):
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8")
+    assert rc == 0, err
+    for line in ("layout    TP 1 x PP 8 x CP 1 x DP 32; experts: EP 32 x ETP 1 x expert-DP 1; dispatcher uccl",
+                 "layers per pipeline stage [7, 8, 8, 8, 8, 8, 8, 6]",
+                 "params    total 671.03 B, active 36.63 B per token (3 dense + 58 MoE layers)",
+                 "each EP group spans 4 nodes"):
+        assert line in out, line
+    for term in ("weights", "gradients", "optimizer", "activations", "EP buffers", "total"):
+        assert f"  {term}" in out, term
+    assert "fits in 80 GiB" in out
+    assert "sbatch --nodes=32 --gpus-per-node=8 slurm/train.sbatch deepseek-v3" in out
+    assert "--moe-token-dispatcher-type uccl" in out
+
+
+def test_json_report(capsys):
+    rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--json")
+    assert rc == 0
+    rep = json.loads(out)
+    assert rep["layout"]["dp"] == 32 and rep["layout"]["expert_dp"] == 1 and rep["layout"]["num_microbatches"] == 32
+    assert rep["params"]["total"] == count_params(load_recipe("deepseek-v3")).total
+    mem = rep["memory"]
+    assert mem["total"] == sum(mem[k] for k in ("weights", "gradients", "optimizer", "activations", "ep_buffers"))
+    assert rep["fits"] is True
+    cmd = rep["torchrun"]
+    assert cmd[:13] == ["torchrun", "--nnodes", "32", "--nproc-per-node", "8", "--node-rank", "$NODE_RANK",
+                        "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "-m", "uccl_ep_train.cli"]
+    assert cmd[13] == "pretrain-gpt"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--nodes", "32", "--ep", "24"], "num_experts 256 is not divisible by EP 24"),
+    (["--nodes", "3", "--pp", "16"], "world size 24 is not divisible by TP*PP*CP = 1*16*1"),
+    (["--nodes", "4"], "not divisible by ETP*EP*PP = 1*32*8"),
+    (["--nodes", "32", "--pp", "4"], "num_layers is not divisible by the 4 remaining pipeline stages"),
+    (["--nodes", "32", "--pp", "8", "--keep-stage-layers", "--tp", "2"], "TP > 1 with EP > 1 needs sequence_parallel"),
+    (["--nodes", "32", "--gbs", "1000"], "global_batch_size 1000 is not divisible by micro_batch_size*DP = 1*32"),
+    (["--nodes", "32", "--tp", "3", "--ep", "8"], "num_attention_heads 128 is not divisible by TP 3"),
+])
+def test_bad_layouts_are_refused_with_a_reason(capsys, argv, message):
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--gpus-per-node", "8", *argv)
+    assert rc == 2
+    assert message in err, err
+    assert out == ""
+
+
+def test_stage_split_rules():
+    r = load_recipe("deepseek-v3")
+    assert stage_layer_counts(r) == [7] + [8] * 6 + [6]
+    assert stage_layer_counts(r.with_args(pipeline_model_parallel_size=1, decoder_first_pipeline_num_layers=None,
+                                          decoder_last_pipeline_num_layers=None)) == [61]
+    errs: list = []
+    assert stage_layer_counts(r.with_args(decoder_first_pipeline_num_layers=8), errs) == []
+    assert "num_layers - first - last = 47" in errs[0]
+    errs = []
+    stage_layer_counts(r.with_args(pipeline_model_parallel_size=1), errs)
+    assert "need pipeline_model_parallel_size > 1" in errs[0]
+
+
+def test_memory_estimate_follows_the_layout():
+    r = load_recipe("deepseek-v3")
+    base = estimate_memory(r, check_layout(r, 32, 8))
+    pb = count_params(r)
+    # stage 1 (8 MoE layers) is the heaviest; its expert weights are split 32 ways
+    assert base.stage == 1
+    assert base.params_expert == 8 * 256 * pb.routed_expert // 32
+    assert base.weights == 2 * (base.params_dense + base.params_expert)       # bf16
+    assert base.gradients == 4 * (base.params_dense + base.params_expert)     # fp32 main grads
+    assert base.ep_buffers > 0
+    # half the EP size -> twice the expert weights per GPU, and no longer fits in 80 GiB
+    r16 = r.with_args(expert_model_parallel_size=16)
+    m16 = estimate_memory(r16, check_layout(r16, 32, 8))
+    assert m16.params_expert == 2 * base.params_expert
+    assert m16.total > base.total
+    # no recompute -> more activation memory
+    r_nore = r.with_args(recompute_granularity=None)
+    assert estimate_memory(r_nore, check_layout(r_nore, 32, 8)).activations > 4 * base.activations
+    # one GPU, no parallelism: every parameter lives there
+    t = load_recipe("tiny").with_args(expert_model_parallel_size=1)
+    mt = estimate_memory(t, check_layout(t, 1, 1))
+    assert mt.params_dense + mt.params_expert == count_params(t).total
+    assert mt.ep_buffers == 0
+
+
+def test_too_small_cluster_does_not_fit(capsys):
+    rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "8", "--gpus-per-node", "8", "--ep", "8")
+    assert rc == 0
+    assert "DOES NOT FIT in 80 GiB" in out
+
+
+def test_emit_torchrun_and_env(capsys):
+    rc, out, _ = run(capsys, "--recipe", "tiny", "--nodes", "1", "--gpus-per-node", "2", "--emit", "torchrun",
+                     "--node-rank", "0", "--master-addr", "127.0.0.1", "--master-port", "29511",
+                     "--torchrun", "python -m torch.distributed.run", "--", "--train-iters", "3")
+    assert rc == 0
+    cmd = shlex.split(out)
+    assert cmd[:4] == ["python", "-m", "torch.distributed.run", "--nnodes"]
+    assert cmd[cmd.index("--master-port") + 1] == "29511"
+    assert cmd[-2:] == ["--train-iters", "3"]
+    assert cmd[cmd.index("--expert-model-parallel-size") + 1] == "2"
+    rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nic", "thor2", "--emit", "env")
+    assert rc == 0
+    assert 'export UCCL_IB_MAX_INFLIGHT_NORMAL="${UCCL_IB_MAX_INFLIGHT_NORMAL:-1}"' in out.splitlines()
+    assert 'export UCCL_IB_MAX_INFLIGHT_BYTES="${UCCL_IB_MAX_INFLIGHT_BYTES:-1572864}"' in out.splitlines()
+
+
+def test_cli_dispatches_plan(capsys):
+    from uccl_ep_train.cli import main
+    assert main(["plan", "--recipe", "deepseek-v2-lite", "--emit", "megatron-args"]) == 0
+    out = capsys.readouterr().out
+    assert "--num-experts 64" in out and "--moe-token-dispatcher-type uccl" in out
+    assert main(["plan", "--recipe", "nope"]) == 2
+    assert "unknown recipe" in capsys.readouterr().err

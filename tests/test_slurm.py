@@ -1,0 +1,148 @@
+"""slurm/launch.sh and slurm/train.sbatch under a fake Slurm environment (no Slurm, no GPUs needed)."""
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LAUNCH = ROOT / "slurm" / "launch.sh"
+SBATCH = ROOT / "slurm" / "train.sbatch"
+
+
+def base_env(tmp_path, **extra):
+    """A clean environment: no inherited SLURM_* / NCCL_* / UCCL_* variables."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
+           "PYTHONPATH": str(ROOT), "UCCL_PYTHON": sys.executable, "UCCL_LAUNCH_DRY_RUN": "1",
+           "UCCL_TORCHRUN": "torchrun", "PYTHONWARNINGS": "ignore"}
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def fake_megatron(tmp_path):
+    d = tmp_path / "Megatron-LM"
+    d.mkdir(exist_ok=True)
+    (d / "pretrain_gpt.py").write_text("# stand-in\n")
+    return d
+
+
+def launch(tmp_path, env, *args):
+    return subprocess.run(["bash", str(LAUNCH), *args], env=env, capture_output=True, text=True, timeout=120)
+
+
+def opt(cmd, name):
+    return cmd[cmd.index(name) + 1]
+
+
+def test_fake_slurm_environment_gives_the_right_torchrun_command(tmp_path):
+    mlm = fake_megatron(tmp_path)
+    dump = tmp_path / "doctor_env"
+    env = base_env(tmp_path, SLURM_JOB_ID=12345, SLURM_JOB_NUM_NODES=4, SLURM_NNODES=4, SLURM_NODEID=2,
+                   SLURM_JOB_NODELIST="gpu[003-006]", SLURM_GPUS_ON_NODE=8, NCCL_SOCKET_IFNAME="ib0",
+                   NCCL_IB_GID_INDEX=3, MEGATRON_LM_PATH=mlm,
+                   UCCL_DOCTOR_CMD=f"env > {shlex.quote(str(dump))}")
+    res = launch(tmp_path, env, "deepseek-v2-lite", "--nic", "thor2", "--", "--data-path", "/data/my corpus")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip().splitlines()[-1])
+    assert cmd[0] == "torchrun"
+    assert opt(cmd, "--nnodes") == "4"
+    assert opt(cmd, "--nproc-per-node") == "8"
+    assert opt(cmd, "--node-rank") == "2"
+    assert opt(cmd, "--master-addr") == "gpu003"
+    assert opt(cmd, "--master-port") == str(20000 + 12345 % 20000)
+    assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["uccl_ep_train.cli", "pretrain-gpt"]
+    assert opt(cmd, "--moe-token-dispatcher-type") == "uccl"
+    assert opt(cmd, "--expert-model-parallel-size") == "16"
+    assert cmd[-2:] == ["--data-path", "/data/my corpus"]
+    # the doctor ran on this node, after the environment was set up
+    seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert seen["UCCL_SOCKET_IFNAME"] == seen["NCCL_SOCKET_IFNAME"] == seen["GLOO_SOCKET_IFNAME"] == "ib0"
+    assert seen["UCCL_IB_GID_INDEX"] == seen["NCCL_IB_GID_INDEX"] == "3"
+    assert seen["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "1"              # thor2 profile beats the recipe's 8
+    assert seen["UCCL_IB_MAX_INFLIGHT_BYTES"] == "1572864"
+    assert seen["UCCL_IB_MAX_INFLIGHT_LOW_LATENCY"] == "32"        # from the recipe
+    assert seen["MASTER_ADDR"] == "gpu003" and seen["NODE_RANK"] == "2" and seen["LOCAL_WORLD_SIZE"] == "8"
+    assert seen["MEGATRON_LM_PATH"] == str(mlm)
+    assert seen["PYTHONPATH"].split(":")[0] == str(mlm)
+
+
+def test_user_settings_win_and_gid_twin_is_copied(tmp_path):
+    dump = tmp_path / "env"
+    env = base_env(tmp_path, SLURM_JOB_ID=7, SLURM_JOB_NUM_NODES=2, SLURM_NODEID=1,
+                   SLURM_JOB_NODELIST="a-node,b-node", SLURM_GPUS_PER_NODE="h100:8", UCCL_SOCKET_IFNAME="eth9",
+                   UCCL_IB_GID_INDEX=5, UCCL_IB_MAX_INFLIGHT_NORMAL=4, MEGATRON_LM_PATH=fake_megatron(tmp_path),
+                   UCCL_DOCTOR_CMD=f"env > {shlex.quote(str(dump))}")
+    res = launch(tmp_path, env, "deepseek-v2-lite")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip().splitlines()[-1])
+    assert opt(cmd, "--master-addr") == "a-node" and opt(cmd, "--nproc-per-node") == "8"
+    seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert seen["NCCL_SOCKET_IFNAME"] == "eth9" and seen["NCCL_IB_GID_INDEX"] == "5"
+    assert seen["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "4"
+
+
+def test_without_slurm_it_runs_on_one_node(tmp_path):
+    env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, UCCL_SKIP_DOCTOR=1)
+    res = launch(tmp_path, env, "tiny", "--entry", "train", "--", "--steps", "2")
+    assert res.returncode == 0, res.stderr
+    cmd = shlex.split(res.stdout.strip().splitlines()[-1])
+    assert [opt(cmd, "--nnodes"), opt(cmd, "--nproc-per-node"), opt(cmd, "--node-rank")] == ["1", "2", "0"]
+    assert opt(cmd, "--master-addr") == "127.0.0.1"
+    assert cmd[cmd.index("-m") + 1:] == ["uccl_ep_train.cli", "train", "--recipe", "tiny", "--steps", "2"]
+
+
+def test_missing_megatron_checkout_is_a_clear_error(tmp_path):
+    env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, UCCL_SKIP_DOCTOR=1)
+    res = launch(tmp_path, env, "tiny")
+    assert res.returncode == 2
+    assert "MEGATRON_LM_PATH is not set" in res.stderr and "NVIDIA/Megatron-LM" in res.stderr
+    env["MEGATRON_LM_PATH"] = str(tmp_path)
+    res = launch(tmp_path, env, "tiny")
+    assert res.returncode == 2
+    assert "has no pretrain_gpt.py" in res.stderr
+
+
+def test_layout_that_does_not_fit_stops_before_launch(tmp_path):
+    env = base_env(tmp_path, SLURM_JOB_NUM_NODES=2, SLURM_NODEID=0, SLURM_JOB_NODELIST="n[1-2]",
+                   SLURM_GPUS_ON_NODE=8, MEGATRON_LM_PATH=fake_megatron(tmp_path), UCCL_SKIP_DOCTOR=1)
+    res = launch(tmp_path, env, "deepseek-v3")
+    assert res.returncode == 2
+    assert "not divisible by ETP*EP*PP" in res.stderr and "does not fit" in res.stderr
+    assert res.stdout == ""
+
+
+def test_failed_preflight_stops_the_node(tmp_path):
+    env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, MEGATRON_LM_PATH=fake_megatron(tmp_path), UCCL_DOCTOR_CMD="false")
+    res = launch(tmp_path, env, "tiny")
+    assert res.returncode == 2
+    assert "pre-flight check failed on node 0" in res.stderr
+    assert res.stdout == ""
+
+
+def test_sbatch_runs_the_launcher_once_per_node(tmp_path):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    log = tmp_path / "srun.log"
+    (bindir / "srun").write_text(f"#!/bin/sh\nprintf '%s\\n' \"$@\" > {shlex.quote(str(log))}\n")
+    (bindir / "srun").chmod(0o755)
+    env = base_env(tmp_path, PATH=f"{bindir}:{os.environ.get('PATH', '/usr/bin:/bin')}",
+                   SLURM_SUBMIT_DIR=ROOT, MEGATRON_LM_PATH=fake_megatron(tmp_path))
+    res = subprocess.run(["bash", str(SBATCH), "deepseek-v3", "--nic", "efa", "--", "--train-iters", "5"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    args = log.read_text().splitlines()
+    assert "--ntasks-per-node=1" in args
+    i = args.index(str(LAUNCH))
+    assert args[i - 1] == "bash" and args[i + 1:] == ["deepseek-v3", "--nic", "efa", "--", "--train-iters", "5"]
+    # a missing checkout fails on the batch host, before srun
+    log.unlink()
+    env["MEGATRON_LM_PATH"] = str(tmp_path / "nowhere")
+    res = subprocess.run(["bash", str(SBATCH), "deepseek-v3"], env=env, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "MEGATRON_LM_PATH" in res.stderr and not log.exists()
+
+
+@pytest.mark.parametrize("script", [LAUNCH, SBATCH])
+def test_scripts_parse(script):
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
