@@ -29,10 +29,10 @@ setup(
         "pybind11>=2.12",
         "numpy",
         "pytest>=8",
+        "matplotlib",
     ],
     extras_require={
         "test": ["pytest>=8"],
-        "plot": ["matplotlib"],
         "gpu": ["transformer-engine[pytorch]"],
         "verbs": ["pyverbs"],
     },

@@ -1,0 +1,158 @@
+"""UCCLTokenDispatcher: megatron-core's token-dispatcher contract on uccl_ep_train's Buffer.
+
+Each token crosses the EP group once per destination rank (not once per expert, as the alltoall
+dispatcher sends it), through the autograd Dispatch/Combine pair. On the receiving rank the rows are
+expanded into expert-major order — for each local expert, rows by source rank, then source token index,
+exactly the order the alltoall dispatcher hands its experts — so SequentialMLP, GroupedMLP and TE experts
+work unchanged and see bit-identical inputs. combine_preprocess folds the expert outputs back to one row
+per received token (a local sum over this rank's experts) and the combine sums across ranks.
+Routing probabilities travel as the dispatch's top-k weights and are applied by the experts, as with
+alltoall; their gradient flows back through the combine of the weight gradients.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from uccl_ep_train import Buffer, Config
+from uccl_ep_train import autograd as ep_autograd
+
+from . import settings
+
+_buffers: dict[int, Buffer] = {}
+
+
+def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buffer:
+    """One Buffer per EP group, grown when a layer needs more bytes than it holds."""
+    num_ranks = group.size()
+    need = max(Config(Buffer.num_sms, 6, 256).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+    key = id(group)
+    buf = _buffers.get(key)
+    if buf is None or buf.num_nvl_bytes < need:
+        if buf is not None:
+            buf.destroy()
+        buf = Buffer(group, need, 0, explicitly_destroy=True)
+        _buffers[key] = buf
+    return buf
+
+
+def destroy_buffers() -> None:
+    """Free every Buffer the dispatchers made (e.g. between tests or before process exit)."""
+    for buf in _buffers.values():
+        buf.destroy()
+    _buffers.clear()
+
+
+def check_config(config: TransformerConfig) -> None:
+    """Reject, at config time, what this dispatcher does not do (with the flag to change)."""
+    if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
+        raise ValueError(f"moe_token_dispatcher_type='uccl' does not support expert tensor parallelism "
+                         f"(expert_tensor_parallel_size={config.expert_tensor_parallel_size}); set it to 1")
+    if config.moe_pad_expert_input_to_capacity:
+        raise ValueError("moe_token_dispatcher_type='uccl' does not support moe_pad_expert_input_to_capacity "
+                         "(token dropping with moe_expert_capacity_factor alone is supported)")
+    if getattr(config, "moe_router_padding_for_quantization", False):
+        raise ValueError("moe_token_dispatcher_type='uccl' does not support moe_router_padding_for_quantization")
+    if getattr(config, "moe_latent_size", None):
+        raise ValueError("moe_token_dispatcher_type='uccl' does not support moe_latent_size")
+
+
+class UCCLTokenDispatcher(MoETokenDispatcher):
+    """Token dispatcher on uccl_ep_train (`--moe-token-dispatcher-type uccl`)."""
+
+    def __init__(self, num_local_experts: int, local_expert_indices: List[int], config: TransformerConfig,
+                 pg_collection=None) -> None:
+        super().__init__(config=config, pg_collection=pg_collection)
+        check_config(config)
+        if self.tp_size > 1:
+            raise ValueError(f"moe_token_dispatcher_type='uccl': expert tensor-parallel group has size "
+                             f"{self.tp_size}; expert tensor parallelism is not supported")
+        self.num_local_experts = num_local_experts
+        self.local_expert_indices = local_expert_indices
+        self.num_experts = config.num_moe_experts
+        self.router_topk = config.moe_router_topk
+        if self.num_experts % self.ep_size:
+            raise ValueError(f"num_moe_experts ({self.num_experts}) must be divisible by the expert-parallel "
+                             f"size ({self.ep_size})")
+        if local_expert_indices and local_expert_indices[0] != self.ep_rank * num_local_experts:
+            raise ValueError("UCCLTokenDispatcher: local experts must be the contiguous block of this EP rank")
+        if settings.num_sms is not None:
+            Buffer.set_num_sms(settings.num_sms)
+        self.hidden_shape = None
+        self.topk_idx = None
+        self.handle = None
+        self.expert_rows = None
+        self.num_recv = 0
+
+    # ---- dispatch --------------------------------------------------------------------------------------
+    def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
+        """Routing map + probs -> top-k ids (-1 for dropped slots) and float32 top-k weights. Local only."""
+        self.hidden_shape = hidden_states.shape
+        hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+            raise ValueError("UCCLTokenDispatcher: routing_map must be a 2-D bool tensor [tokens, experts]")
+        # The first k selected experts of each token, in expert order (a token dropped by a capacity
+        # factor has fewer than k: its remaining slots are -1).
+        order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices
+        idx = order[:, : self.router_topk]
+        selected = routing_map.gather(1, idx)
+        self.topk_idx = torch.where(selected, idx, -1).to(torch.int64).contiguous()
+        self.probs_dtype = probs.dtype
+        weights = torch.where(selected, probs.gather(1, idx), 0).float().contiguous()
+        if self.shared_experts is not None:
+            self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
+        return hidden_states, weights
+
+    def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """One dispatch through the autograd pair: each token once per destination rank."""
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        buffer = get_buffer(self.ep_group, hidden_states.size(1) * hidden_states.element_size())
+        recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
+            buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts)
+        self.buffer, self.handle, self.recv_idx, self.tokens_per_expert_list = buffer, handle, recv_idx, counts
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc1_forward_and_act(recv_x)
+        return recv_x, recv_w
+
+    def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
+        """Expand received rows into expert-major order: (rows, tokens_per_expert, probs per row)."""
+        self.num_recv = hidden_states.size(0)
+        rows, slots = torch.nonzero(self.recv_idx >= 0, as_tuple=True)
+        experts = self.recv_idx[rows, slots]
+        order = torch.sort(experts, stable=True).indices  # rows stay in (source rank, token) order
+        rows, slots = rows[order], slots[order]
+        self.expert_rows = rows
+        tokens_per_expert = torch.tensor(self.tokens_per_expert_list, dtype=torch.int64)
+        permuted_probs = probs[rows, slots].to(self.probs_dtype)
+        return hidden_states[rows], tokens_per_expert, permuted_probs
+
+    # ---- combine ---------------------------------------------------------------------------------------
+    def combine_preprocess(self, hidden_states: torch.Tensor):
+        """Fold expert-major outputs back to one row per received token (sum over local experts)."""
+        out = hidden_states.new_zeros((self.num_recv, hidden_states.size(1)))
+        return out.index_add(0, self.expert_rows, hidden_states)
+
+    def token_combine(self, hidden_states: torch.Tensor):
+        if self.shared_experts is not None:
+            self.shared_experts.wait_current_stream()
+        out = ep_autograd.combine(self.buffer, hidden_states.contiguous(), self.handle)
+        if self.shared_experts is not None:
+            self.shared_experts.linear_fc2_forward(out)
+            self.shared_experts.post_forward_comm()
+        self.handle = None
+        self.expert_rows = None
+        return out
+
+    def combine_postprocess(self, hidden_states: torch.Tensor):
+        output = hidden_states.view(self.hidden_shape)
+        if self.shared_experts is not None:
+            output = output + self.shared_experts.get_output()
+        return output
+
