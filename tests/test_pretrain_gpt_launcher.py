@@ -1,0 +1,43 @@
+"""The pretrain-gpt launcher: finds the Megatron-LM checkout, applies the patch, strips our flags."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+FAKE_PRETRAIN = textwrap.dedent('''
+    # stands in for Megatron-LM's pretrain_gpt.py: parse args with Megatron's own parser, build a config
+    import sys
+    from megatron.training.arguments import parse_args
+    from megatron.core.transformer.transformer_config import TransformerConfig
+    args = parse_args()
+    cfg = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, num_moe_experts=4,
+                            moe_router_topk=2, moe_token_dispatcher_type=args.moe_token_dispatcher_type)
+    from megatron_patch import settings
+    print("dispatcher", cfg.moe_token_dispatcher_type, "sms", settings.num_sms, "argv", sys.argv[1:])
+''')
+
+
+def _run(args, cwd, megatron_lm=None):
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
+    if megatron_lm:
+        env["MEGATRON_LM_PATH"] = megatron_lm
+    return subprocess.run([sys.executable, "-m", "uccl_ep_train.cli", "pretrain-gpt", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=180)
+
+
+def test_launcher_runs_checkout_with_uccl(tmp_path):
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text(FAKE_PRETRAIN)
+    r = _run(["--moe-token-dispatcher-type", "uccl", "--uccl-ep-num-sms", "8"], cwd=tmp_path,
+             megatron_lm=str(checkout))
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dispatcher uccl sms 8 argv ['--moe-token-dispatcher-type', 'uccl']" in r.stdout
+
+
+def test_launcher_without_checkout_says_what_to_do(tmp_path):
+    r = _run(["--moe-token-dispatcher-type", "uccl"], cwd=tmp_path)
+    assert r.returncode != 0
+    assert "no Megatron-LM checkout found" in r.stderr and "MEGATRON_LM_PATH" in r.stderr
