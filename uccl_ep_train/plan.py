@@ -12,7 +12,7 @@ micro batch * DP, router groups, sequence parallel with TP*EP, sequence length v
 
 Memory estimate per GPU, for the heaviest pipeline stage (weights, gradients, optimizer state,
 activations, EP buffers): see docs/recipes.md for the model behind each term. It is an estimate to catch
-layouts that cannot fit, not an allocator trace. Runs on CPU; imports neither megatron nor torch.distributed.
+layouts that cannot fit, not an allocator trace. Runs on CPU and does not import megatron.
 
 `--emit torchrun` prints only the shell-quoted torchrun command for one node (what slurm/launch.sh runs);
 `--emit megatron-args` prints only the Megatron-LM arguments.
