@@ -22,7 +22,6 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["uccl_ep_train", "uccl_ep_train.*", "megatron_patch", "megatron_patch.*"]),
-    package_data={"uccl_ep_train": ["data/*.txt", "compat/deep_ep/*.py"]},
     install_requires=[
         "torch>=2.4",
         "megatron-core>=0.19,<0.20",

@@ -91,6 +91,8 @@ def test_megatron_parser_accepts_uccl_and_rejects_typos(capsys):
     parser = settings.add_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
     args = parser.parse_args(["--moe-token-dispatcher-type", "uccl", "--uccl-ep-num-sms", "8"])
     assert args.moe_token_dispatcher_type == "uccl" and args.uccl_ep_num_sms == 8
+    flex = parser.parse_args(["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "uccl"])
+    assert flex.moe_flex_dispatcher_backend == "uccl"
     with pytest.raises(SystemExit):
         parser.parse_args(["--moe-token-dispatcher-type", "ucl"])
     assert "invalid choice: 'ucl'" in capsys.readouterr().err
@@ -110,3 +112,31 @@ def test_moe_layer_parity_on_gpus():
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_ranks(_gpu_parity, 2, {}, device="cuda")
+
+
+def _flex_parity(rank: int, world: int, device: str) -> int:
+    """Megatron's flex dispatcher, DeepEP backend, with our deep_ep drop-in underneath."""
+    init_parallel(world)
+    from uccl_ep_train.compat import install_deep_ep
+    install_deep_ep()
+    outs = {}
+    for name, kw in (("alltoall", {}), ("flex", {"moe_flex_dispatcher_backend": "deepep"}),
+                     ("flex-uccl", {"moe_flex_dispatcher_backend": "uccl"})):
+        layer = build_moe_layer("flex" if name.startswith("flex") else name, **kw)
+        g = torch.Generator().manual_seed(rank)
+        x = torch.randn(6, 2, 64, generator=g).requires_grad_(True)
+        out, _ = layer(x)
+        out.sum().backward()
+        outs[name] = (out.detach(), x.grad.detach())
+        if name.startswith("flex"):
+            import deep_ep
+            from megatron.core.transformer.moe import fused_a2a
+            assert fused_a2a.Buffer is deep_ep.Buffer and "uccl_ep_train" in deep_ep.Buffer.__module__
+    for name in ("flex", "flex-uccl"):
+        torch.testing.assert_close(outs[name][0], outs["alltoall"][0], atol=1e-6, rtol=1e-5)
+        torch.testing.assert_close(outs[name][1], outs["alltoall"][1], atol=1e-6, rtol=1e-5)
+    return 1
+
+
+def test_flex_deepep_backend_runs_on_our_deep_ep():
+    assert run_ranks(_flex_parity, 2) == [1, 1]

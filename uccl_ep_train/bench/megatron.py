@@ -1,0 +1,147 @@
+"""`uccl-ep-train bench megatron`: the MoE dispatcher round trip as Megatron drives it.
+
+dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> identity experts (y = x * prob) ->
+combine_preprocess -> token_combine -> combine_postprocess, forward + backward, for the `uccl`, `alltoall`
+and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-ep-train deep-ep-path`)
+dispatchers, with the same routing. Default shape: DeepSeek-V3 layer (4096 tokens/rank, hidden 7168,
+256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
+max over ranks; JSON records with `--json PATH`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench megatron", description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=None, help="default: visible GPUs, or 2 on CPU")
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--num-topk", type=int, default=8)
+    p.add_argument("--dispatchers", default="uccl,alltoall,flex")
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world: int, dtype):
+    from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_patch.dispatcher import UCCLTokenDispatcher
+
+    cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, num_moe_experts=num_experts,
+                            moe_router_topk=topk, moe_token_dispatcher_type=kind,
+                            moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=world,
+                            moe_router_dtype="fp32", bf16=dtype == torch.bfloat16, params_dtype=dtype,
+                            add_bias_linear=False, use_cpu_initialization=True)
+    pg = get_default_pg_collection()
+    local = num_experts // world
+    rank = dist.get_rank()
+    cls = {"uccl": UCCLTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher, "flex": MoEFlexTokenDispatcher}[kind]
+    return cls(local, list(range(rank * local, (rank + 1) * local)), config=cfg, pg_collection=pg)
+
+
+def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor):
+    h, p = disp.dispatch_preprocess(hidden, routing_map, probs)
+    h, p = disp.token_dispatch(h, p)
+    h, _, p = disp.dispatch_postprocess(h, p)
+    y = h * p.unsqueeze(-1).to(h.dtype)  # identity experts
+    y = disp.combine_preprocess(y)
+    y = disp.token_combine(y)
+    out = disp.combine_postprocess(y)
+    out.backward(grad)
+    return out
+
+
+def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
+                            timeout=timedelta(minutes=10))
+    import megatron_patch
+    megatron_patch.apply()
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator().manual_seed(rank)
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
+    scores = torch.rand(T, E, generator=g)
+    top = scores.topk(K, dim=1)
+    routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top.indices, True).to(device)
+    probs_full = torch.zeros(T, E).scatter_(1, top.indices, top.values.softmax(dim=1)).to(device)
+    x = torch.randn(T, H, generator=g).to(device, dtype)
+    grad = torch.randn(T, H, generator=g).to(device, dtype)
+    records = []
+    for kind in [k for k in args.dispatchers.split(",") if k]:
+        try:
+            disp = _make_dispatcher(kind, E, K, H, world, dtype)
+        except (ImportError, ValueError, AssertionError) as exc:
+            if rank == 0:
+                print(f"[megatron] {kind}: skipped ({exc})", flush=True)
+            continue
+        times = []
+        for i in range(args.warmup + args.iters):
+            hidden = x.clone().requires_grad_(True)
+            probs = probs_full.clone().requires_grad_(True)
+            if cuda:
+                torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            round_trip(disp, hidden, routing_map, probs, grad)
+            if cuda:
+                torch.cuda.synchronize()
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+        mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
+        dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        rec = {"bench": "megatron", "op": "round_trip_fwd_bwd", "dispatcher": kind, "ranks": world,
+               "us": mean.item() * 1e6, "ms": mean.item() * 1e3, "gbps": None,
+               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "sms": None,
+               "num_tokens": T, "hidden": H, "num_experts": E, "num_topk": K, "dtype": str(dtype)}
+        if kind == "uccl":
+            rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
+        records.append(rec)
+        if rank == 0:
+            print(f"[megatron] {kind:<8} EP={world} tokens={T} hidden={H} experts={E} top-{K}: "
+                  f"{rec['ms']:.3f} ms per fwd+bwd round trip", flush=True)
+    if rank == 0 and out_path:
+        with open(out_path, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    import socket
+
+    import torch.multiprocessing as mp
+    world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_rank, args=(world, args, f"tcp://127.0.0.1:{port}", args.json), nprocs=world, join=True)
+    if args.json:
+        print(f"records: {args.json}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
