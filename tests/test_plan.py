@@ -61,6 +61,15 @@ def test_bad_layouts_are_refused_with_a_reason(capsys, argv, message):
     assert out == ""
 
 
+@pytest.mark.parametrize("name", ["deepseek-v3", "deepseek-v2-lite", "tiny"])
+def test_every_recipe_fits_its_reference_cluster(name):
+    r = load_recipe(name)
+    lay = check_layout(r, r.cluster["nodes"], r.cluster["gpus_per_node"])
+    assert lay.errors == []
+    assert sum(lay.stage_layers) == r.args["num_layers"] and len(lay.stage_layers) == r.pp
+    assert estimate_memory(r, lay).total < 80 * GiB
+
+
 def test_stage_split_rules():
     r = load_recipe("deepseek-v3")
     assert stage_layer_counts(r) == [7] + [8] * 6 + [6]

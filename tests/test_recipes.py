@@ -174,3 +174,18 @@ def test_deepseek_v3_meta_shapes(built):
     experts = [n for n in shapes if n.startswith("decoder.layers.60.mlp.experts.") and n.endswith("linear_fc1.weight")]
     assert len(experts) == 256 and shapes[experts[0]] == (2 * 2048, 7168)
     assert counts.per_layer[0] == counts.per_layer[2] and counts.per_layer[3] == counts.per_layer[60]
+
+
+def test_mtp_layers_are_counted_like_megatron_builds_them():
+    """DeepSeek-V3 with its published MTP module (off by default): the analytic count follows megatron-core's
+    MultiTokenPredictionLayer (norms, eh_proj, one MoE layer) -- checked on a 4-layer cut of the model."""
+    from uccl_ep_train.recipes.model import build_meta_model, count_parameters
+    r = load_recipe("deepseek-v3").with_args(mtp_num_layers=1, num_layers=4, moe_layer_freq="([0]*3+[1])",
+                                             pipeline_model_parallel_size=1, decoder_first_pipeline_num_layers=None,
+                                             decoder_last_pipeline_num_layers=None)
+    counts = count_parameters(build_meta_model(r), r)
+    pb = count_params(r)
+    assert counts.mtp == pb.mtp > 11e9
+    assert (counts.total, counts.active) == (pb.total, pb.active)
+    full = count_params(load_recipe("deepseek-v3").with_args(mtp_num_layers=1))
+    assert abs(full.total - 683e9) / 683e9 < 0.01     # 671 B + the MTP layer (embedding and head shared)

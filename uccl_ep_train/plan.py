@@ -97,8 +97,10 @@ class ParamBreakdown:
     final_norm: int
     dense_layers: int
     moe_layers: int
-    total: int
-    active: int             # DeepSeek's convention: no input embedding, top-k of the routed experts
+    mtp: int                # multi-token prediction layers (embedding / output shared with the model)
+    mtp_routed: int         # of which routed experts
+    total: int              # everything, MTP included
+    active: int             # main model, DeepSeek's convention: no input embedding, top-k routed experts, no MTP
 
 
 def count_params(recipe: Recipe) -> ParamBreakdown:
@@ -122,10 +124,15 @@ def count_params(recipe: Recipe) -> ParamBreakdown:
     final = _norm_params(recipe, h)
     per_moe = attn + norms + router + experts * expert + shared
     per_dense = attn + norms + dense
-    total = n_dense * per_dense + n_moe * per_moe + emb + out + final
+    n_mtp = int(a.get("mtp_num_layers") or 0)
+    mtp_layer_is_moe = bool(pattern and pattern[-1])        # MTP layers repeat the last decoder layer's kind
+    mtp = n_mtp * (3 * _norm_params(recipe, h) + 2 * h * h + (per_moe if mtp_layer_is_moe else per_dense))
+    mtp_routed = n_mtp * experts * expert if mtp_layer_is_moe else 0
+    main = n_dense * per_dense + n_moe * per_moe + emb + out + final
     topk = int(a.get("moe_router_topk") or 0)
-    active = total - emb - n_moe * (experts - topk) * expert
-    return ParamBreakdown(attn, dense, router, expert, shared, norms, emb, out, final, n_dense, n_moe, total, active)
+    active = main - emb - n_moe * (experts - topk) * expert
+    return ParamBreakdown(attn, dense, router, expert, shared, norms, emb, out, final, n_dense, n_moe,
+                          mtp, mtp_routed, main + mtp, active)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -333,7 +340,8 @@ def estimate_memory(recipe: Recipe, lay: Layout) -> MemoryEstimate:
         if s == 0:
             dense += pb.embedding
         if s == len(stages) - 1:
-            dense += pb.output_layer + pb.final_norm
+            dense += pb.output_layer + pb.final_norm + pb.mtp - pb.mtp_routed
+            expert += pb.mtp_routed
         p_dense = dense // tp
         p_expert = expert // (ep * etp) if experts else 0
         params = p_dense + p_expert
@@ -400,7 +408,7 @@ def _apply_overrides(recipe: Recipe, ns: argparse.Namespace) -> Recipe:
     for opt, dest in (("tp", "tensor_model_parallel_size"), ("pp", "pipeline_model_parallel_size"),
                       ("ep", "expert_model_parallel_size"), ("etp", "expert_tensor_parallel_size"),
                       ("cp", "context_parallel_size"), ("mbs", "micro_batch_size"), ("gbs", "global_batch_size"),
-                      ("seq_length", "seq_length")):
+                      ("seq_length", "seq_length"), ("mtp_num_layers", "mtp_num_layers")):
         v = getattr(ns, opt)
         if v is not None:
             upd[dest] = v
@@ -422,6 +430,7 @@ def build_parser() -> argparse.ArgumentParser:
     for opt in ("tp", "pp", "ep", "etp", "cp", "mbs", "gbs"):
         p.add_argument(f"--{opt}", type=int, help=f"override the recipe's {opt.upper()}")
     p.add_argument("--seq-length", type=int)
+    p.add_argument("--mtp-num-layers", type=int, help="multi-token prediction layers (DeepSeek-V3 publishes 1)")
     p.add_argument("--keep-stage-layers", action="store_true",
                    help="with --pp, keep the recipe's first/last pipeline stage layer counts")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to compare against (GiB)")
@@ -494,7 +503,8 @@ def main(argv: Optional[list[str]] = None) -> int:
            f"stages    layers per pipeline stage {lay.stage_layers}; {lay.num_microbatches} micro-batch(es) "
            f"of {recipe.args['micro_batch_size']} x {recipe.args['seq_length']} tokens per step",
            f"params    total {_fmt_count(pb.total)}, active {_fmt_count(pb.active)} per token "
-           f"({pb.dense_layers} dense + {pb.moe_layers} MoE layers)",
+           f"({pb.dense_layers} dense + {pb.moe_layers} MoE layers"
+           + (f"; MTP {_fmt_count(pb.mtp)} included in total)" if pb.mtp else ")"),
            f"memory per GPU (stage {mem.stage}, the heaviest; {_fmt_count(mem.params_dense)} dense + "
            f"{_fmt_count(mem.params_expert)} expert params):",
            f"  weights      {_fmt_gib(mem.weights)}",

@@ -72,7 +72,7 @@ def build_meta_model(recipe: Recipe, num_layers: int | None = None):
     The dispatcher is built as 'allgather' (dispatchers hold no parameters; this one needs no streams).
     """
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     r = recipe.with_args(tensor_model_parallel_size=1, pipeline_model_parallel_size=1,
                          expert_model_parallel_size=1, expert_tensor_parallel_size=1, context_parallel_size=1,
@@ -98,6 +98,9 @@ def build_meta_model(recipe: Recipe, num_layers: int | None = None):
             for layer_spec in spec.layer_specs:
                 attn = layer_spec.submodules.self_attention.submodules
                 attn.core_attention = _MetaCoreAttention
+        mtp_spec = None
+        if r.args.get("mtp_num_layers"):
+            mtp_spec = get_gpt_mtp_block_spec(cfg, spec.layer_specs[-1], use_transformer_engine=False)
         with mock.patch.object(torch.cuda, "current_device", lambda: "cpu"), torch.device("meta"):
             model = GPTModel(
                 config=cfg,
@@ -107,6 +110,7 @@ def build_meta_model(recipe: Recipe, num_layers: int | None = None):
                 position_embedding_type=r.args.get("position_embedding_type", "learned_absolute"),
                 share_embeddings_and_output_weights=not r.args.get("untie_embeddings_and_output_weights", False),
                 rotary_base=int(r.args.get("rotary_base", 10000)),
+                mtp_block_spec=mtp_spec,
             )
     model.uccl_unbuilt_params = unbuilt
     return model
@@ -115,24 +119,29 @@ def build_meta_model(recipe: Recipe, num_layers: int | None = None):
 @dataclass
 class ParamCounts:
     """Parameter counts. `active` follows DeepSeek's convention (V2: 2.4B of 15.7B, V3: 37B of 671B): the
-    weights one token's compute uses, i.e. everything except the routed experts it is not sent to
-    (top-k of E per MoE layer) and the input embedding table (a lookup, not a matmul)."""
+    weights one token's compute uses in the main model, i.e. everything except the routed experts it is
+    not sent to (top-k of E per MoE layer), the input embedding table (a lookup, not a matmul) and the MTP
+    layers. `total` includes MTP layers when the recipe enables them."""
     total: int            # every parameter
     active: int           # see above
     routed_experts: int   # all routed-expert parameters
     input_embedding: int  # the input embedding table
     output_layer: int     # the untied output projection (0 when tied)
     per_layer: list[int]  # parameters of each decoder layer
+    mtp: int = 0          # multi-token prediction layers (in `total`, not in `active`)
 
 
 def count_parameters(model, recipe: Recipe) -> ParamCounts:
     """Total / active parameter counts of a model built by `build_meta_model`."""
-    total = routed = embedding = output = 0
+    total = routed = embedding = output = mtp_total = 0
     n_layers = len(model.decoder.layers)
     per_layer = [0] * n_layers
     for name, p in model.named_parameters():
         n = p.numel()
         total += n
+        if name.startswith("mtp."):
+            mtp_total += n
+            continue
         if ".mlp.experts." in name:
             routed += n
         if name.startswith("embedding."):
@@ -145,5 +154,5 @@ def count_parameters(model, recipe: Recipe) -> ParamCounts:
     topk = int(recipe.args.get("moe_router_topk") or 0)
     extra = int(getattr(model, "uccl_unbuilt_params", 0))
     total += extra
-    active = total - embedding - (routed - routed * topk // experts if experts else 0)
-    return ParamCounts(total, active, routed, embedding, output, per_layer)
+    active = total - mtp_total - embedding - (routed - routed * topk // experts if experts else 0)
+    return ParamCounts(total, active, routed, embedding, output, per_layer, mtp_total)
