@@ -62,8 +62,9 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
                 if not use_fp8:
                     assert torch.equal(values[e, :n], ref)
                 else:
-                    fq, fs = per_token_cast_to_fp8(ref, round_scale=round_scale, use_ue8m0=ue8m0) if n else (None, None)
-                    if n:
+                    if n:  # the cast runs where the data lives: the oracle casts on the same device
+                        fq, fs = per_token_cast_to_fp8(ref.to(device), round_scale=round_scale, use_ue8m0=ue8m0)
+                        fq, fs = fq.cpu(), fs.cpu()
                         assert torch.equal(q[e, :n].cpu().view(torch.uint8), fq.view(torch.uint8))
                         torch.testing.assert_close(values[e, :n].float(), per_token_cast_back(fq, fs).float())
             # combine: expert output = its input value * (global expert id + 1); weighted sum back home
@@ -80,8 +81,8 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
                     return_recv_hook=hook_mode, out=out)
                 chook() if hook_mode else event.current_stream_wait()
                 assert combined.data_ptr() == out.data_ptr()
-                base = me.x.float() if not use_fp8 else per_token_cast_back(
-                    *per_token_cast_to_fp8(me.x, round_scale=round_scale, use_ue8m0=ue8m0)).float()
+                base = me.x.float() if not use_fp8 else per_token_cast_back(*[t.cpu() for t in per_token_cast_to_fp8(
+                    me.x.to(device), round_scale=round_scale, use_ue8m0=ue8m0)]).float()
                 factor = (me.topk_weights * (me.topk_idx + 1).float()).masked_fill(me.topk_idx < 0, 0).sum(1, keepdim=True)
                 torch.testing.assert_close(combined.cpu().float(), base * factor, atol=0.08, rtol=0.03)
                 checks += 1
