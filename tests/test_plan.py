@@ -137,3 +137,16 @@ def test_cli_dispatches_plan(capsys):
     assert "--num-experts 64" in out and "--moe-token-dispatcher-type uccl" in out
     assert main(["plan", "--recipe", "nope"]) == 2
     assert "unknown recipe" in capsys.readouterr().err
+
+
+def test_check_megatron_runs_megatron_validate_args(capsys, tmp_path):
+    rc, out, err = run(capsys, "--recipe", "deepseek-v2-lite", "--check-megatron", "--emit", "megatron-args")
+    assert rc == 0, err
+    # a recipe plan's own checks let through (fp16 and bf16 together) but Megatron-LM refuses
+    bad = tmp_path / "both.json"
+    r = load_recipe("tiny")
+    bad.write_text(json.dumps({"name": "both", "args": dict(r.args, fp16=True, bf16=True)}))
+    rc, out, err = run(capsys, "--recipe", str(bad), "--nodes", "1", "--gpus-per-node", "2")
+    assert rc == 0
+    rc, out, err = run(capsys, "--recipe", str(bad), "--nodes", "1", "--gpus-per-node", "2", "--check-megatron")
+    assert rc == 2 and "validate_args refuses it" in err

@@ -94,6 +94,23 @@ def test_transformer_config_matches_model_config(name):
         assert isinstance(mc[key], int), key
 
 
+@pytest.mark.parametrize("name", RECIPES)
+def test_megatron_validate_args_accepts_every_recipe_on_its_reference_cluster(name):
+    r = load_recipe(name)
+    ns = r.validate_megatron()
+    world = r.cluster["nodes"] * r.cluster["gpus_per_node"]
+    assert ns.data_parallel_size == world // (r.tp * r.pp * r.cp)
+    assert ns.moe_token_dispatcher_type == "uccl"
+
+
+def test_megatron_validate_args_refuses_a_broken_recipe():
+    r = load_recipe("deepseek-v3")
+    with pytest.raises(AssertionError, match="multiple of expert model parallel"):
+        r.with_args(num_experts=250).validate_megatron()
+    with pytest.raises(AssertionError, match="divisible"):
+        r.validate_megatron(world_size=24)
+
+
 def test_with_args_copies(tmp_path):
     r = load_recipe("tiny")
     r2 = r.with_args(expert_model_parallel_size=4, num_layers=6, moe_layer_freq="([0]+[1]*5)")

@@ -446,6 +446,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment as `export NAME=\"${NAME:-value}\"` lines (values already set win), or "
                         "shell: the env lines then UCCL_LAUNCH_CMD=<torchrun command> (what slurm/launch.sh evals)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--check-megatron", action="store_true",
+                   help="also run Megatron-LM's own validate_args on the recipe at this world size "
+                        "(imports megatron.training; a few seconds)")
     p.add_argument("extra", nargs=argparse.REMAINDER, help="after --: extra arguments for the entry point")
     return p
 
@@ -464,6 +467,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     nodes = ns.nodes if ns.nodes is not None else int(recipe.cluster.get("nodes", 1))
     gpn = ns.gpus_per_node if ns.gpus_per_node is not None else int(recipe.cluster.get("gpus_per_node", 1))
     lay = check_layout(recipe, nodes, gpn)
+    if ns.check_megatron and not lay.errors:
+        try:
+            recipe.validate_megatron(lay.world)
+        except (AssertionError, ValueError, SystemExit) as exc:
+            lay.errors.append(f"Megatron-LM's validate_args refuses it: {exc}")
     if lay.errors:
         print(f"uccl-ep-train plan: recipe {recipe.name!r} does not fit {nodes} node(s) x {gpn} GPU(s):",
               file=sys.stderr)

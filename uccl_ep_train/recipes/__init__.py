@@ -226,6 +226,25 @@ class Recipe:
         _allow_uccl_choice(parser)
         return parser.parse_args(self.megatron_args() + list(extra or []))
 
+    def validate_megatron(self, world_size: Optional[int] = None, device_capability: tuple = (9, 0)):
+        """Run Megatron-LM's own `validate_args` on this recipe at `world_size` ranks (default: the
+        reference cluster) and return the validated Namespace; Megatron raises (AssertionError / ValueError)
+        on what it refuses. Runs on CPU: the GPU's compute capability, which Megatron asks for grouped GEMM,
+        is taken as `device_capability` (Hopper by default). Its argument table goes nowhere."""
+        import contextlib
+        import io
+        from unittest import mock
+
+        import torch
+        from megatron.training.arguments import validate_args
+        ns = self.parse_megatron_args()
+        ns.world_size = int(world_size or self.cluster.get("nodes", 1) * self.cluster.get("gpus_per_node", 1))
+        ns.rank = 0
+        with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: tuple(device_capability)), \
+                contextlib.redirect_stdout(io.StringIO()):
+            validate_args(ns)
+        return ns
+
     def transformer_config(self, **overrides: Any):
         """megatron-core TransformerConfig (MLATransformerConfig with MLA) via Megatron's own translation
         (`core_transformer_config_from_args` on the parsed `megatron_args()`).
