@@ -49,8 +49,7 @@ def test_json_report(capsys):
     (["--nodes", "32", "--ep", "24"], "num_experts 256 is not divisible by EP 24"),
     (["--nodes", "3", "--pp", "16"], "world size 24 is not divisible by TP*PP*CP = 1*16*1"),
     (["--nodes", "4"], "not divisible by ETP*EP*PP = 1*32*8"),
-    (["--nodes", "32", "--pp", "4"], "num_layers is not divisible by the 4 remaining pipeline stages"),
-    (["--nodes", "32", "--pp", "8", "--keep-stage-layers", "--tp", "2"], "TP > 1 with EP > 1 needs sequence_parallel"),
+    (["--nodes", "32", "--pp", "7", "--keep-stage-layers"], "num_layers - first - last = 48 is not divisible by the 5"),
     (["--nodes", "32", "--gbs", "1000"], "global_batch_size 1000 is not divisible by micro_batch_size*DP = 1*32"),
     (["--nodes", "32", "--tp", "3", "--ep", "8"], "num_attention_heads 128 is not divisible by TP 3"),
 ])
@@ -68,6 +67,39 @@ def test_every_recipe_fits_its_reference_cluster(name):
     assert lay.errors == []
     assert sum(lay.stage_layers) == r.args["num_layers"] and len(lay.stage_layers) == r.pp
     assert estimate_memory(r, lay).total < 80 * GiB
+
+
+def test_tp_with_ep_needs_sequence_parallel():
+    r = load_recipe("deepseek-v3").with_args(tensor_model_parallel_size=2)
+    assert "TP > 1 with EP > 1 needs sequence_parallel" in " ".join(check_layout(r, 32, 8).errors)
+    assert check_layout(r.with_args(sequence_parallel=True), 32, 8).errors == []
+
+
+def test_pp_override_resplits_the_layers(capsys):
+    assert plan.balanced_stage_split(61, 8) == (7, 6)
+    assert plan.balanced_stage_split(61, 4) == (16, 15)
+    assert plan.balanced_stage_split(64, 8) == (None, None)
+    assert plan.balanced_stage_split(61, 1) == (None, None)
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--pp", "4",
+                       "--ep", "64", "--json")
+    assert rc == 0, err
+    assert json.loads(out)["layout"]["stage_layers"] == [16, 15, 15, 15]
+
+
+def test_suggest_lists_layouts_that_fit(capsys):
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "16", "--gpus-per-node", "8",
+                       "--gpu-mem-gib", "141", "--suggest", "3")
+    assert rc == 0, err
+    lines = [l for l in out.splitlines() if l.startswith("  TP ")]
+    assert 1 <= len(lines) <= 3
+    # every suggestion, fed back to plan, passes its checks and fits
+    for line in lines:
+        argv = line.split("uccl-ep-train plan ")[1].split()
+        rc, out2, err2 = run(capsys, *argv, "--gpu-mem-gib", "141", "--json")
+        assert rc == 0, err2
+        assert json.loads(out2)["fits"] is True
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "2", "--gpus-per-node", "8", "--suggest")
+    assert rc == 2 and "no TP x PP x EP layout" in err
 
 
 def test_stage_split_rules():

@@ -188,6 +188,32 @@ def stage_layer_counts(recipe: Recipe, errors: Optional[list[str]] = None) -> li
     return counts
 
 
+def balanced_stage_split(num_layers: int, pp: int) -> tuple[Optional[int], Optional[int]]:
+    """First/last pipeline stage layer counts that let Megatron split `num_layers` over `pp` stages:
+    (None, None) when they divide evenly; otherwise the split with the smallest largest stage, the
+    first and last stages (which also hold the embedding / output layer) no larger than the rest."""
+    if pp <= 1 or num_layers % pp == 0:
+        return None, None
+    best = None
+    for first in range(1, num_layers):
+        for last in range(1, num_layers - first + 1):
+            rest, middle = num_layers - first - last, pp - 2
+            if middle == 0:
+                if rest != 0:
+                    continue
+                per = max(first, last)
+            elif rest <= 0 or rest % middle:
+                continue
+            else:
+                per = rest // middle
+            key = (max(first, last, per), -min(first, last), last)
+            if best is None or key < best[0]:
+                best = (key, first, last)
+    if best is None:
+        return None, None
+    return best[1], best[2]
+
+
 def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
     a = recipe.args
     lay = Layout(nodes, gpus_per_node, nodes * gpus_per_node, recipe.tp, recipe.pp, recipe.ep, recipe.etp, recipe.cp)
@@ -412,13 +438,51 @@ def _apply_overrides(recipe: Recipe, ns: argparse.Namespace) -> Recipe:
         v = getattr(ns, opt)
         if v is not None:
             upd[dest] = v
+    if ns.tp is not None:
+        upd["sequence_parallel"] = ns.tp > 1      # Megatron needs it for MoE with TP > 1
     if ns.seq_length is not None and int(recipe.args.get("max_position_embeddings") or 0) < ns.seq_length:
         upd["max_position_embeddings"] = ns.seq_length
     if ns.pp is not None and ns.pp != recipe.pp and not ns.keep_stage_layers:
-        # the recipe's first/last stage sizes were chosen for its own PP
-        upd["decoder_first_pipeline_num_layers"] = None
-        upd["decoder_last_pipeline_num_layers"] = None
+        # the recipe's first/last stage sizes were chosen for its own PP: split the layers anew
+        first, last = balanced_stage_split(int(recipe.args["num_layers"]), ns.pp)
+        upd["decoder_first_pipeline_num_layers"] = first
+        upd["decoder_last_pipeline_num_layers"] = last
     return recipe.with_args(**upd) if upd else recipe
+
+
+def with_layout(recipe: Recipe, tp: int, pp: int, ep: int) -> Recipe:
+    """`recipe` with another TP x PP x EP layout (ETP 1, sequence parallel with TP > 1, stages re-split)."""
+    first, last = balanced_stage_split(int(recipe.args["num_layers"]), pp)
+    return recipe.with_args(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                            expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+                            sequence_parallel=tp > 1, decoder_first_pipeline_num_layers=first,
+                            decoder_last_pipeline_num_layers=last)
+
+
+def suggest_layouts(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+                    limit: int = 5) -> list[tuple[Recipe, Layout, MemoryEstimate]]:
+    """Valid TP x PP x EP layouts for the cluster that fit in `gpu_mem_gib` (with 10 % headroom), best
+    first: fewest pipeline stages, then smallest TP (TP stays inside a node), then least memory."""
+    world = nodes * gpus_per_node
+    experts = int(recipe.args.get("num_experts") or 0)
+    heads = int(recipe.args["num_attention_heads"])
+    L = int(recipe.args["num_layers"])
+    found = []
+    for tp in (t for t in (1, 2, 4, 8) if gpus_per_node % t == 0 and heads % t == 0):
+        for pp in (p for p in range(1, min(L, 64) + 1) if world % (tp * p) == 0):
+            eps = [e for e in range(1, experts + 1) if experts % e == 0] if experts else [1]
+            for ep in eps:
+                if world % (ep * pp):
+                    continue
+                r = with_layout(recipe, tp, pp, ep)
+                lay = check_layout(r, nodes, gpus_per_node)
+                if lay.errors:
+                    continue
+                mem = estimate_memory(r, lay)
+                if mem.total <= 0.9 * gpu_mem_gib * GiB:
+                    found.append((r, lay, mem))
+    found.sort(key=lambda x: (x[1].pp, x[1].tp, x[2].total))
+    return found[:limit]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -446,6 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "environment as `export NAME=\"${NAME:-value}\"` lines (values already set win), or "
                         "shell: the env lines then UCCL_LAUNCH_CMD=<torchrun command> (what slurm/launch.sh evals)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--suggest", type=int, nargs="?", const=5, default=None, metavar="N",
+                   help="list up to N (default 5) TP x PP x EP layouts that fit this cluster, best first")
     p.add_argument("--check-megatron", action="store_true",
                    help="also run Megatron-LM's own validate_args on the recipe at this world size "
                         "(imports megatron.training; a few seconds)")
@@ -466,6 +532,20 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     nodes = ns.nodes if ns.nodes is not None else int(recipe.cluster.get("nodes", 1))
     gpn = ns.gpus_per_node if ns.gpus_per_node is not None else int(recipe.cluster.get("gpus_per_node", 1))
+    if ns.suggest is not None:
+        found = suggest_layouts(recipe, nodes, gpn, ns.gpu_mem_gib, ns.suggest)
+        if not found:
+            print(f"uccl-ep-train plan: no TP x PP x EP layout of {recipe.name} fits {nodes} node(s) x {gpn} "
+                  f"GPU(s) of {ns.gpu_mem_gib:g} GiB", file=sys.stderr)
+            return 2
+        print(f"layouts of {recipe.name} for {nodes} node(s) x {gpn} GPU(s), {ns.gpu_mem_gib:g} GiB each (best first):")
+        for r, lay, mem in found:
+            stages = "" if r.args.get("decoder_first_pipeline_num_layers") is None else \
+                f" (stages {r.args['decoder_first_pipeline_num_layers']}|...|{r.args['decoder_last_pipeline_num_layers']})"
+            print(f"  TP {lay.tp} PP {lay.pp} EP {lay.ep}{stages}: DP {lay.dp}, expert-DP {lay.expert_dp}, "
+                  f"{_fmt_gib(mem.total).strip()} per GPU  ->  uccl-ep-train plan --recipe {ns.recipe} "
+                  f"--nodes {nodes} --gpus-per-node {gpn} --tp {lay.tp} --pp {lay.pp} --ep {lay.ep}")
+        return 0
     lay = check_layout(recipe, nodes, gpn)
     if ns.check_megatron and not lay.errors:
         try:
