@@ -14,6 +14,7 @@
 #include <rdma/fi_rma.h>
 
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -72,10 +73,12 @@ class FabricTransport final : public Transport {
     hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
     std::string prov = o.provider.empty() ? env_str("FI_PROVIDER") : o.provider;
     if (!prov.empty()) hints->fabric_attr->prov_name = strdup(prov == "tcp" ? "tcp;ofi_rxm" : prov.c_str());
+    // Delivery-complete local completions when the provider offers them, transmit-complete otherwise.
+    // The writer's rank travels in the upper 32 bits of the 64-bit CQ data (FI_SOURCE addresses proved
+    // unreliable across providers), the immediate in the lower 32.
     fi_info* info = nullptr;
     int rc = fi_getinfo(FI_VERSION(1, 10), nullptr, nullptr, 0, hints, &info);
     if (rc != 0 || !info) {
-      // Some providers refuse FI_DELIVERY_COMPLETE; transmit completion is then the best we get.
       hints->tx_attr->op_flags = 0;
       rc = fi_getinfo(FI_VERSION(1, 10), nullptr, nullptr, 0, hints, &info);
     }
@@ -378,15 +381,28 @@ class FabricTransport final : public Transport {
     int n = 0;
     for (ssize_t i = 0; i < rc; ++i) {
       const fi_cq_data_entry& x = e[i];
-      if (x.flags & FI_REMOTE_CQ_DATA) {  // only writes carry CQ data; control messages do not
+      OpCtx* c = static_cast<OpCtx*>(x.op_context);
+      if (debug_)
+        std::fprintf(stderr, "[fabric r%d] cq flags=0x%llx data=0x%llx len=%zu ctx=%p type=%d\n", opts_.rank,
+                     (unsigned long long)x.flags, (unsigned long long)x.data, x.len, (void*)c,
+                     (c && c >= ctx_.data() && c < ctx_.data() + ctx_.size()) ? int(c->type) : -1);
+      // A control message lands in one of our posted receives (some providers also flag those with
+      // FI_REMOTE_CQ_DATA, data 0); anything else carrying CQ data is a remote write.
+      const bool ctrl_recv = c && c >= ctx_.data() && c < ctx_.data() + ctx_.size() && c->type == kCtxRecv &&
+                             !(x.flags & (FI_RMA | FI_REMOTE_WRITE));
+      // Local write completions may carry FI_REMOTE_CQ_DATA too (sockets): those have FI_WRITE set.
+      const bool remote_write = (x.flags & FI_REMOTE_WRITE) ||
+                                ((x.flags & FI_REMOTE_CQ_DATA) && !(x.flags & (FI_WRITE | FI_SEND)) && !ctrl_recv);
+      if (remote_write) {
         Completion a;
         a.kind = Completion::kArrival;
         a.peer = int(x.data >> 32);
+        if (a.peer < 0 || a.peer >= opts_.world)
+          UCCL_THROW("fabric: remote write carries sender rank " << a.peer << " (CQ data 0x" << std::hex << x.data << ")");
         a.imm = uint32_t(x.data);
         out[n++] = a;
         continue;
       }
-      OpCtx* c = static_cast<OpCtx*>(x.op_context);
       if (!c) UCCL_THROW("fabric: completion without context (flags 0x" << std::hex << x.flags << ")");
       if (c->type == kCtxRecv) {
         const CtrlMsg m = ctrl_[c->slot];
@@ -418,6 +434,7 @@ class FabricTransport final : public Transport {
   fid_av* av_p_ = nullptr;
   fid_ep* ep_p_ = nullptr;
   uint64_t mr_mode_ = 0;
+  bool debug_ = env_long("UCCL_EP_DEBUG_FABRIC", 0) != 0;
   size_t max_msg_ = 0;
   std::map<int, Fid> mrs_;
   std::vector<LocalRegion> local_;
