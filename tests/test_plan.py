@@ -182,3 +182,23 @@ def test_check_megatron_runs_megatron_validate_args(capsys, tmp_path):
     assert rc == 0
     rc, out, err = run(capsys, "--recipe", str(bad), "--nodes", "1", "--gpus-per-node", "2", "--check-megatron")
     assert rc == 2 and "validate_args refuses it" in err
+
+
+@pytest.mark.parametrize("name, nodes, tp, ep", [("deepseek-v3", 32, 1, 256), ("deepseek-v3", 32, 2, 128),
+                                                 ("deepseek-v2-lite", 2, 1, 16), ("deepseek-v2-lite", 2, 2, 8)])
+def test_weight_and_optimizer_memory_agrees_with_megatron(name, nodes, tp, ep):
+    """Megatron-LM's own estimator (megatron.training.theoretical_memory_usage) gives the same weights +
+    gradients + optimizer bytes (its model of the most loaded shard is exact without pipelining)."""
+    import contextlib
+    import io
+
+    from megatron.training.theoretical_memory_usage import compute_weight_and_optimizer_memory
+    r = plan.with_layout(load_recipe(name), tp, 1, ep)
+    lay = check_layout(r, nodes, r.cluster["gpus_per_node"])
+    assert lay.errors == []
+    ns = r.validate_megatron(lay.world)
+    ns.padded_vocab_size = plan.padded_vocab_size(r)
+    with contextlib.redirect_stdout(io.StringIO()):
+        megatron_bytes = compute_weight_and_optimizer_memory(ns)
+    m = estimate_memory(r, lay)
+    assert abs((m.weights + m.gradients + m.optimizer) - megatron_bytes) / megatron_bytes < 1e-3

@@ -360,15 +360,17 @@ def estimate_memory(recipe: Recipe, lay: Layout) -> MemoryEstimate:
     for s, n_layers in enumerate(stages):
         layers = pattern[start:start + n_layers]
         start += n_layers
-        dense = sum(pb.attention + pb.layer_norms + (pb.router + pb.shared_experts if m else pb.dense_mlp)
-                    for m in layers)
+        # TP splits attention, MLPs, shared experts and embeddings; norms and routers are replicated
+        dense = sum(pb.attention + (pb.shared_experts if m else pb.dense_mlp) for m in layers)
+        replicated = sum(pb.layer_norms + (pb.router if m else 0) for m in layers)
         expert = sum(experts * pb.routed_expert for m in layers if m)
         if s == 0:
             dense += pb.embedding
         if s == len(stages) - 1:
-            dense += pb.output_layer + pb.final_norm + pb.mtp - pb.mtp_routed
+            dense += pb.output_layer + pb.mtp - pb.mtp_routed
+            replicated += pb.final_norm
             expert += pb.mtp_routed
-        p_dense = dense // tp
+        p_dense = dense // tp + replicated
         p_expert = expert // (ep * etp) if experts else 0
         params = p_dense + p_expert
         weights = params * act_bytes

@@ -229,8 +229,9 @@ class Recipe:
     def validate_megatron(self, world_size: Optional[int] = None, device_capability: tuple = (9, 0)):
         """Run Megatron-LM's own `validate_args` on this recipe at `world_size` ranks (default: the
         reference cluster) and return the validated Namespace; Megatron raises (AssertionError / ValueError)
-        on what it refuses. Runs on CPU: the GPU's compute capability, which Megatron asks for grouped GEMM,
-        is taken as `device_capability` (Hopper by default). Its argument table goes nowhere."""
+        on what it refuses. Runs on CPU: the GPU's compute capability, which Megatron asks about (grouped
+        GEMM, some TP features), is taken as `device_capability` (Hopper by default); the recipe's `env` is
+        in effect, as the launcher exports it. Its argument table goes nowhere."""
         import contextlib
         import io
         from unittest import mock
@@ -240,8 +241,13 @@ class Recipe:
         ns = self.parse_megatron_args()
         ns.world_size = int(world_size or self.cluster.get("nodes", 1) * self.cluster.get("gpus_per_node", 1))
         ns.rank = 0
-        with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: tuple(device_capability)), \
-                contextlib.redirect_stdout(io.StringIO()):
+        from types import SimpleNamespace
+        cap = tuple(device_capability)
+        props = SimpleNamespace(major=cap[0], minor=cap[1], name="planned GPU", total_memory=0,
+                                multi_processor_count=132)
+        with mock.patch.object(torch.cuda, "get_device_capability", lambda *a, **k: cap), \
+                mock.patch.object(torch.cuda, "get_device_properties", lambda *a, **k: props), \
+                mock.patch.dict(os.environ, self.env), contextlib.redirect_stdout(io.StringIO()):
             validate_args(ns)
         return ns
 
