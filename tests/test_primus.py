@@ -178,3 +178,34 @@ print("DISPATCHER", ns.moe_token_dispatcher_type)
                          env={**os.environ, "PYTHONWARNINGS": "ignore"})
     assert res.returncode == 0, res.stderr[-3000:]
     assert "DISPATCHER uccl" in res.stdout
+
+
+REAL_PRIMUS = """
+import sys
+from types import SimpleNamespace
+try:
+    from primus.core.patches import run_patches
+except ImportError:
+    sys.exit(3)
+import megatron_patch.primus as hook      # importing registers the patches with Primus
+ov = hook.module_overrides(hook.load_yaml(sys.argv[1], environ={}))
+args = SimpleNamespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True)
+extra = {"module_config": SimpleNamespace(params=SimpleNamespace(**ov)), "backend_args": args}
+applied = [run_patches(backend="megatron", phase=ph, extra=extra, stop_on_error=True)
+           for ph in ("setup", "build_args", "before_train")]
+off = {"module_config": SimpleNamespace(params=SimpleNamespace(moe_token_dispatcher_type="alltoall")),
+       "backend_args": SimpleNamespace(moe_token_dispatcher_type="flex")}
+print("RESULT", applied, args.moe_token_dispatcher_type, args.moe_enable_deepep,
+      run_patches(backend="megatron", phase="build_args", extra=off), off["backend_args"].moe_token_dispatcher_type)
+"""
+
+
+def test_with_primus_own_patch_runner():
+    """With a Primus checkout on PRIMUS_PATH (or Primus installed), Primus's own run_patches applies ours."""
+    path = os.pathsep.join(p for p in (os.environ.get("PRIMUS_PATH"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    res = subprocess.run([sys.executable, "-c", REAL_PRIMUS, str(YAML)], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"})
+    if res.returncode == 3:
+        pytest.skip("Primus is not importable (set PRIMUS_PATH to an AMD-AGI/Primus checkout)")
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "RESULT [1, 1, 1] uccl False 0 flex" in res.stdout
