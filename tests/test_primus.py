@@ -32,15 +32,23 @@ def test_yaml_selects_uccl_and_not_turbo_deepep(overrides):
     assert cfg["modules"]["pre_trainer"]["model"] == "deepseek_v3.yaml"
 
 
-def test_yaml_layout_matches_the_deepseek_v3_recipe(overrides):
-    args = load_recipe("deepseek-v3").args
+@pytest.mark.parametrize("recipe, yaml_name", [("deepseek-v3", "deepseek_v3.yaml"),
+                                               ("deepseek-v2-lite", "deepseek_v2_lite.yaml")])
+def test_yaml_matches_its_recipe_and_selects_uccl(recipe, yaml_name):
+    cfg = hook.load_yaml(str(YAML.parent / yaml_name), environ={})
+    overrides = hook.module_overrides(cfg)
+    assert cfg["modules"]["pre_trainer"]["model"] == yaml_name   # Primus's preset of the same model
+    assert hook.uccl_selected(overrides) and overrides["use_turbo_deepep"] is False
+    args = load_recipe(recipe).args
     shared = [k for k in overrides if k in args]
     assert len(shared) >= 20
     for k in shared:
         assert overrides[k] == args[k], k
     for k in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-              "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers", "global_batch_size"):
+              "global_batch_size", "moe_token_dispatcher_type"):
         assert k in shared, k
+    if recipe == "deepseek-v3":
+        assert overrides["decoder_first_pipeline_num_layers"] == 7 and overrides["mtp_num_layers"] is None
 
 
 def test_primus_env_references_resolve(monkeypatch):
