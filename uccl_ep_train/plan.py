@@ -2,13 +2,14 @@
 
     uccl-ep-train plan --recipe deepseek-v3 --nodes 32 --gpus-per-node 8
     uccl-ep-train plan --recipe deepseek-v3 --nodes 16 --gpus-per-node 8 --ep 16 --json
-    uccl-ep-train plan --recipe tiny --nodes 1 --gpus-per-node 2 --emit torchrun --node-rank 0 \
-        --master-addr 127.0.0.1 --master-port 29500 -- --train-iters 5
+    uccl-ep-train plan --recipe deepseek-v3 --nodes 16 --gpus-per-node 8 --gpu-mem-gib 141 --suggest
+    uccl-ep-train plan --recipe tiny --nodes 1 --gpus-per-node 2 --emit torchrun --entry train -- --steps 5
 
 Checks (all reported at once, exit status 2 if any fails): world size divisible by TP*PP*CP and by
 ETP*EP*PP, experts divisible by EP, heads by TP, FFN widths by TP / ETP, layers per pipeline stage
 (even split, or the recipe's first/last-stage counts with the rest even), global batch divisible by
 micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP.
+`--check-megatron` adds Megatron-LM's own validate_args; `--suggest` lists layouts that fit.
 
 Memory estimate per GPU, for the heaviest pipeline stage (weights, gradients, optimizer state,
 activations, EP buffers): see docs/recipes.md for the model behind each term. It is an estimate to catch
@@ -488,7 +489,8 @@ def suggest_layouts(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="uccl-ep-train plan", description=__doc__.split("\n\n")[0],
+    head, _, rest = (__doc__ or "").partition("\n\n")
+    p = argparse.ArgumentParser(prog="uccl-ep-train plan", description=head, epilog=rest,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", required=True, help="deepseek-v3, deepseek-v2-lite, tiny, or a recipe file")
     p.add_argument("--nodes", type=int, help="number of nodes (default: the recipe's reference cluster)")
