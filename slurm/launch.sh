@@ -7,9 +7,9 @@
 # It derives the torchrun rendezvous from Slurm (MASTER_ADDR = first host of SLURM_JOB_NODELIST,
 # MASTER_PORT from SLURM_JOB_ID, node rank = SLURM_NODEID, nodes = SLURM_JOB_NUM_NODES, LOCAL_WORLD_SIZE
 # = GPUs on this node), exports UCCL_SOCKET_IFNAME / UCCL_IB_GID_INDEX and their NCCL (and Gloo) twins,
-# exports the recipe's UCCL_* settings, runs `uccl-ep-train doctor` as a pre-flight check, validates the
-# recipe against the cluster shape (`uccl-ep-train plan`), then execs torchrun on
-# `uccl-ep-train pretrain-gpt` (Megatron-LM's pretrain_gpt with --moe-token-dispatcher-type uccl).
+# checks the Megatron-LM checkout, validates the recipe against the cluster shape and exports its UCCL_*
+# settings (`uccl-ep-train plan`), runs `uccl-ep-train doctor` as a pre-flight check, then execs torchrun
+# on `uccl-ep-train pretrain-gpt` (Megatron-LM's pretrain_gpt with --moe-token-dispatcher-type uccl).
 #
 # Plan options pass through to `uccl-ep-train plan`: --tp/--pp/--ep/--etp/--cp/--mbs/--gbs/--seq-length,
 # --nic cx7|efa|thor2|pollara, --entry pretrain-gpt|train.
@@ -38,7 +38,8 @@ PLAN_OPTS=(); EXTRA=(); ENTRY=pretrain-gpt
 while [ $# -gt 0 ]; do
   case "$1" in
     --) shift; EXTRA=("$@"); break ;;
-    --entry) ENTRY=$2; PLAN_OPTS+=("$1" "$2"); shift 2 ;;
+    --entry) [ $# -ge 2 ] || die "--entry needs a value (pretrain-gpt or train)"
+             ENTRY=$2; PLAN_OPTS+=("$1" "$2"); shift 2 ;;
     --entry=*) ENTRY=${1#--entry=}; PLAN_OPTS+=("$1"); shift ;;
     *) PLAN_OPTS+=("$1"); shift ;;
   esac
