@@ -122,11 +122,23 @@ class NativeBuildExt(build_ext):
             flags = ["-O3", "-std=c++17", "-fPIC", "-DUCCL_EP_WITH_HIP=1", "-x", "hip"]
             flags += [f"--offload-arch={a}" for a in archs]
         objects = []
+        # Headers any kernel may include: an object newer than its source and all of them is reused.
+        headers = [h for pat in ("csrc/**/*.h", "csrc/**/*.cuh") for h in glob.glob(pat, recursive=True)]
+        newest_header = max((os.path.getmtime(h) for h in headers), default=0.0)
+        stamp = " ".join(flags + includes + defines)
         for src in sources:
             obj = os.path.join(build_dir, os.path.basename(src).replace(".cu", ".o"))
+            stamp_file = obj + ".flags"
+            if (os.path.exists(obj) and os.path.exists(stamp_file)
+                    and os.path.getmtime(obj) > max(os.path.getmtime(src), newest_header)
+                    and open(stamp_file).read() == stamp):
+                objects.append(obj)
+                continue
             cmd = [compiler, "-c", src, "-o", obj] + flags + includes + defines
             print(" ".join(cmd), file=sys.stderr)
             subprocess.check_call(cmd)
+            with open(stamp_file, "w") as f:
+                f.write(stamp)
             objects.append(obj)
         return objects
 

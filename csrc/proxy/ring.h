@@ -170,7 +170,7 @@ UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, u
   return true;
 }
 
-#if UCCL_DEVICE_CODE
+#if defined(__CUDACC__) || defined(__HIPCC__)
 // Warp-cooperative push: every active lane of `mask` contributes one command (lanes with has_cmd=false
 // contribute nothing). One claim atomic, one system fence per warp. Must be called by all lanes in mask.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {

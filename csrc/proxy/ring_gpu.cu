@@ -1,0 +1,102 @@
+// GPU-side producers: warps claim ring slots, write 16-byte commands and publish them with one system
+// fence per warp batch (proxy/ring.h). Used by the GPU tests and `uccl-ep-train bench proxy`.
+#include "common/check.h"
+#include "proxy/ring_gpu.h"
+
+namespace uccl {
+namespace {
+
+__device__ __forceinline__ unsigned long long now_ns() {
+#if defined(__HIP_PLATFORM_AMD__)
+  return wall_clock64() * 10ull;  // 100 MHz constant clock on CDNA
+#else
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+#endif
+}
+
+__global__ void push_commands_kernel(const RingDesc* rings, const Command* cmds, const int* offsets, int warps_per_ring) {
+  const int r = blockIdx.x;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const RingDesc ring = rings[r];
+  const int begin = offsets[r], end = offsets[r + 1];
+  // Warp w takes batches w, w + W, w + 2W, ... of 32 commands.
+  for (int base = begin + warp * 32; base < end; base += warps_per_ring * 32) {
+    const int i = base + lane;
+    const bool has = i < end;
+    Command c{};
+    if (has) c = cmds[i];
+    ring_push_warp(ring, c, has);
+  }
+}
+
+__global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int per_warp) {
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const RingDesc ring = rings[gwarp % num_rings];
+  Command c{};
+  c.op = OP_NOP;
+  c.channel = uint8_t(gwarp % num_rings);
+  for (int i = 0; i < per_warp; i += 32) {
+    c.length = uint32_t(i);
+    ring_push_warp(ring, c, true);
+  }
+}
+
+__global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned long long* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  for (int i = 0; i < iters; ++i) {
+    Command c{};
+    c.op = OP_NOP;
+    c.length = uint32_t(i + 1);
+    const unsigned long long t0 = now_ns();
+    ring_push(ring, &c, 1);
+    while (ring_load_acquire_sys(ring.echo) != (unsigned long long)(i + 1)) {
+    }
+    out[i] = now_ns() - t0;
+  }
+}
+
+__global__ void visibility_latency_kernel(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
+                                          unsigned long long* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  unsigned long long seen = ring_load_acquire_sys(counter);
+  for (int i = 0; i < iters; ++i) {
+    const unsigned long long t0 = now_ns();
+    ring_push(ring, &cmd, 1);
+    while (ring_load_acquire_sys(counter) <= seen) {
+    }
+    seen = ring_load_acquire_sys(counter);
+    out[i] = now_ns() - t0;
+  }
+}
+
+}  // namespace
+
+void launch_push_commands(const RingDesc* d_rings, int num_rings, const Command* d_cmds, const int* d_offsets,
+                          int warps_per_ring, void* stream) {
+  push_commands_kernel<<<num_rings, 32 * warps_per_ring, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, d_cmds, d_offsets,
+                                                                                                 warps_per_ring);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring, int per_warp, void* stream) {
+  const int warps = num_rings * warps_per_ring;
+  const int threads = 32 * (warps < 8 ? warps : 8);
+  const int blocks = (warps * 32 + threads - 1) / threads;
+  push_nops_kernel<<<blocks, threads, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, num_rings, per_warp);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream) {
+  pickup_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+void launch_visibility_latency(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
+                               unsigned long long* d_out_ns, void* stream) {
+  visibility_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, cmd, counter, iters, d_out_ns);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+}  // namespace uccl
