@@ -1,0 +1,59 @@
+"""`import deep_ep` resolves to uccl_ep_train through the PYTHONPATH directory or install_deep_ep()."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from uccl_ep_train.compat import deep_ep_path
+
+PROBE = textwrap.dedent('''
+    import deep_ep, deep_ep.utils, deep_ep.buffer
+    from deep_ep import Buffer, Config, EventOverlap
+    from deep_ep.utils import EventHandle, EventOverlap as EO2
+    import uccl_ep_train
+    assert Buffer is uccl_ep_train.Buffer and EO2 is EventOverlap and Config is uccl_ep_train.Config
+    c = Config(24, 8, 256)   # DeepEP's positional arguments
+    assert c.get_nvl_buffer_size_hint(7168 * 2, 2) > 0 and c.get_rdma_buffer_size_hint(7168 * 2, 2) == 0
+    assert Buffer.is_sm90_compiled() in (True, False)
+    Buffer.set_num_sms(24)
+    assert Buffer.get_dispatch_config(2).num_sms == 24
+    ev = Buffer.capture()
+    ev.current_stream_wait()
+    for name in ("get_dispatch_layout", "dispatch", "combine", "low_latency_dispatch", "low_latency_combine",
+                 "get_next_low_latency_combine_buffer", "clean_low_latency_buffer", "get_low_latency_rdma_size_hint",
+                 "get_local_buffer_tensor", "get_comm_stream", "destroy"):
+        assert callable(getattr(Buffer, name)), name
+    print("deep_ep at", deep_ep.__file__)
+''')
+
+
+def test_pythonpath_directory_serves_deep_ep(tmp_path):
+    env = dict(os.environ, PYTHONPATH=deep_ep_path() + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    r = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "deep_ep: provided by uccl-ep-train" in r.stderr
+    assert r.stderr.count("provided by uccl-ep-train") == 1, "announced once"
+    assert os.path.join("uccl_ep_train", "compat", "deep_ep") in r.stdout
+
+
+def test_cli_prints_the_directory():
+    r = subprocess.run([sys.executable, "-m", "uccl_ep_train.cli", "deep-ep-path"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == deep_ep_path()
+    assert os.path.isfile(os.path.join(r.stdout.strip(), "deep_ep", "__init__.py"))
+
+
+def test_install_refuses_to_shadow_an_imported_deep_ep(monkeypatch):
+    import types
+
+    from uccl_ep_train.compat import install_deep_ep
+    fake = types.ModuleType("deep_ep")
+    fake.__file__ = "/elsewhere/deep_ep/__init__.py"
+    monkeypatch.setitem(sys.modules, "deep_ep", fake)
+    with pytest.raises(RuntimeError, match="another deep_ep is already imported"):
+        install_deep_ep(patch_megatron=False)
