@@ -17,6 +17,9 @@ def base_env(tmp_path, **extra):
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path),
            "PYTHONPATH": str(ROOT), "UCCL_PYTHON": sys.executable, "UCCL_LAUNCH_DRY_RUN": "1",
            "UCCL_TORCHRUN": "torchrun", "PYTHONWARNINGS": "ignore"}
+    for k in ("NCCL_NVLS_ENABLE", "NVSHMEM_DISABLE_NVLS", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):  # conftest's
+        if k in os.environ:
+            env[k] = os.environ[k]
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -162,7 +165,8 @@ def test_tiny_recipe_trains_on_cpu_ranks_through_the_launcher(tmp_path):
     import json
     log = tmp_path / "train.json"
     env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, MASTER_PORT=_free_port(), UCCL_LAUNCH_DRY_RUN=0,
-                   UCCL_TORCHRUN=f"{shlex.quote(sys.executable)} -m torch.distributed.run", OMP_NUM_THREADS=1)
+                   UCCL_TORCHRUN=f"{shlex.quote(sys.executable)} -m torch.distributed.run", OMP_NUM_THREADS=1,
+                   UCCL_SOCKET_IFNAME="lo")                # loopback only
     if importlib.util.find_spec("uccl_ep_train.doctor") is None:
         env["UCCL_SKIP_DOCTOR"] = "1"   # the pre-flight command is not there yet
     res = subprocess.run(["bash", str(LAUNCH), "tiny", "--entry", "train", "--", "--steps", "20",
@@ -170,6 +174,7 @@ def test_tiny_recipe_trains_on_cpu_ranks_through_the_launcher(tmp_path):
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
     assert "torch.distributed.run --nnodes 1 --nproc-per-node 2" in res.stderr
+    assert "ifname=lo" in res.stderr
     rec = json.loads(log.read_text())
     assert (rec["recipe"], rec["dispatcher"], rec["ranks"], rec["device"]) == ("tiny", "uccl", 2, "cpu")
     losses = [s["loss"] for s in rec["steps"]]
