@@ -43,6 +43,7 @@ def test_json_report(capsys):
     assert cmd[:13] == ["torchrun", "--nnodes", "32", "--nproc-per-node", "8", "--node-rank", "$NODE_RANK",
                         "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "-m", "uccl_ep_train.cli"]
     assert cmd[13] == "pretrain-gpt"
+    assert "--mock-data" in cmd and "--moe-token-dispatcher-type" in cmd
 
 
 @pytest.mark.parametrize("argv, message", [

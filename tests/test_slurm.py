@@ -59,6 +59,7 @@ def test_fake_slurm_environment_gives_the_right_torchrun_command(tmp_path):
     assert opt(cmd, "--moe-token-dispatcher-type") == "uccl"
     assert opt(cmd, "--expert-model-parallel-size") == "16"
     assert cmd[-2:] == ["--data-path", "/data/my corpus"]
+    assert "--mock-data" not in cmd            # real data given: the recipe's mock data goes
     # the doctor ran on this node, after the environment was set up
     seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
     assert seen["UCCL_SOCKET_IFNAME"] == seen["NCCL_SOCKET_IFNAME"] == seen["GLOO_SOCKET_IFNAME"] == "ib0"

@@ -413,6 +413,9 @@ def torchrun_command(recipe: Recipe, nnodes: int, nproc_per_node: int, node_rank
            "--node-rank", str(node_rank), "--master-addr", str(master_addr), "--master-port", str(master_port),
            "-m", "uccl_ep_train.cli", entry]
     if entry == "pretrain-gpt":
+        extra_flags = {a.split("=", 1)[0] for a in (extra or [])}
+        if extra_flags & {"--data-path", "--train-data-path", "--per-split-data-args-path", "--data-args-path"}:
+            recipe = recipe.with_args(mock_data=False)   # real data given: the recipe's --mock-data must go
         cmd += recipe.megatron_args()
     else:
         cmd += ["--recipe", recipe.name]
