@@ -122,16 +122,21 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         return recv_x, recv_w
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Expand received rows into expert-major order: (rows, tokens_per_expert, probs per row)."""
+        """Expand received rows into expert-major order: (rows, tokens_per_expert, probs per row).
+
+        No host sync: the number of (row, expert) pairs is the sum of the dispatch's per-expert count list,
+        and a stable sort of the flattened top-k slots by local expert keeps rows in (source rank, token)
+        order within each expert. Gathers use index_select, whose backward is an index_add."""
         self.num_recv = hidden_states.size(0)
-        rows, slots = torch.nonzero(self.recv_idx >= 0, as_tuple=True)
-        experts = self.recv_idx[rows, slots]
-        order = torch.sort(experts, stable=True).indices  # rows stay in (source rank, token) order
-        rows, slots = rows[order], slots[order]
+        num_local = self.num_local_experts
+        keys = torch.where(self.recv_idx >= 0, self.recv_idx, num_local).view(-1)
+        order = torch.sort(keys, stable=True).indices[: sum(self.tokens_per_expert_list)]
+        topk = self.recv_idx.size(1)
+        rows = torch.div(order, topk, rounding_mode="floor")
         self.expert_rows = rows
         tokens_per_expert = torch.tensor(self.tokens_per_expert_list, dtype=torch.int64)
-        permuted_probs = probs[rows, slots].to(self.probs_dtype)
-        return hidden_states[rows], tokens_per_expert, permuted_probs
+        permuted_probs = probs.reshape(-1).index_select(0, order).to(self.probs_dtype)
+        return hidden_states.index_select(0, rows), tokens_per_expert, permuted_probs
 
     # ---- combine ---------------------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor):
