@@ -80,26 +80,17 @@ def default_config(table: dict, num_sms: int, num_ranks: int) -> Config:
     return Config(num_sms, *table[keys[-1]])
 
 
-def env_float(name: str, default: float) -> float:
+def env_number(name: str, default, cast=float):
+    """A numeric setting from the environment (`cast` int or float); a malformed value is an error, not 0."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return float(raw)
+        return cast(raw)
     except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not a number") from None
-
-
-def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"environment variable {name}={raw!r} is not an integer") from None
+        raise ValueError(f"environment variable {name}={raw!r} is not a valid {cast.__name__}") from None
 
 
 def timeout_s() -> float:
     """UCCL_EP_TIMEOUT_S: how long any wait for peers may take before it fails with a named error."""
-    return env_float("UCCL_EP_TIMEOUT_S", 300.0)
+    return env_number("UCCL_EP_TIMEOUT_S", 300.0)
