@@ -203,3 +203,14 @@ def test_weight_and_optimizer_memory_agrees_with_megatron(name, nodes, tp, ep):
         megatron_bytes = compute_weight_and_optimizer_memory(ns)
     m = estimate_memory(r, lay)
     assert abs((m.weights + m.gradients + m.optimizer) - megatron_bytes) / megatron_bytes < 1e-3
+
+
+def test_train_entry_takes_ep_over_all_ranks(capsys):
+    rc, out, err = run(capsys, "--recipe", "tiny", "--nodes", "1", "--gpus-per-node", "8", "--entry", "train", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    assert rep["layout"]["ep"] == 8 and rep["layout"]["dp"] == 8
+    assert rep["torchrun"][-3:] == ["train", "--recipe", "tiny"]
+    # the same shape for Megatron-LM's pretrain_gpt keeps the recipe's EP 2 and refuses its batch size
+    rc, out, err = run(capsys, "--recipe", "tiny", "--nodes", "1", "--gpus-per-node", "8")
+    assert rc == 2 and "global_batch_size 8 is not divisible by micro_batch_size*DP = 2*8" in err

@@ -553,6 +553,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{_fmt_gib(mem.total).strip()} per GPU  ->  uccl-ep-train plan --recipe {ns.recipe} "
                   f"--nodes {nodes} --gpus-per-node {gpn} --tp {lay.tp} --pp {lay.pp} --ep {lay.ep}")
         return 0
+    if ns.entry == "train":
+        # `uccl-ep-train train` runs EP over all ranks, one micro-batch per rank per step
+        world = nodes * gpn
+        recipe = recipe.with_args(expert_model_parallel_size=ns.ep or world,
+                                  global_batch_size=ns.gbs or int(recipe.args["micro_batch_size"]) * world)
     lay = check_layout(recipe, nodes, gpn)
     if ns.check_megatron and not lay.errors:
         try:
