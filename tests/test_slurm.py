@@ -181,3 +181,52 @@ def test_tiny_recipe_trains_on_cpu_ranks_through_the_launcher(tmp_path):
     losses = [s["loss"] for s in rec["steps"]]
     assert len(losses) == 20
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, losses
+
+
+FAKE_TORCHRUN = '''
+import json, os, sys
+argv = sys.argv[1:]
+i = argv.index("-m")
+opts = dict(zip(argv[:i:2], argv[1:i:2]))
+json.dump(opts, open(os.environ["FAKE_TORCHRUN_LOG"], "w"))
+# one worker, as torchrun would start it: rank 0 of the job
+env = dict(os.environ, RANK="0", LOCAL_RANK="0", WORLD_SIZE=str(int(opts["--nnodes"]) * int(opts["--nproc-per-node"])))
+os.execve(sys.executable, [sys.executable] + argv[i:], env)
+'''
+
+FAKE_PRETRAIN_GPT = '''
+# stands in for Megatron-LM's pretrain_gpt.py: parse the command line with Megatron-LM's own parser
+import json
+from megatron.training.arguments import parse_args
+a = parse_args()
+print("PARSED " + json.dumps({k: getattr(a, k) for k in ("num_layers", "num_experts", "moe_router_topk",
+      "moe_token_dispatcher_type", "expert_model_parallel_size", "pipeline_model_parallel_size",
+      "multi_latent_attention", "q_lora_rank", "mock_data", "data_path")}))
+'''
+
+
+def test_deepseek_v3_reaches_megatron_pretrain_gpt_through_the_patch(tmp_path):
+    """launch.sh -> plan -> torchrun -> `uccl-ep-train pretrain-gpt` -> megatron_patch -> the checkout's
+    pretrain_gpt.py, whose Megatron-LM parser takes every DeepSeek-V3 recipe argument with dispatcher uccl
+    (torchrun and pretrain_gpt.py are stand-ins: one worker of the 256-rank job runs, on CPU)."""
+    import json
+    mlm = fake_megatron(tmp_path)
+    (mlm / "pretrain_gpt.py").write_text(FAKE_PRETRAIN_GPT)
+    torchrun = tmp_path / "torchrun.py"
+    torchrun.write_text(FAKE_TORCHRUN)
+    log = tmp_path / "torchrun.json"
+    env = base_env(tmp_path, SLURM_JOB_ID=4242, SLURM_JOB_NUM_NODES=32, SLURM_NODEID=0,
+                   SLURM_JOB_NODELIST="gpu[100-131]", SLURM_GPUS_ON_NODE=8, UCCL_SOCKET_IFNAME="lo",
+                   MEGATRON_LM_PATH=mlm, UCCL_SKIP_DOCTOR=1, UCCL_LAUNCH_DRY_RUN=0,
+                   UCCL_TORCHRUN=f"{shlex.quote(sys.executable)} {shlex.quote(str(torchrun))}",
+                   FAKE_TORCHRUN_LOG=log)
+    res = launch(tmp_path, env, "deepseek-v3", "--", "--data-path", "/data/corpus")
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    opts = json.loads(log.read_text())
+    assert opts["--nnodes"] == "32" and opts["--nproc-per-node"] == "8" and opts["--master-addr"] == "gpu100"
+    line = [l for l in res.stdout.splitlines() if l.startswith("PARSED ")][-1]
+    parsed = json.loads(line[len("PARSED "):])
+    assert parsed == {"num_layers": 61, "num_experts": 256, "moe_router_topk": 8, "moe_token_dispatcher_type": "uccl",
+                      "expert_model_parallel_size": 32, "pipeline_model_parallel_size": 8,
+                      "multi_latent_attention": True, "q_lora_rank": 1536, "mock_data": False,
+                      "data_path": ["/data/corpus"]}
