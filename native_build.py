@@ -146,7 +146,10 @@ class NativeBuildExt(build_ext):
 def native_build_kwargs() -> dict:
     if os.environ.get("UCCL_EP_NO_NATIVE") == "1":
         return {}
-    cpp = sorted(glob.glob("csrc/**/*.cpp", recursive=True))
+    # UCCL_EP_NATIVE_EXCLUDE=csrc/kernels[,...]: leave subtrees out (e.g. to build the proxy alone).
+    exclude = [e.strip().rstrip("/") + "/" for e in os.environ.get("UCCL_EP_NATIVE_EXCLUDE", "").split(",") if e.strip()]
+    keep = lambda path: not any(path.startswith(e) for e in exclude)  # noqa: E731
+    cpp = sorted(p for p in glob.glob("csrc/**/*.cpp", recursive=True) if keep(p))
     if not cpp:
         return {}
     try:
@@ -155,7 +158,7 @@ def native_build_kwargs() -> dict:
         print("[uccl-ep-train] pybind11 missing: native module skipped", file=sys.stderr)
         return {}
     kind, _ = find_gpu_compiler()
-    sources = cpp + (sorted(glob.glob("csrc/**/*.cu", recursive=True)) if kind else [])
+    sources = cpp + (sorted(p for p in glob.glob("csrc/**/*.cu", recursive=True) if keep(p)) if kind else [])
     define_macros, libraries, library_dirs, include_dirs = [], ["pthread"], [], [pybind11.get_include(), "csrc"]
     runtime_library_dirs = []
     if kind == "cuda":

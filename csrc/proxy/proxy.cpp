@@ -155,7 +155,8 @@ void ProxyThread::run() {
       }
       ++idle;
       if ((idle & 1023) == 0) check_timeouts();
-      if (p_->cfg_.adaptive_sleep && idle > 2048) {
+      // Sleep only when truly idle: nothing in flight, nothing held back, ring empty.
+      if (p_->cfg_.adaptive_sleep && idle > 2048 && inflight_total_ == 0 && !fault_.holding()) {
         std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
         sleep_us = std::min<uint32_t>(sleep_us * 2, 100);
         idle_sleeps_.fetch_add(1, std::memory_order_relaxed);

@@ -1,0 +1,290 @@
+"""`uccl-ep-train bench proxy`: the GPU→CPU command channel and its transports.
+
+Measures, per DESIGN.md conventions (`--json PATH` writes a list of records: bench, op, ranks, gbps, us,
+device, sms, plus the shape of each measurement):
+  nop_push     commands/s from GPU warps through the rings into the proxy threads (per GPU, per thread)
+  pickup_rtt   GPU push -> CPU proxy pickup -> echo seen by the GPU (round trip; one-way ~ half)
+  visibility   GPU push of a signalled write to this rank -> proxy -> ipc copy -> in-order arrival seen
+               by the GPU (push -> remote visibility through the whole proxy path)
+  ipc_write    GB/s per GPU of chunked writes into the peer GPU through the ipc transport (two ranks,
+               both directions busy), commands pushed by a GPU kernel, ended by OP_FLUSH per ring
+  fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
+
+Modes: `--mode gpu` (needs CUDA and the native module with ipc), `--mode cpu` (fabric only), `auto`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+
+import numpy as np
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench proxy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto")
+    p.add_argument("--threads", type=int, nargs="+", default=[1, 4], help="proxy threads (UCCL_EP_PROXY_THREADS)")
+    p.add_argument("--warps-per-ring", type=int, default=8)
+    p.add_argument("--nops-per-warp", type=int, default=32768)
+    p.add_argument("--latency-iters", type=int, default=2000)
+    p.add_argument("--chunk-bytes", type=int, nargs="+", default=[65536, 1 << 20, 4 << 20])
+    p.add_argument("--total-bytes", type=int, default=1 << 30, help="bytes per rank per ipc/fabric measurement")
+    p.add_argument("--provider", default="shm", help="fabric provider for --mode cpu (shm, tcp, sockets)")
+    p.add_argument("--json", default=None, help="write the records here")
+    return p.parse_args(argv)
+
+
+def _pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def _port():
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def _device_name():
+    try:
+        import torch
+        if torch.cuda.is_available():
+            return torch.cuda.get_device_name(0)
+    except Exception:
+        pass
+    return "cpu"
+
+
+# ---------------------------------------------------------------------------------------------- gpu
+def _gpu_single(args, device):
+    """One rank on GPU 0 with the ipc transport: NOP flood, pickup round trip, self visibility."""
+    import torch
+    from uccl_ep_train import _native
+    from uccl_ep_train.proxy import ProxyGroup
+    recs = []
+    torch.cuda.set_device(0)
+    region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
+    for threads in args.threads:
+        with ProxyGroup(0, 1, {0: region}, transport="ipc", gpu=0, num_threads=threads, timeout_s=120) as g:
+            _native.gpu_bench_nops(g._native, 1, 64)  # warm-up
+            total = threads * args.warps_per_ring * args.nops_per_warp
+            sec = _native.gpu_bench_nops(g._native, args.warps_per_ring, args.nops_per_warp, 120.0)
+            rate = total / sec
+            recs.append(dict(bench="proxy", op="nop_push", ranks=1, gbps=rate * 16 / 1e9, us=sec / total * 1e6,
+                             device=device, sms=0, threads=threads, warps_per_ring=args.warps_per_ring,
+                             commands=total, commands_per_s=rate, commands_per_s_per_thread=rate / threads,
+                             cpus=g.thread_cpus()))
+            print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring}: {rate / 1e6:.2f} M cmd/s per GPU, "
+                  f"{rate / threads / 1e6:.2f} M/s per proxy thread", flush=True)
+            if threads == max(args.threads):
+                rtt = [x / 1e3 for x in _native.gpu_pickup_latency(g._native, 0, args.latency_iters)][10:]
+                med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
+                recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device=device, sms=0,
+                                 threads=threads, median_us=med, p99_us=p99, one_way_median_us=med / 2,
+                                 iters=len(rtt)))
+                print(f"[pickup_rtt] GPU->CPU->GPU median {med:.2f} us p99 {p99:.2f} us (one-way ~{med / 2:.2f} us)",
+                      flush=True)
+                vis = [x / 1e3 for x in _native.gpu_visibility_latency(g._native, 0, 0, 64, 0, 4096,
+                                                                         args.latency_iters)][10:]
+                med, p99 = statistics.median(vis), _pct(vis, 0.99)
+                recs.append(dict(bench="proxy", op="visibility", ranks=1, gbps=0.0, us=med, device=device, sms=0,
+                                 threads=threads, bytes=64, median_us=med, p99_us=p99, iters=len(vis),
+                                 transport="ipc"))
+                print(f"[visibility] push -> ipc write -> in-order arrival seen by GPU: median {med:.2f} us "
+                      f"p99 {p99:.2f} us", flush=True)
+            g.check()
+    return recs
+
+
+def _ipc_worker(rank, world, port, args, threads, q):
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+    try:
+        import torch
+        import torch.distributed as dist
+        from uccl_ep_train import _native
+        from uccl_ep_train import proxy as P
+        dev = rank % torch.cuda.device_count()
+        torch.cuda.set_device(dev)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        recs = []
+        peer = 1 - rank
+        max_chunk = max(args.chunk_bytes)
+        span = max(args.total_bytes // 4, max_chunk * 8)
+        region = torch.zeros(2 * span, dtype=torch.uint8, device="cuda")
+        with P.ProxyGroup(rank, world, {0: region}, transport="ipc", gpu=dev, num_threads=threads,
+                          timeout_s=120) as g:
+            for chunk in args.chunk_bytes:
+                n = max(threads, args.total_bytes // chunk)
+                per_slot = span // chunk
+                rows, offsets = [], [0]
+                for t in range(threads):
+                    mine = [i for i in range(n) if i % threads == t]
+                    rows += [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
+                             for i in mine]
+                    rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
+                    offsets.append(len(rows))
+                cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
+                base = [g.flushed(t) for t in range(threads)]
+                torch.cuda.synchronize()
+                dist.barrier()
+                t0 = time.perf_counter()
+                _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1,
+                                          torch.cuda.current_stream().cuda_stream)
+                for t in range(threads):
+                    g.wait_flushed(t, base[t] + 1, timeout_s=120)
+                sec = time.perf_counter() - t0
+                gbps = n * chunk / sec / 1e9
+                recs.append(dict(bench="proxy", op="ipc_write", ranks=world, gbps=gbps, us=sec / n * 1e6,
+                                 device=torch.cuda.get_device_name(dev), sms=0, threads=threads, chunk_bytes=chunk,
+                                 commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
+                                 commands_per_s=n / sec, transport="ipc", both_directions=True))
+                dist.barrier()
+            g.check()
+        dist.destroy_process_group()
+        q.put((rank, "ok", recs))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def _spawn(target, world, extra, timeout=300):
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _port()
+    procs = [ctx.Process(target=target, args=(r, world, port) + extra + (q,)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out = {}
+    try:
+        for _ in range(world):
+            rank, status, payload = q.get(timeout=timeout)
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+    return out
+
+
+def _gpu_ipc(args):
+    recs = []
+    threads = max(args.threads)
+    out = _spawn(_ipc_worker, 2, (args, threads))
+    for i, chunk in enumerate(args.chunk_bytes):
+        rows = [out[r][i] for r in sorted(out)]
+        for r in rows:
+            recs.append(r)
+        gb = [r["gbps"] for r in rows]
+        print(f"[ipc_write] chunk {chunk >> 10} KiB, {threads} threads, both directions: "
+              f"{' / '.join(f'{x:.1f}' for x in gb)} GB/s per GPU, "
+              f"{rows[0]['commands_per_s'] / 1e3:.1f} K cmd/s", flush=True)
+    return recs
+
+
+# ---------------------------------------------------------------------------------------------- cpu
+def _fabric_worker(rank, world, port, args, threads, q):
+    os.environ["FI_PROVIDER"] = args.provider
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    os.environ.setdefault("FI_SOCKETS_IFACE", "lo")
+    try:
+        import torch.distributed as dist
+        from uccl_ep_train import proxy as P
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        recs = []
+        peer = 1 - rank
+        max_chunk = max(args.chunk_bytes)
+        span = max(min(args.total_bytes, 64 << 20) // 2, max_chunk * 4)
+        buf = np.zeros(2 * span, np.uint8)
+        with P.ProxyGroup(rank, world, {0: buf}, transport="fabric", num_threads=threads, pin_threads=False,
+                          timeout_s=120, max_inflight=32) as g:
+            for chunk in [0] + list(args.chunk_bytes):
+                total = args.total_bytes if chunk else 0
+                n = max(threads, total // chunk) if chunk else 20000
+                per_slot = max(1, span // max(chunk, 1))
+                base = [g.flushed(t) for t in range(threads)]
+                per_ring = []
+                for t in range(threads):
+                    rows = [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
+                            for i in range(t, n, threads)]
+                    rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
+                    per_ring.append(P.make_commands(rows))
+                dist.barrier()
+                t0 = time.perf_counter()
+                for t in range(threads):
+                    g.push(t, per_ring[t])
+                for t in range(threads):
+                    g.wait_flushed(t, base[t] + 1, timeout_s=120)
+                sec = time.perf_counter() - t0
+                recs.append(dict(bench="proxy", op="fabric_write" if chunk else "fabric_cmds", ranks=world,
+                                 gbps=n * chunk / sec / 1e9, us=sec / n * 1e6, device="cpu", sms=0,
+                                 threads=threads, chunk_bytes=chunk, commands=n, commands_per_s=n / sec,
+                                 provider=args.provider, rank=rank, transport="fabric", producer="cpu"))
+                dist.barrier()
+            g.check()
+        dist.destroy_process_group()
+        q.put((rank, "ok", recs))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def _cpu(args):
+    threads = min(args.threads)
+    out = _spawn(_fabric_worker, 2, (args, threads))
+    recs = []
+    for i in range(len(out[0])):
+        rows = [out[r][i] for r in sorted(out)]
+        recs += rows
+        r0 = rows[0]
+        print(f"[{r0['op']}] fabric/{args.provider} chunk {r0['chunk_bytes']} B, {threads} threads: "
+              f"{r0['gbps']:.2f} GB/s, {r0['commands_per_s'] / 1e3:.1f} K cmd/s per rank", flush=True)
+    return recs
+
+
+def main(argv=None) -> int:
+    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    from uccl_ep_train import proxy as P
+    if not P.available():
+        print("bench proxy: the native module is not built (python setup.py build_ext --inplace)", file=sys.stderr)
+        return 2
+    mode = args.mode
+    if mode == "auto":
+        try:
+            import torch
+            gpu_ok = torch.cuda.is_available() and "ipc" in P.compiled_transports()
+        except Exception:
+            gpu_ok = False
+        mode = "gpu" if gpu_ok else "cpu"
+    records = []
+    if mode == "gpu":
+        device = _device_name()
+        records += _gpu_single(args, device)
+        import torch
+        if torch.cuda.device_count() >= 2:
+            records += _gpu_ipc(args)
+        else:
+            print("[ipc_write] skipped: needs 2 GPUs", flush=True)
+    else:
+        records += _cpu(args)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+        print(f"wrote {len(records)} records to {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""`uccl-ep-train doctor`: what this machine offers the proxy and transports.
+
+Lists RDMA devices (ports, state, link layer, GIDs, atomics, peer-memory and DMA-BUF support) through
+pyverbs when it loads, else through the native module's libibverbs queries, and says plainly when there
+are none; then GPUs, the native module, compiled transports, libfabric providers with FI_EP_RDM, and the
+proxy knobs in effect. `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
+module is required (`--require-native`) and missing.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+KNOBS = ["UCCL_EP_PROXY_THREADS", "UCCL_EP_DISABLE_CPU_AFFINITY", "UCCL_IB_MAX_INFLIGHT_BYTES",
+         "UCCL_IB_MAX_INFLIGHT_NORMAL", "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", "UCCL_RDMA_ADAPTIVE_SLEEP",
+         "UCCL_EP_TIMEOUT_S", "UCCL_EP_FAULT", "UCCL_EP_TRANSPORT", "UCCL_IB_GID_INDEX", "UCCL_SOCKET_IFNAME",
+         "UCCL_IB_SL", "UCCL_IB_TC", "UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC", "FI_PROVIDER", "FI_TCP_IFACE"]
+
+
+def _pyverbs_devices():
+    """Devices through pyverbs, or (None, reason) when it does not load."""
+    try:
+        import pyverbs.device as d  # type: ignore
+    except Exception as e:  # ImportError, or a symbol-version mismatch with the system rdma-core
+        return None, f"pyverbs not usable ({type(e).__name__}: {e})"
+    out = []
+    try:
+        for dev in d.get_device_list():
+            name = dev.name.decode() if isinstance(dev.name, bytes) else str(dev.name)
+            entry = {"name": name, "ports": [], "source": "pyverbs"}
+            with d.Context(name=name) as ctx:
+                attr = ctx.query_device()
+                entry["fw_ver"] = attr.fw_ver.decode() if isinstance(attr.fw_ver, bytes) else str(attr.fw_ver)
+                entry["vendor_id"], entry["vendor_part_id"] = attr.vendor_id, attr.vendor_part_id
+                for port in range(1, attr.phys_port_cnt + 1):
+                    pa = ctx.query_port(port)
+                    gids = []
+                    for i in range(min(pa.gid_tbl_len, 16)):
+                        try:
+                            g = str(ctx.query_gid(port, i))
+                        except Exception:
+                            break
+                        if g and set(g.replace(":", "")) != {"0"}:
+                            gids.append(f"{i}:{g}")
+                    entry["ports"].append({"port": port, "state": str(pa.state), "link_layer": str(pa.link_layer),
+                                           "lid": pa.lid, "gids": gids})
+            out.append(entry)
+    except Exception as e:
+        return None, f"pyverbs query failed ({e})"
+    return out, "pyverbs"
+
+
+def _native_info():
+    try:
+        from uccl_ep_train import _native  # type: ignore
+    except Exception as e:
+        return None, f"not built or not importable ({e})"
+    return _native, "ok"
+
+
+def collect() -> dict:
+    report: dict = {"rdma": {}, "gpus": [], "native": {}, "fabric_providers": [], "knobs": {}}
+    native, why = _native_info()
+    report["native"] = {
+        "importable": native is not None,
+        "status": why,
+        "with_cuda": bool(getattr(native, "WITH_CUDA", False)) if native else False,
+        "with_hip": bool(getattr(native, "WITH_HIP", False)) if native else False,
+        "transports": list(native.compiled_transports()) if native and hasattr(native, "compiled_transports") else [],
+        "gpu_producers": bool(native and hasattr(native, "gpu_push_commands")),
+    }
+    devices, source = _pyverbs_devices()
+    if devices is None:
+        note = source
+        if native is not None and getattr(native, "WITH_VERBS", False):
+            devices, source = [dict(d, source="native") for d in native.verbs_devices()], "native libibverbs"
+        else:
+            devices, source = [], "none (neither pyverbs nor native verbs queries available)"
+        report["rdma"]["pyverbs"] = note
+    report["rdma"]["source"] = source
+    report["rdma"]["devices"] = devices
+    report["rdma"]["peer_memory_module"] = _peer_memory_module()
+    try:
+        import torch
+        if torch.cuda.is_available():
+            for i in range(torch.cuda.device_count()):
+                p = torch.cuda.get_device_properties(i)
+                report["gpus"].append({"index": i, "name": p.name, "memory_gib": round(p.total_memory / 2**30, 1),
+                                       "sms": p.multi_processor_count,
+                                       "numa_cpus": list(native.cpus_near_gpu(i))[:64] if native and native.WITH_CUDA else []})
+    except Exception as e:  # pragma: no cover
+        report["gpus_error"] = str(e)
+    report["fabric_providers"] = _fabric_providers()
+    report["knobs"] = {k: os.environ[k] for k in KNOBS if k in os.environ}
+    return report
+
+
+def _peer_memory_module() -> str:
+    try:
+        mods = open("/proc/modules").read().split("\n")
+    except OSError:
+        return "unknown"
+    for name in ("nvidia_peermem", "nv_peer_mem", "amdgpu"):
+        if any(m.startswith(name + " ") for m in mods):
+            return name
+    return "none"
+
+
+def _fabric_providers() -> list[str]:
+    exe = shutil.which("fi_info")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run([exe, "-l"], capture_output=True, text=True, timeout=20).stdout
+    except Exception:
+        return []
+    return sorted({line.strip().rstrip(":") for line in out.splitlines() if line.strip().endswith(":")})
+
+
+def render(r: dict) -> str:
+    lines = ["uccl-ep-train doctor", ""]
+    rd = r["rdma"]
+    lines.append(f"RDMA devices (via {rd['source']}):")
+    if rd.get("pyverbs"):
+        lines.append(f"  note: {rd['pyverbs']}")
+    if not rd["devices"]:
+        lines.append("  no RDMA devices found on this machine: internode runs need a NIC (ConnectX, EFA, Broadcom,")
+        lines.append("  Pollara); single-host runs use the ipc transport, CPU tests the fabric (tcp/shm) transport.")
+    for d in rd["devices"]:
+        lines.append(f"  {d['name']}: fw {d.get('fw_ver', '?')} vendor 0x{int(d.get('vendor_id', 0)):x} "
+                     f"part {d.get('vendor_part_id', '?')} atomics {d.get('atomic_cap', '?')} "
+                     f"dmabuf {d.get('dmabuf', '?')} peer-memory {d.get('peer_memory', '?')}")
+        for p in d.get("ports", []):
+            lines.append(f"    port {p['port']}: {p['state']} {p['link_layer']} lid {p.get('lid')} "
+                         f"gids {', '.join(p.get('gids', [])) or 'none'}")
+    lines.append(f"  peer-memory kernel module: {rd['peer_memory_module']}")
+    lines.append("")
+    lines.append("GPUs:" if r["gpus"] else "GPUs: none visible to torch")
+    for g in r["gpus"]:
+        lines.append(f"  [{g['index']}] {g['name']} {g['memory_gib']} GiB, {g['sms']} SMs")
+    n = r["native"]
+    lines.append("")
+    lines.append(f"native module: {'importable' if n['importable'] else n['status']}"
+                 + (f" (CUDA {n['with_cuda']}, HIP {n['with_hip']}, transports: {', '.join(n['transports']) or 'none'},"
+                    f" GPU producers {n['gpu_producers']})" if n["importable"] else ""))
+    lines.append(f"libfabric providers (fi_info -l): {', '.join(r['fabric_providers']) or 'fi_info not found'}")
+    lines.append("proxy knobs set: " + (", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "none (defaults)"))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="uccl-ep-train doctor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", default=None, help="also write the report as JSON here")
+    p.add_argument("--require-native", action="store_true", help="exit 1 when the native module is missing")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    report = collect()
+    print(render(report))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    if args.require_native and not report["native"]["importable"]:
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
