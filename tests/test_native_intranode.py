@@ -105,7 +105,15 @@ def _check_all(rank, world, device):
         x, idx, w = _inputs(rank, n, hidden, topk, experts, mask_p, avoid, ci, world)
         x, idx, w = x.cuda(), idx.cuda(), w.cuda()
         xin = _fp8(x) if fp8 else x
-        for sms in (4, 24):
+        for sms, push, batch in ((4, "16", "1"), (24, None, None), (8, "3", "1000000")):
+            # warp roles: all push then copy out / default split / mostly copy-out and reduce warps;
+            # row flags released after every row / default batch / only at the end of a warp's work
+            for var, val in (("UCCL_EP_DISPATCH_PUSH_WARPS", push), ("UCCL_EP_COMBINE_PUSH_WARPS", push),
+                             ("UCCL_EP_FLAG_BATCH", batch), ("UCCL_EP_COMBINE_FLAG_BATCH", batch)):
+                if val is None:
+                    os.environ.pop(var, None)
+                else:
+                    os.environ[var] = val
             cfg = Config(sms, 6, 256)
             outs = {}
             for name, buf in (("ref", ref), ("nat", nat)):

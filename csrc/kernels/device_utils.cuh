@@ -23,7 +23,9 @@ constexpr int64_t kFreeOffset = 256;
 constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
 constexpr int64_t kCountsOffset = 4096;
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
-constexpr int64_t kHeaderBytes = kCountsOffset + 8 * kCountsSlotInts * 4;  // 1 MiB + 4 KiB
+constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
+constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row landed" flag per receive row
+constexpr int64_t kHeaderBytes = kFlagsOffset + kMaxFlagRows * 4;  // 5 MiB + 4 KiB
 
 enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3 };
 enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3 };
@@ -78,6 +80,42 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int
       if (*(volatile int*)claim != 0) return false;  // another wait already failed: do not pile up
       if (clock64() - start > timeout_cycles) {
         report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p));
+        return false;
+      }
+    }
+  }
+  return true;
+}
+
+__device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
+#if defined(UCCL_EP_WITH_HIP)
+  return __atomic_load_n(p, __ATOMIC_ACQUIRE);
+#else
+  uint32_t v;
+  asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+  return v;
+#endif
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
+#if defined(UCCL_EP_WITH_HIP)
+  __atomic_store_n(p, v, __ATOMIC_RELAXED);
+#else
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+#endif
+}
+
+// Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
+__device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
+                                          int* claim, int rank, int peer, int phase, int row) {
+  if (ld_acquire_sys_u32(p) == seq) return true;
+  const long long start = clock64();
+  uint32_t iter = 0;
+  while (ld_acquire_sys_u32(p) != seq) {
+    if ((++iter & 1023u) == 0) {
+      if (*(volatile int*)claim != 0) return false;
+      if (clock64() - start > timeout_cycles) {
+        report_error(err, claim, kErrTimeout, rank, peer, phase, row, -1);
         return false;
       }
     }

@@ -43,7 +43,7 @@ __device__ __forceinline__ int4 load_stream<int4>(const int4* p) {
 template <typename V>
 __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, char* const* dsts, int ndst,
                                               int lane) {
-  constexpr int U = 16 / sizeof(V) >= 4 ? 4 : 4;  // vectors in flight per lane
+  constexpr int U = sizeof(V) == 16 ? 8 : 4;  // vectors in flight per lane
   const int n = (int)(nbytes / (int64_t)sizeof(V));
   const V* s = reinterpret_cast<const V*>(src);
   for (int base = lane; base < n; base += kWarpSize * U) {
@@ -170,17 +170,46 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
 }
 
 // ---------------------------------------------------------------------------------------------- dispatch
+// Warp roles per block: the first `push_warps` warps push tokens (each token once per destination rank;
+// every remote row is followed by a system-scope release of its "row landed" flag in the receiver's
+// header); the other warps copy landed rows out of this rank's buffer while the pushes are still going.
+// Push warps join the copy-out when their tokens are done. Rows for this block: i = lo_s + b + k*B.
 template <typename V>
-__global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs a) {
+__device__ __forceinline__ void warp_copy_row(char* dst, const char* src, int64_t nbytes, int lane) {
+  constexpr int U = 8;
+  const int n = (int)(nbytes / (int64_t)sizeof(V));
+  const V* s = reinterpret_cast<const V*>(src);
+  V* d = reinterpret_cast<V*>(dst);
+  for (int base = lane; base < n; base += kWarpSize * U) {
+    V v[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * kWarpSize < n) v[u] = s[base + u * kWarpSize];
+#pragma unroll
+    for (int u = 0; u < U; ++u)
+      if (base + u * kWarpSize < n) d[base + u * kWarpSize] = v[u];
+  }
+}
+
+__device__ __forceinline__ void warp_copy_words(void* dst, const void* src, int64_t nbytes, int lane) {
+  const int* s = reinterpret_cast<const int*>(src);
+  int* d = reinterpret_cast<int*>(dst);
+  for (int i = lane; i < nbytes / 4; i += kWarpSize) d[i] = s[i];
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
   constexpr int kWarps = kDispatchThreads / kWarpSize;
   const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
   const int K = a.num_topk, epr = a.experts_per_rank;
+  const int push_warps = a.push_warps;
   char* my = a.peers.p[me];
-  uint64_t* arrive = reinterpret_cast<uint64_t*>(my + kArriveOffset);
   uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
+  const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
+  const uint32_t seq = (uint32_t)(a.sig.base + 1);
   __shared__ int s_P[kMaxRanks * kMaxRanks];
-  __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_dstlo[kMaxRanks];
-  __shared__ int s_skip;
+  __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_dstlo[kMaxRanks], s_nrows[kMaxRanks];
+  __shared__ int s_skip, s_next;
   __shared__ char* s_dx[kWarps][kMaxRanks];
   __shared__ int s_dr[kWarps][kMaxRanks], s_ds[kWarps][kMaxRanks], s_nd[kWarps];
 
@@ -188,26 +217,35 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   __syncthreads();
   if (tid < R) {
     s_lo[tid] = tid > 0 ? s_P[(tid - 1) * R + me] : 0;  // rows from rank tid in my receive order
-    s_hi[tid] = s_P[tid * R + me];
+    s_hi[tid] = (int)min((int64_t)s_P[tid * R + me], a.out_rows);
     s_dstlo[tid] = me > 0 ? s_P[(me - 1) * R + tid] : 0;  // my first row on rank tid
+    // rows of source tid that this block copies out: lo + blockIdx.x + k * gridDim.x
+    const int n = s_hi[tid] - s_lo[tid] - (int)blockIdx.x;
+    s_nrows[tid] = (tid == me || n <= 0) ? 0 : (n + (int)gridDim.x - 1) / (int)gridDim.x;
   }
   if (tid == 0) {
     int skip = 0;
+    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
     for (int r = 0; r < R; ++r) {
       const int total = s_P[(R - 1) * R + r];
-      if (total > a.lay.cap_rows) {
+      if (total > cap) {
         skip = 1;
-        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, r, kPhaseDispatch, total, (int)a.lay.cap_rows);
+        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, r, kPhaseDispatch, total, (int)cap);
       }
     }
     s_skip = skip;
+    s_next = 0;
   }
-  if (tid < R && tid != me) wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
+  if (tid < R && tid != me)
+    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
   __syncthreads();
 
   const bool has_scales = a.scale_bytes > 0;
-  if (!s_skip) {
-    for (int t = blockIdx.x * kWarps + w; t < a.num_tokens; t += gridDim.x * kWarps) {
+  const char* data = my + kHeaderBytes;
+  if (!s_skip && w < push_warps) {
+    int batch = 0, t_first = 0;
+    const int stride = gridDim.x * push_warps;
+    for (int t = blockIdx.x * push_warps + w; t < a.num_tokens; t += stride) {
       if (lane == 0) {
         int nd = 0;
         for (int r = 0; r < R; ++r) {
@@ -234,16 +272,14 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
       for (int j = 0; j < nd; ++j) {
         const int r = s_dr[w][j];
         const int64_t slot = s_ds[w][j];
-        char* data = a.peers.p[r] + kHeaderBytes;
+        char* pdata = a.peers.p[r] + kHeaderBytes;
         if (has_scales) {
-          const int* src = reinterpret_cast<const int*>(a.scales + (int64_t)t * a.scale_bytes);
-          int* dst = reinterpret_cast<int*>(r == me ? a.recv_scales + slot * a.scale_bytes
-                                                    : data + a.lay.off_scales + slot * a.scale_bytes);
-          for (int i = lane; i < a.scale_bytes / 4; i += kWarpSize) dst[i] = src[i];
+          char* dst = r == me ? a.recv_scales + slot * a.scale_bytes : pdata + a.lay.off_scales + slot * a.scale_bytes;
+          warp_copy_words(dst, a.scales + (int64_t)t * a.scale_bytes, a.scale_bytes, lane);
         }
         if (a.with_topk) {
-          int64_t* di = r == me ? a.recv_idx : reinterpret_cast<int64_t*>(data + a.lay.off_topk_idx);
-          float* dw = r == me ? a.recv_w : reinterpret_cast<float*>(data + a.lay.off_topk_w);
+          int64_t* di = r == me ? a.recv_idx : reinterpret_cast<int64_t*>(pdata + a.lay.off_topk_idx);
+          float* dw = r == me ? a.recv_w : reinterpret_cast<float*>(pdata + a.lay.off_topk_w);
           for (int k = lane; k < K; k += kWarpSize) {
             const int64_t e = a.topk_idx[(int64_t)t * K + k];
             const int64_t local = (e >= (int64_t)r * epr && e < (int64_t)(r + 1) * epr) ? e - (int64_t)r * epr : -1;
@@ -252,43 +288,58 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
           }
         }
         if (a.with_src && lane == 0) {
-          int* ds = r == me ? a.recv_src : reinterpret_cast<int*>(data + a.lay.off_src);
+          int* ds = r == me ? a.recv_src : reinterpret_cast<int*>(pdata + a.lay.off_src);
           ds[slot] = t;
         }
+      }
+      // Release every flag_batch tokens (and after the last): the rows reach the peers before their flags.
+      if (batch++ == 0) t_first = t;
+      if (batch == a.flag_batch || t + stride >= a.num_tokens) {
+        __threadfence_system();
+        warp_sync();
+        for (int j = lane; j < batch * R; j += kWarpSize) {
+          const int tt = t_first + (j / R) * stride, r = j % R;
+          if (r == me) continue;
+          const int pos = a.send_pos[(int64_t)tt * R + r];
+          if (pos >= 0) st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[r] + kFlagsOffset) + s_dstlo[r] + pos, seq);
+        }
+        batch = 0;
       }
       warp_sync();
     }
   }
 
-  __threadfence_system();
-  __syncthreads();
-  if (tid == 0)
-    for (int r = 0; r < R; ++r)
-      if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
-  if (tid < R && tid != me)
-    wait_geq(&arrive[tid], a.sig.base + gridDim.x, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
-  __syncthreads();
-
+  // Copy-out of landed remote rows (copy warps from the start, push warps once their tokens are done).
   if (!s_skip) {
-    const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)gridDim.x * blockDim.x;
-    const char* data = my + kHeaderBytes;
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
-      const int64_t lo = s_lo[s], hi = min((int64_t)s_hi[s], a.out_rows);
-      if (hi <= lo) continue;
-      grid_copy_bytes(a.recv_x + lo * a.x_bytes, data + a.lay.off_x + lo * a.x_bytes, (hi - lo) * a.x_bytes, gtid,
-                      gthreads);
-      if (has_scales)
-        grid_copy_bytes(a.recv_scales + lo * a.scale_bytes, data + a.lay.off_scales + lo * a.scale_bytes,
-                        (hi - lo) * a.scale_bytes, gtid, gthreads);
-      if (a.with_topk) {
-        grid_copy_bytes(a.recv_idx + lo * K, data + a.lay.off_topk_idx + lo * K * 8, (hi - lo) * K * 8, gtid, gthreads);
-        grid_copy_bytes(a.recv_w + lo * K, data + a.lay.off_topk_w + lo * K * 4, (hi - lo) * K * 4, gtid, gthreads);
+    for (;;) {
+      int k = 0;
+      if (lane == 0) k = atomicAdd(&s_next, 1);
+      k = warp_shfl(k, 0);
+      int s = 0;
+      for (; s < R; ++s) {
+        if (k < s_nrows[s]) break;
+        k -= s_nrows[s];
       }
-      if (a.with_src) grid_copy_bytes(a.recv_src + lo, data + a.lay.off_src + lo * 4, (hi - lo) * 4, gtid, gthreads);
+      if (s >= R) break;
+      const int64_t i = s_lo[s] + blockIdx.x + (int64_t)k * gridDim.x;
+      int ok = 1;
+      if (lane == 0)  // acquire by lane 0, then the warp barrier orders every lane's reads after it
+        ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, s, kPhaseDispatch, (int)i);
+      ok = warp_shfl(ok, 0);
+      warp_sync();
+      if (!ok) break;
+      warp_copy_row<V>(a.recv_x + i * a.x_bytes, data + a.lay.off_x + i * a.x_bytes, a.x_bytes, lane);
+      if (has_scales)
+        warp_copy_words(a.recv_scales + i * a.scale_bytes, data + a.lay.off_scales + i * a.scale_bytes, a.scale_bytes, lane);
+      if (a.with_topk) {
+        warp_copy_words(a.recv_idx + i * K, data + a.lay.off_topk_idx + i * K * 8, K * 8, lane);
+        warp_copy_words(a.recv_w + i * K, data + a.lay.off_topk_w + i * K * 4, K * 4, lane);
+      }
+      if (a.with_src && lane == 0) a.recv_src[i] = reinterpret_cast<const int*>(data + a.lay.off_src)[i];
     }
     // Padding rows (num_worst_tokens): x and scales 0, top-k ids -1, weights 0, source index -1.
-    const int64_t total = s_hi[R - 1];
+    const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)gridDim.x * blockDim.x;
+    const int64_t total = s_P[(R - 1) * R + me];
     if (total < a.out_rows) {
       const int64_t pad = a.out_rows - total;
       grid_zero_bytes(a.recv_x + total * a.x_bytes, pad * a.x_bytes, gtid, gthreads);
@@ -305,7 +356,10 @@ __global__ void __launch_bounds__(kDispatchThreads) dispatch_kernel(DispatchArgs
   __syncthreads();
   if (tid == 0)
     for (int r = 0; r < R; ++r)
-      if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+      if (r != me) {
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+      }
 }
 
 // ----------------------------------------------------------------------------------------------- combine
@@ -332,23 +386,25 @@ struct alignas(sizeof(T) * N) ElemVec {
 };
 
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
   constexpr int kWarps = kCombineThreads / kWarpSize;
-  constexpr int U = kVec * sizeof(T) == 16 ? 2 : 4;
+  constexpr int U = 4;  // vectors per lane per source in flight
   using Vec = ElemVec<T, kVec>;
   using PushV = typename std::conditional<
       kVec * sizeof(T) == 16, int4,
       typename std::conditional<kVec * sizeof(T) == 4, int, typename std::conditional<kVec * sizeof(T) == 8, int2, short>::type>::type>::type;
   const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
   const int K = a.num_topk, H = a.hidden;
+  const int push_warps = a.push_warps;
   const int64_t row_bytes = (int64_t)H * sizeof(T);
   const T* x = reinterpret_cast<const T*>(a.x);
   char* my = a.peers.p[me];
-  uint64_t* arrive = reinterpret_cast<uint64_t*>(my + kArriveOffset);
   uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
+  const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
+  const uint32_t seq = (uint32_t)(a.sig.base + 1);
   __shared__ int s_P[kMaxRanks * kMaxRanks];
   __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_sendbase[kMaxRanks], s_recvbase[kMaxRanks];
-  __shared__ int s_skip;
+  __shared__ int s_skip, s_next;
   __shared__ const T* s_src[kWarps][kMaxRanks];
   __shared__ const float* s_wsrc[kWarps][kMaxRanks];
   __shared__ int s_n[kWarps];
@@ -367,53 +423,65 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
   }
   if (tid == 0) {
     int skip = 0;
+    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
     for (int s = 0; s < R; ++s) {
       int total = 0;
       for (int r = 0; r < R; ++r) total += count(s, r);
-      if (total > a.lay.cap_rows) {
+      if (total > cap) {
         skip = 1;
-        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, s, kPhaseCombine, total, (int)a.lay.cap_rows);
+        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, s, kPhaseCombine, total, (int)cap);
       }
     }
     s_skip = skip;
+    s_next = 0;
   }
-  if (tid < R && tid != me) wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
+  if (tid < R && tid != me)
+    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
   __syncthreads();
 
-  const int gw = blockIdx.x * kWarps + w, nw = gridDim.x * kWarps;
-  if (!s_skip) {
+  if (!s_skip && w < push_warps) {
+    const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
     for (int s = 0; s < R; ++s) {
       if (s == me) continue;
-      char* data = a.peers.p[s] + kHeaderBytes;
+      char* pdata = a.peers.p[s] + kHeaderBytes;
+      uint32_t* pflags = reinterpret_cast<uint32_t*>(a.peers.p[s] + kFlagsOffset);
+      int batch = 0;
+      int64_t pend_first = 0;
       for (int i = s_lo[s] + gw; i < s_hi[s]; i += nw) {
         const int64_t slot = s_sendbase[s] + (i - s_lo[s]);
-        char* dst = data + a.lay.off_x + slot * row_bytes;
+        if (batch == 0) pend_first = slot;
+        char* dst = pdata + a.lay.off_x + slot * row_bytes;
         warp_push_row<PushV>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
         if (a.with_weights) {
-          float* dw = reinterpret_cast<float*>(data + a.lay.off_topk_w) + slot * K;
+          float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + slot * K;
           for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)i * K + k];
+        }
+        // Release every flag_batch rows (and after the last): rows reach the peer before their flags.
+        if (++batch == a.flag_batch || i + nw >= s_hi[s]) {
+          __threadfence_system();
+          warp_sync();
+          for (int j = lane; j < batch; j += kWarpSize) st_relaxed_sys_u32(pflags + pend_first + (int64_t)j * nw, seq);
+          batch = 0;
         }
       }
     }
   }
 
-  __threadfence_system();
-  __syncthreads();
-  if (tid == 0)
-    for (int r = 0; r < R; ++r)
-      if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
-  if (tid < R && tid != me)
-    wait_geq(&arrive[tid], a.sig.base + gridDim.x, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
-  __syncthreads();
-
+  // Reduce: tokens b + k*B of this block, claimed by any free warp; waits for each remote row's flag.
   if (!s_skip) {
     const char* data = my + kHeaderBytes;
     const int nv = H / kVec;
-    for (int t = gw; t < a.num_tokens; t += nw) {
+    for (;;) {
+      int k = 0;
+      if (lane == 0) k = atomicAdd(&s_next, 1);
+      k = warp_shfl(k, 0);
+      const int64_t t = blockIdx.x + (int64_t)k * gridDim.x;
+      if (t >= a.num_tokens) break;
+      bool ok = true;
       if (lane == 0) {
         int n = 0;
         for (int r = 0; r < R; ++r) {
-          const int pos = a.send_pos[(int64_t)t * R + r];
+          const int pos = a.send_pos[t * R + r];
           if (pos < 0) continue;
           if (r == me) {
             const int64_t row = s_lo[me] + pos;
@@ -421,22 +489,44 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
             s_wsrc[w][n] = a.topk_w + row * K;
           } else {
             const int64_t row = s_recvbase[r] + pos;
+            ok = ok && wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, r,
+                                 kPhaseCombine, (int)row);
             s_src[w][n] = reinterpret_cast<const T*>(data + a.lay.off_x) + row * H;
             s_wsrc[w][n] = reinterpret_cast<const float*>(data + a.lay.off_topk_w) + row * K;
           }
           ++n;
         }
-        s_n[w] = n;
+        s_n[w] = ok ? n : -1;
       }
       warp_sync();
       const int n = s_n[w];
+      if (n < 0) break;  // lane 0's acquire, then the warp barrier: every lane reads the landed rows
       for (int v0 = lane; v0 < nv; v0 += kWarpSize * U) {
         float acc[U][kVec];
 #pragma unroll
         for (int u = 0; u < U; ++u)
 #pragma unroll
           for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
-        for (int j = 0; j < n; ++j) {
+        int j = 0;
+        for (; j + 1 < n; j += 2) {  // two sources' loads in flight before the adds
+          const Vec* src0 = reinterpret_cast<const Vec*>(s_src[w][j]);
+          const Vec* src1 = reinterpret_cast<const Vec*>(s_src[w][j + 1]);
+          Vec in0[U], in1[U];
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+            if (v0 + u * kWarpSize < nv) {
+              in0[u] = src0[v0 + u * kWarpSize];
+              in1[u] = src1[v0 + u * kWarpSize];
+            }
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int e = 0; e < kVec; ++e) {
+              acc[u][e] += in0[u].v[e].to_float();
+              acc[u][e] += in1[u].v[e].to_float();
+            }
+        }
+        if (j < n) {
           const Vec* src = reinterpret_cast<const Vec*>(s_src[w][j]);
           Vec in[U];
 #pragma unroll
@@ -452,26 +542,26 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
           const int idx = v0 + u * kWarpSize;
           if (idx >= nv) continue;
           if (a.bias0 != nullptr) {
-            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias0) + (int64_t)t * H)[idx];
+            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias0) + t * H)[idx];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc[u][e] += b.v[e].to_float();
           }
           if (a.bias1 != nullptr) {
-            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias1) + (int64_t)t * H)[idx];
+            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias1) + t * H)[idx];
 #pragma unroll
             for (int e = 0; e < kVec; ++e) acc[u][e] += b.v[e].to_float();
           }
           Vec o;
 #pragma unroll
           for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[u][e]);
-          reinterpret_cast<Vec*>(reinterpret_cast<T*>(a.out) + (int64_t)t * H)[idx] = o;
+          reinterpret_cast<Vec*>(reinterpret_cast<T*>(a.out) + t * H)[idx] = o;
         }
       }
       if (a.with_weights) {
-        for (int k = lane; k < K; k += kWarpSize) {
+        for (int kk = lane; kk < K; kk += kWarpSize) {
           float acc = 0.f;
-          for (int j = 0; j < n; ++j) acc += s_wsrc[w][j][k];
-          a.out_w[(int64_t)t * K + k] = acc;
+          for (int j = 0; j < n; ++j) acc += s_wsrc[w][j][kk];
+          a.out_w[t * K + kk] = acc;
         }
       }
       warp_sync();
@@ -480,7 +570,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
   __syncthreads();
   if (tid == 0)
     for (int r = 0; r < R; ++r)
-      if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+      if (r != me) {
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+      }
 }
 
 // ------------------------------------------------------------------------------------------------ launch

@@ -61,13 +61,17 @@ class IntranodeBuffer {
   void dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
                 int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens, int64_t send_pos,
                 int64_t rank_prefix, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
-                int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int num_sms, int64_t stream);
+                int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int num_sms, int push_warps,
+                int flag_batch, int64_t stream);
 
   // Push combine: rows (dtype 0 bf16, 1 fp16, 2 fp32) back to their sources, summed in float32 in rank
   // order, then + bias_0 + bias_1 (same dtype as x), rounded once.
   void combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens, int64_t send_pos,
                int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out, int64_t out_topk_weights,
-               int num_sms, int64_t stream);
+               int num_sms, int push_warps, int flag_batch, int64_t stream);
+
+  // Warps per block of the dispatch / combine kernels (push_warps may be 1..this).
+  static int warps_per_block();
 
   int rank() const { return rank_; }
   int num_ranks() const { return num_ranks_; }

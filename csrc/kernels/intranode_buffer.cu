@@ -145,6 +145,7 @@ void IntranodeBuffer::destroy() {
 }
 
 int64_t IntranodeBuffer::header_bytes() const { return kHeaderBytes; }
+int IntranodeBuffer::warps_per_block() { return kDispatchThreads / kWarpSize; }
 int64_t IntranodeBuffer::data_bytes() const { return num_bytes_ - kHeaderBytes; }
 
 std::string IntranodeBuffer::error() const {
@@ -236,7 +237,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
                                int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens,
                                int64_t send_pos, int64_t rank_prefix, int64_t recv_x, int64_t recv_scales,
                                int64_t recv_topk_idx, int64_t recv_topk_weights, int64_t recv_src_idx,
-                               int64_t out_rows, int num_sms, int64_t stream) {
+                               int64_t out_rows, int num_sms, int push_warps, int flag_batch,
+                               int64_t stream) {
   check_open("dispatch");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
                                                                                << num_device_sms_ << "]");
@@ -266,6 +268,11 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.recv_w = as_ptr<float>(recv_topk_weights);
   a.recv_src = as_ptr<int>(recv_src_idx);
   a.out_rows = out_rows;
+  UCCL_CHECK(push_warps >= 1 && push_warps <= warps_per_block(),
+             "dispatch: push_warps " << push_warps << " outside [1, " << warps_per_block() << "]");
+  a.push_warps = push_warps;
+  UCCL_CHECK(flag_batch >= 1, "dispatch: flag_batch " << flag_batch << " must be >= 1");
+  a.flag_batch = flag_batch;
   a.lay = make_row_layout(data_bytes(), x_bytes, scale_bytes, a.num_topk, a.with_src);
   a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_dispatch(a, num_sms, as_stream(stream));
@@ -274,7 +281,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
 
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
                               int64_t send_pos, int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out,
-                              int64_t out_topk_weights, int num_sms, int64_t stream) {
+                              int64_t out_topk_weights, int num_sms, int push_warps, int flag_batch,
+                              int64_t stream) {
   check_open("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
@@ -286,6 +294,11 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.num_tokens = num_tokens;
   a.hidden = hidden;
   a.with_weights = with_weights;
+  UCCL_CHECK(push_warps >= 1 && push_warps <= warps_per_block(),
+             "combine: push_warps " << push_warps << " outside [1, " << warps_per_block() << "]");
+  a.push_warps = push_warps;
+  UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
+  a.flag_batch = flag_batch;
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
              "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");

@@ -53,6 +53,8 @@ struct DispatchArgs {
   float* recv_w;
   int* recv_src;
   int64_t out_rows;
+  int push_warps;     // warps per block that push; the rest copy landed rows out from the start
+  int flag_batch;     // tokens a push warp sends between two system fences (then releases their flags)
   bool with_topk;     // fresh dispatch with topk_idx: recv_idx / recv_w are written (w = 0 without weights)
   bool with_weights;  // topk_weights given
   bool with_src;      // fresh dispatch: recv_src is written
@@ -74,6 +76,8 @@ struct CombineArgs {
   void* out;
   float* out_w;
   bool with_weights;  // topk_weights given: rows carry weights and out_w is written
+  int push_warps;     // warps per block that push; the rest reduce from the start
+  int flag_batch;     // rows a push warp sends between two system fences (then releases their flags)
   RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
   SignalArgs sig;
 };

@@ -38,6 +38,14 @@ from .base import Backend
 log = logging.getLogger("uccl_ep_train")
 
 _GROW_STEP = 64 << 20  # grown buffers are rounded up to this
+# Of the 16 warps of a block, how many push; the others copy landed rows out (dispatch) or reduce landed
+# rows (combine) while the pushes go on, and push warps join them when done (benchmark-tuned defaults).
+_DISPATCH_PUSH_WARPS = 12
+_COMBINE_PUSH_WARPS = 8
+# Rows a push warp sends between two system fences (after which it releases their "landed" flags): small
+# batches let the receiver start copying / reducing early, large ones fence less often.
+_FLAG_BATCH = 4
+_COMBINE_FLAG_BATCH = 4
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
@@ -103,7 +111,7 @@ class NativeBackend(Backend):
 
     # ---- buffer lifetime -----------------------------------------------------------------------------
     def _min_bytes(self) -> int:
-        return (1 << 20) + 4096 + (16 << 20)
+        return 32 << 20  # header (counts, row flags: ~5 MiB) + a first data region; grows on demand
 
     def _open(self, nbytes: int) -> None:
         with torch.cuda.device(self.device):
@@ -168,6 +176,16 @@ class NativeBackend(Backend):
     @staticmethod
     def _stream() -> int:
         return torch.cuda.current_stream().cuda_stream
+
+    def _push_warps(self, var: str, default: int) -> int:
+        """Warps per block that push (the others copy out / reduce from the start); env overrides."""
+        total = int(getattr(self._native, "INTRANODE_WARPS_PER_BLOCK", 16))
+        default = max(1, round(default * total / 16))  # defaults are for 16 warps (32-wide); HIP has 8
+        try:
+            n = int(os.environ.get(var, default))
+        except ValueError:
+            raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
+        return max(1, min(n, total))
 
     @staticmethod
     def _num_sms(config: Optional[Config]) -> int:
@@ -246,7 +264,8 @@ class NativeBackend(Backend):
             x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx), _ptr(topk_weights), flags, num_topk,
             epr, n, send_pos.data_ptr(), rank_prefix.data_ptr(), recv_x.data_ptr(), _ptr(recv_scales),
             _ptr(recv_topk_idx), _ptr(recv_topk_weights), recv_src_idx.data_ptr(), out_rows,
-            self._num_sms(config), stream)
+            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
+            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), stream)
 
         starts = torch.cat([rank_prefix.new_zeros(1, R), rank_prefix[:-1]])
         handle = IntranodeHandle(
@@ -286,7 +305,8 @@ class NativeBackend(Backend):
         self._buf.dispatch(
             x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, 0, 0, 0, 0, 0, n, handle.send_head.data_ptr(),
             handle.rank_prefix_matrix.data_ptr(), recv_x.data_ptr(), _ptr(recv_scales), 0, 0, 0, st.out_rows,
-            self._num_sms(config), self._stream())
+            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
+            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), self._stream())
         return recv_x, recv_scales
 
     # ---- combine -------------------------------------------------------------------------------------
@@ -307,7 +327,9 @@ class NativeBackend(Backend):
         out_w = None if topk_weights is None else torch.empty((n, num_topk), dtype=torch.float32, device=x.device)
         self._buf.combine(x.data_ptr(), _COMBINE_DTYPES[x.dtype], hidden, _ptr(topk_weights), topk_weights is not None, num_topk, n,
                           handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(), _ptr(biases[0]),
-                          _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config), self._stream())
+                          _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
+                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", _COMBINE_PUSH_WARPS),
+                          _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w
 
     # ---- low latency (not here) ----------------------------------------------------------------------
@@ -319,6 +341,16 @@ class NativeBackend(Backend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         raise NotImplementedError("native backend: low-latency mode")
+
+
+def _env_int(var: str, default: int) -> int:
+    try:
+        v = int(os.environ.get(var, default))
+    except ValueError:
+        raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
+    if v < 1:
+        raise ValueError(f"{var} must be >= 1, got {v}")
+    return v
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

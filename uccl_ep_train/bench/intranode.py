@@ -41,18 +41,30 @@ def _parse(argv):
     p.add_argument("--num-nvl-bytes", type=float, default=0, help="NVLink buffer bytes (default: what the shape needs)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
     p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--push-warps", default="",
+                   help="comma-separated push-warp counts (of 16 per block) to sweep for the native kernels")
+    p.add_argument("--flag-batch", default="",
+                   help="comma-separated rows-per-fence values to sweep (UCCL_EP_FLAG_BATCH / _COMBINE_FLAG_BATCH)")
+    p.add_argument("--no-api", action="store_true", help="kernel times only (faster sweeps)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="draw GB/s vs SMs into this PNG (needs matplotlib)")
     return p.parse_args(argv)
 
 
-def _kernel_us(fn, names, iters, warmup):
+def _align(group):
+    """Start timed loops together: a rank that starts late shows up as the peer's waiting time."""
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    torch.cuda.synchronize()
+
+
+def _kernel_us(fn, names, iters, warmup, group):
     """Mean device time per call of kernels whose name contains one of `names` (µs)."""
     from torch.profiler import ProfilerActivity, profile
 
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _align(group)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
@@ -67,10 +79,10 @@ def _kernel_us(fn, names, iters, warmup):
     return total / iters
 
 
-def _api_us(fn, iters, warmup):
+def _api_us(fn, iters, warmup, group):
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    _align(group)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
@@ -109,12 +121,21 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     shape = {"tokens": T, "hidden": H, "topk": K, "experts": E}
     records = []
 
-    def rec(op, us, nbytes, sms, timing):
+    def rec(op, us, nbytes, sms, timing, knobs=None):
         records.append({"bench": "intranode", "op": op, "ranks": world, "rank": rank, "gbps": nbytes / us / 1e3,
                         "us": us, "bytes": nbytes, "device": name, "sms": sms, "backend": buf.backend_name,
-                        "timing": timing, **shape})
+                        "timing": timing, "push_warps": 0, "flag_batch": 0, **(knobs or {}), **shape})
 
-    for sms in [int(s) for s in args.sms.split(",") if s]:
+    _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
+    sweep = [(sms, pw, fb) for sms in [int(s) for s in args.sms.split(",") if s]
+             for pw in ([int(p) for p in args.push_warps.split(",") if p] or [0])
+             for fb in ([int(f) for f in args.flag_batch.split(",") if f] or [0])]
+    for sms, pw, fb in sweep:
+        if pw:
+            os.environ["UCCL_EP_DISPATCH_PUSH_WARPS"] = os.environ["UCCL_EP_COMBINE_PUSH_WARPS"] = str(pw)
+        if fb:
+            os.environ["UCCL_EP_FLAG_BATCH"] = os.environ["UCCL_EP_COMBINE_FLAG_BATCH"] = str(fb)
+        knobs = {"push_warps": pw, "flag_batch": fb}
         cfg = Config(sms, 6, 256)
         d_bf16 = lambda: buf.dispatch(x, handle=handle, config=cfg)  # noqa: E731
         d_fp8 = lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)  # noqa: E731
@@ -128,9 +149,12 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
         runs.append(("combine", comb, bf16_bytes, ("combine",)))
         for op, fn, nbytes, names in runs:
             if buf.backend_name == "native":
-                rec(op, _kernel_us(fn, names, args.iters, args.warmup), nbytes, sms, "kernel")
-            rec(op, _api_us(fn, args.iters, args.warmup), nbytes, sms, "api")
-        rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2), bf16_bytes, sms, "api")
+                rec(op, _kernel_us(fn, names, args.iters, args.warmup, group), nbytes, sms, "kernel", knobs)
+            if not args.no_api:
+                rec(op, _api_us(fn, args.iters, args.warmup, group), nbytes, sms, "api", knobs)
+        if not args.no_api:
+            rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2, group), bf16_bytes, sms, "api",
+                knobs)
 
     if not args.no_nccl:
         # the same bytes through NCCL: every rank sends num_recv rows' worth, split evenly over ranks
@@ -138,7 +162,7 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
         inp = torch.randn(n, device=dev).to(torch.bfloat16)
         out = torch.empty_like(inp)
         a2a = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
-        rec("nccl_all_to_all", _api_us(a2a, args.iters, args.warmup), n * 2, 0, "api")
+        rec("nccl_all_to_all", _api_us(a2a, args.iters, args.warmup, group), n * 2, 0, "api")
     buf.destroy()
     return records
 
@@ -164,9 +188,9 @@ def _summarise(records: list[dict]) -> list[dict]:
     """Mean over ranks per (op, sms, timing); also keeps the slowest rank's GB/s."""
     keys = {}
     for r in records:
-        keys.setdefault((r["op"], r["sms"], r["timing"]), []).append(r)
+        keys.setdefault((r["op"], r["timing"], r["sms"], r.get("push_warps", 0), r.get("flag_batch", 0)), []).append(r)
     out = []
-    for (op, sms, timing), rs in sorted(keys.items(), key=lambda kv: (kv[0][0], kv[0][2], kv[0][1])):
+    for _, rs in sorted(keys.items()):
         base = {k: v for k, v in rs[0].items() if k not in ("rank", "gbps", "us", "bytes")}
         base.update(gbps=sum(r["gbps"] for r in rs) / len(rs), gbps_min=min(r["gbps"] for r in rs),
                     us=sum(r["us"] for r in rs) / len(rs), bytes=sum(r["bytes"] for r in rs) // len(rs))
@@ -175,9 +199,10 @@ def _summarise(records: list[dict]) -> list[dict]:
 
 
 def _print(summary: list[dict]) -> None:
-    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
+    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'push':>5}{'fb':>8}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
     for r in summary:
-        print(f"{r['op']:<22}{r['timing']:<8}{r['sms']:>5}{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
+        print(f"{r['op']:<22}{r['timing']:<8}{r['sms']:>5}{r.get('push_warps', 0):>5}{r.get('flag_batch', 0):>8}"
+              f"{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
 
 
 def _plot(summary: list[dict], path: str) -> None:
