@@ -112,6 +112,7 @@ class Buffer:
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device)
         self.backend_name = self._backend.name
+        self._ll_backend: Optional[Backend] = None  # made on first low-latency use
         if self.backend_name not in _announced and self.rank == 0:
             _announced.add(self.backend_name)
             log.info("uccl_ep_train: Buffer uses the %s backend on %s", self.backend_name, self.device)
@@ -119,9 +120,9 @@ class Buffer:
     # ---- lifecycle -------------------------------------------------------------------------------------
     def destroy(self) -> None:
         """Release every resource (idempotent); a new Buffer can be made in the same process."""
-        if self._backend is not None:
-            self._backend.destroy()
-            self._backend = None
+        for backend in {id(b): b for b in (self._backend, self._ll_backend) if b is not None}.values():
+            backend.destroy()
+        self._backend = self._ll_backend = None
         self._local_buffers.clear()
 
     def __del__(self) -> None:
@@ -136,6 +137,21 @@ class Buffer:
         if self._backend is None:
             raise RuntimeError("Buffer: used after destroy()")
         return self._backend
+
+    @property
+    def low_latency_backend(self) -> Backend:
+        """The backend serving low-latency calls: ours when it has LL kernels, else the reference."""
+        backend = self.backend
+        if backend.supports_low_latency:
+            return backend
+        if self._ll_backend is None:
+            from .backends.reference import ReferenceBackend
+            self._ll_backend = ReferenceBackend(self.group, self.rank, self.group_size, self.id, self.num_nvl_bytes,
+                                                self.num_rdma_bytes, self.device)
+            if self.rank == 0:
+                log.info("uccl_ep_train: %s backend has no low-latency kernels; LL calls use the reference backend",
+                         backend.name)
+        return self._ll_backend
 
     # ---- DeepEP static helpers ---------------------------------------------------------------------------
     @staticmethod
@@ -393,7 +409,7 @@ class Buffer:
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         V.check_non_negative_int(hidden, "hidden", 1)
         V.check_num_experts(num_experts, self.group_size)
-        self.backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+        self.low_latency_backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
@@ -442,7 +458,7 @@ class Buffer:
                                  f"got {list(cumulative_local_expert_recv_stats.shape)}")
         self._check_rdma_size(num_max_dispatch_tokens_per_rank, x.size(1), num_experts)
         topk_idx = topk_idx.to(torch.int64)
-        backend = self.backend
+        backend = self.low_latency_backend
         stats = cumulative_local_expert_recv_stats
 
         def run():
@@ -480,7 +496,7 @@ class Buffer:
         if combine_wait_recv_cost_stats is not None:
             raise NotImplementedError("low_latency_combine: combine_wait_recv_cost_stats is not supported")
         handle = check_low_latency_handle(handle, self.id)
-        backend = self.backend
+        backend = self.low_latency_backend
         if zero_copy:
             x = backend.low_latency_combine_buffer(handle)
         num_local = handle.num_experts // self.group_size
@@ -515,7 +531,7 @@ class Buffer:
         """The buffer a `zero_copy=True` combine reads: `[num_local_experts, num_ranks * max_tokens, hidden]`
         bf16; fill it with the expert outputs yourself."""
         handle = check_low_latency_handle(handle, self.id)
-        return self.backend.low_latency_combine_buffer(handle)
+        return self.low_latency_backend.low_latency_combine_buffer(handle)
 
     def _hook(self, receive: Callable[[], None]) -> Callable[[], None]:
         """The recv hook: completes the receive on the comm stream; the current stream then waits for it."""

@@ -18,6 +18,7 @@ from ..handles import IntranodeHandle, LowLatencyHandle
 
 class Backend(abc.ABC):
     name: str = "abstract"
+    supports_low_latency: bool = True  # False: Buffer serves low-latency calls with the reference backend
 
     def __init__(self, group, rank: int, num_ranks: int, owner: int, num_nvl_bytes: int, num_rdma_bytes: int):
         self.group, self.rank, self.num_ranks, self.owner = group, rank, num_ranks, owner

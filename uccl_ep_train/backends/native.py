@@ -31,7 +31,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from ..config import Config
+from ..config import Config, env_number
 from ..handles import IntranodeHandle
 from .base import Backend
 
@@ -90,6 +90,7 @@ class NativeHandleState:
 
 class NativeBackend(Backend):
     name = "native"
+    supports_low_latency = False  # LL kernels are not native yet: Buffer serves LL calls with the reference
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device=None):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes)
@@ -244,7 +245,7 @@ class NativeBackend(Backend):
             host = info.cpu()  # the one host sync: it sizes the outputs
             self._check()
             prefix = host[: R * R].view(R, R).to(torch.int64)
-            counts = torch.diff(prefix, dim=0, prepend=torch.zeros(1, R, dtype=torch.int64))
+            counts = torch.diff(prefix, dim=0, prepend=torch.zeros(1, R, dtype=torch.int64, device=prefix.device))
             out_rows = int(prefix[R - 1, me])
             max_recv = int(prefix[R - 1].max())
             max_send = int(counts.sum(dim=1).max())
@@ -344,10 +345,7 @@ class NativeBackend(Backend):
 
 
 def _env_int(var: str, default: int) -> int:
-    try:
-        v = int(os.environ.get(var, default))
-    except ValueError:
-        raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
+    v = env_number(var, default, int)
     if v < 1:
         raise ValueError(f"{var} must be >= 1, got {v}")
     return v
