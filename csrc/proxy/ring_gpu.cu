@@ -31,8 +31,9 @@ __global__ void push_commands_kernel(const RingDesc* rings, const Command* cmds,
   }
 }
 
-__global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int per_warp) {
+__global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_warps, int per_warp) {
   const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  if (gwarp >= num_warps) return;  // whole warps only: the grid may be rounded up
   const RingDesc ring = rings[gwarp % num_rings];
   Command c{};
   c.op = OP_NOP;
@@ -84,7 +85,7 @@ void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring
   const int warps = num_rings * warps_per_ring;
   const int threads = 32 * (warps < 8 ? warps : 8);
   const int blocks = (warps * 32 + threads - 1) / threads;
-  push_nops_kernel<<<blocks, threads, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, num_rings, per_warp);
+  push_nops_kernel<<<blocks, threads, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, num_rings, warps, per_warp);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
