@@ -51,6 +51,20 @@ def test_yaml_matches_its_recipe_and_selects_uccl(recipe, yaml_name):
         assert overrides["decoder_first_pipeline_num_layers"] == 7 and overrides["mtp_num_layers"] is None
 
 
+@pytest.mark.parametrize("yaml_name", ["deepseek_v3.yaml", "deepseek_v2_lite.yaml"])
+def test_every_override_key_is_known(yaml_name):
+    """Primus's arg builder silently drops keys Megatron-LM does not know: a misspelt key would vanish."""
+    import argparse
+
+    from megatron.training.arguments import add_megatron_arguments
+    megatron = {a.dest for a in add_megatron_arguments(argparse.ArgumentParser())._actions}
+    ours = {"use_uccl_ep", "uccl_ep_env", *hook.SETTING_KEYS}
+    primus_own = {"use_turbo_deepep"}
+    overrides = hook.module_overrides(hook.load_yaml(str(YAML.parent / yaml_name), environ={}))
+    unknown = sorted(set(overrides) - megatron - ours - primus_own)
+    assert unknown == []
+
+
 def test_primus_env_references_resolve(monkeypatch):
     cfg = hook.load_yaml(str(YAML), environ={"UCCL_EP_NUM_SMS": "16", "PRIMUS_EXP_NAME": "x"})
     ov = hook.module_overrides(cfg)
