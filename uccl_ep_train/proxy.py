@@ -252,7 +252,10 @@ def start_proxies(runtime: Any, **kw: Any) -> tuple[list, list]:
         log.info("uccl_ep_train: CPU scratch, proxies not started (UCCL_EP_START_PROXIES=1 forces them)")
         return [], []
     gpu = scratch.device.index if on_gpu else -1
-    regions = {0: scratch[: max(1, runtime.num_rdma_bytes // max(1, scratch.element_size()))]} if runtime.num_rdma_bytes else {0: scratch}
+    flat = scratch.reshape(-1)
+    if runtime.num_rdma_bytes:
+        flat = flat[: max(1, -(-runtime.num_rdma_bytes // flat.element_size()))]
+    regions = {0: flat}
     group = ProxyGroup(runtime.rank, runtime.num_ranks, regions, group=runtime.group, gpu=gpu, **kw)
     log.info("uccl_ep_train: %d proxy threads on %s transport (cpus %s)", group.num_threads, group.transport,
              group.thread_cpus())
