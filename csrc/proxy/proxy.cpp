@@ -179,12 +179,12 @@ void ProxyThread::run() {
 }
 
 void ProxyThread::reject(const Command& c, const std::string& why) {
-  rejected_.fetch_add(1, std::memory_order_relaxed);
   std::ostringstream os;
   os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": rejected command (op " << int(c.op) << ", dst "
      << int(c.dst_rank) << ", channel " << int(c.channel) << ", region " << int(c.region) << ", length " << c.length
      << ", local_off " << c.local_off << ", remote_off " << c.remote_off << "): " << why;
   p_->set_error(os.str());
+  rejected_.fetch_add(1, std::memory_order_release);  // after the error: a reader seeing the count sees the message
 }
 
 // Returns false without consuming when the command must wait (in-flight limit, flush).
