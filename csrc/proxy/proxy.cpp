@@ -263,7 +263,7 @@ bool ProxyThread::handle(const Command& c, bool* stall) {
   ++inflight_[dst];
   inflight_bytes_[dst] += bytes;
   ++inflight_total_;
-  posted_.push_back({wr, Posted{dst, c.channel, bytes, Clock::now()}});
+  posted_.emplace(wr, Posted{dst, c.channel, bytes, Clock::now()});
   return true;
 }
 
@@ -277,14 +277,13 @@ void ProxyThread::on_completions(const Completion* in, int n) {
   if (!scratch_.empty()) last_progress_ = Clock::now();
   for (const Completion& c : scratch_) {
     if (c.kind == Completion::kLocal) {
-      auto it = std::find_if(posted_.begin(), posted_.end(), [&](const auto& x) { return x.first == c.wr_id; });
+      auto it = posted_.find(c.wr_id);
       if (it == posted_.end()) UCCL_THROW("completion for unknown work request " << c.wr_id);
       const Posted& po = it->second;
       --inflight_[po.dst];
       inflight_bytes_[po.dst] -= po.bytes;
       --inflight_total_;
-      *it = posted_.back();
-      posted_.pop_back();
+      posted_.erase(it);
       local_.fetch_add(1, std::memory_order_relaxed);
     } else {
       emu_->on_arrival(c);

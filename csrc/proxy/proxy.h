@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "proxy/fault.h"
@@ -88,7 +89,7 @@ class ProxyThread {
   std::vector<int> inflight_;       // per dst
   std::vector<uint64_t> inflight_bytes_;
   int inflight_total_ = 0;
-  std::vector<std::pair<uint64_t, Posted>> posted_;  // small: bounded by the in-flight limits
+  std::unordered_map<uint64_t, Posted> posted_;  // wr_id -> in-flight operation (bounded by the limits)
   uint64_t next_wr_ = 1;
   std::chrono::steady_clock::time_point last_progress_;
   std::thread thread_;
