@@ -113,16 +113,17 @@ void register_proxy_gpu(py::module_& m) {
         "NOP flood from GPU warps; returns seconds from launch until every ring's tail reached the total.");
 
   m.def("gpu_pickup_latency",
-        [](Proxy& p, int ring, int iters) {
+        [](Proxy& p, int ring, int iters, int mode) {
+          if (mode < 0 || mode > 2) throw py::value_error("gpu_pickup_latency: mode must be 0, 1 or 2");
           py::gil_scoped_release nogil;
           UCCL_CHECK_GPU(gpuSetDevice(p.config().gpu));
           DeviceArray<unsigned long long> out(std::vector<unsigned long long>(size_t(iters), 0));
-          launch_pickup_latency(p.ring_device(ring), iters, out.get(), nullptr);
+          launch_pickup_latency(p.ring_device(ring), iters, out.get(), nullptr, mode);
           sync(nullptr);
           return copy_back(out.get(), iters);
         },
-        py::arg("proxy"), py::arg("ring"), py::arg("iters"),
-        "GPU->CPU->GPU round trips (ns): push a NOP, wait for the proxy's echo.");
+        py::arg("proxy"), py::arg("ring"), py::arg("iters"), py::arg("mode") = 0,
+        "GPU->CPU->GPU round trips (ns): push a NOP, wait for the proxy's echo (mode: see ring_gpu.h).");
 
   m.def("gpu_visibility_latency",
         [](Proxy& p, int ring, int region, uint32_t bytes, uint32_t local_off, uint32_t remote_off, int iters) {

@@ -170,7 +170,24 @@ UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, u
   return true;
 }
 
-#if defined(__CUDACC__) || defined(__HIPCC__)
+#if defined(__HIPCC__) && defined(__HIP_PLATFORM_AMD__)
+// Wavefront-cooperative push (AMD, 64 lanes): every active lane contributes one command when has_cmd.
+// One claim atomic and one system fence per wavefront. Must be called by all active lanes.
+__device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd) {
+  const unsigned lane = __lane_id();
+  const unsigned long long vote = __ballot(has_cmd);
+  if (vote == 0) return;
+  const unsigned n = __popcll(vote);
+  const int leader = __ffsll((long long)vote) - 1;
+  unsigned long long first = 0;
+  if (int(lane) == leader) first = ring_claim(r, n);
+  first = __shfl(first, leader);
+  const unsigned rank_in_vote = __popcll(vote & ((lane == 0) ? 0ull : (~0ull >> (64 - lane))));
+  if (has_cmd) ring_fill(r, first + rank_in_vote, c);
+  __threadfence_system();
+  if (has_cmd) ring_publish(r, first + rank_in_vote, c);
+}
+#elif defined(__CUDACC__) || defined(__HIPCC__)
 // Warp-cooperative push: every active lane of `mask` contributes one command (lanes with has_cmd=false
 // contribute nothing). One claim atomic, one system fence per warp. Must be called by all lanes in mask.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {

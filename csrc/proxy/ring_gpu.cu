@@ -44,15 +44,37 @@ __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_w
   }
 }
 
-__global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned long long* out) {
+__device__ __forceinline__ unsigned long long load_volatile(const unsigned long long* p) {
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+}
+
+// mode 0: ring_push (claim atomic + fence + header), poll the echo with acquire loads
+// mode 1: ring_push, poll with volatile loads (fence once after)
+// mode 2: slot claimed before the clock starts; fill + fence + header, volatile polling
+__global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned long long* out, int mode) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int i = 0; i < iters; ++i) {
     Command c{};
     c.op = OP_NOP;
     c.length = uint32_t(i + 1);
+    const unsigned long long want = (unsigned long long)(i + 1);
+    unsigned long long idx = 0;
+    if (mode == 2) idx = ring_claim(ring, 1);
     const unsigned long long t0 = now_ns();
-    ring_push(ring, &c, 1);
-    while (ring_load_acquire_sys(ring.echo) != (unsigned long long)(i + 1)) {
+    if (mode == 2) {
+      ring_fill(ring, idx, c);
+      ring_fence_sys();
+      ring_publish(ring, idx, c);
+    } else {
+      ring_push(ring, &c, 1);
+    }
+    if (mode == 0) {
+      while (ring_load_acquire_sys(ring.echo) != want) {
+      }
+    } else {
+      while (load_volatile(ring.echo) != want) {
+      }
+      __threadfence_system();
     }
     out[i] = now_ns() - t0;
   }
@@ -89,8 +111,8 @@ void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
-void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream) {
-  pickup_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns);
+void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream, int mode) {
+  pickup_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns, mode);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 

@@ -86,13 +86,15 @@ def _gpu_single(args, device):
             print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring}: {rate / 1e6:.2f} M cmd/s per GPU, "
                   f"{rate / threads / 1e6:.2f} M/s per proxy thread", flush=True)
             if threads == max(args.threads):
-                rtt = [x / 1e3 for x in _native.gpu_pickup_latency(g._native, 0, args.latency_iters)][10:]
-                med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
-                recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device=device, sms=0,
-                                 threads=threads, median_us=med, p99_us=p99, one_way_median_us=med / 2,
-                                 iters=len(rtt)))
-                print(f"[pickup_rtt] GPU->CPU->GPU median {med:.2f} us p99 {p99:.2f} us (one-way ~{med / 2:.2f} us)",
-                      flush=True)
+                variants = {0: "push+acquire-poll", 1: "push+volatile-poll", 2: "preclaimed+volatile-poll"}
+                for mode, name in variants.items():
+                    rtt = [x / 1e3 for x in _native.gpu_pickup_latency(g._native, 0, args.latency_iters, mode)][10:]
+                    med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
+                    recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device=device, sms=0,
+                                     threads=threads, median_us=med, p99_us=p99, one_way_median_us=med / 2,
+                                     iters=len(rtt), variant=name))
+                    print(f"[pickup_rtt] {name}: GPU->CPU->GPU median {med:.2f} us p99 {p99:.2f} us "
+                          f"(one-way ~{med / 2:.2f} us)", flush=True)
                 vis = [x / 1e3 for x in _native.gpu_visibility_latency(g._native, 0, 0, 64, 0, 4096,
                                                                          args.latency_iters)][10:]
                 med, p99 = statistics.median(vis), _pct(vis, 0.99)
