@@ -60,12 +60,17 @@ def _check_ht(rank: int, world: int, device: str) -> int:
 
             # num_worst_tokens: padded outputs, same prefix, empty list
             worst = sum(counts) + 5
-            wx, widx, ww, wlist, _, _ = buf.dispatch(
+            wx, widx, ww, wlist, whandle, _ = buf.dispatch(
                 x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                 topk_idx=idx, topk_weights=w, num_worst_tokens=worst)
             n = ex_x.size(0)
             assert wlist == [] and wx.size(0) == worst and widx.size(0) == worst and ww.size(0) == worst
             assert torch.equal(wx[:n].cpu(), ex_x) and bool((widx[n:] == -1).all())
+            # a padded handle: cached dispatch returns padded rows too, combine ignores the padding
+            cwx, *_ = buf.dispatch(x, handle=whandle)
+            assert cwx.size(0) == worst and torch.equal(cwx[:n].cpu(), ex_x)
+            wcomb, _, _ = buf.combine(cwx, whandle)
+            assert wcomb.shape == x.shape
 
             # cached dispatch reproduces the rows; combine sums them back (with weights and biases)
             cx, cidx, cw, clist, chandle, _ = buf.dispatch(x * 2, handle=handle)

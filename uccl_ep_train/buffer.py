@@ -378,7 +378,7 @@ class Buffer:
         V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
         V.check_device(x, "x", self.device)
         if x.size(0) < handle.num_recv_tokens:
-            raise ValueError(f"x: has {x.size(0)} rows, the handle received {handle.num_recv_tokens}")
+            raise ValueError(f"x: has {x.size(0)} rows, dispatch returned {handle.num_recv_tokens} with this handle")
         if topk_weights is not None:
             V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
             if topk_weights.size(0) != x.size(0):

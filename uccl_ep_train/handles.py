@@ -6,8 +6,9 @@ Handles are tuples laid out like DeepEP v1.2.1's where callers read them (DESIGN
 - `LowLatencyHandle[0]` is src_info `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`
   int32 (each received row's source token index); `[1]` is layout_range `[num_local_experts, num_ranks]`
   int64 (`(begin << 32) | count` per source rank).
-The fields after DeepEP's are ours: the owning Buffer's id (a handle from another Buffer is rejected), the
-number of received rows, and backend-private state.
+The fields after DeepEP's are ours: the number of rows dispatch returned (cached dispatch returns as many;
+the valid ones are counted by the rank prefix matrix), the sender's token count, the owning Buffer's id (a
+handle from another Buffer is rejected), and backend-private state.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ class IntranodeHandle(NamedTuple):
     recv_src_idx: torch.Tensor  # [num_recv_tokens] int32: source token index of each received row
     is_token_in_rank: torch.Tensor  # [num_tokens, num_ranks] bool: send side
     send_head: torch.Tensor  # [num_tokens, num_ranks] int32: row of token t among rows sent to r, or -1
-    num_recv_tokens: int  # valid received rows (outputs may be padded to num_worst_tokens)
+    num_recv_tokens: int  # rows of dispatch's outputs: received tokens, or num_worst_tokens when padded
     num_tokens: int  # tokens on the sending side (rows of combine's output)
     owner: int  # id of the Buffer that made it
     private: Any = None  # backend-private state (native: device-side layout)

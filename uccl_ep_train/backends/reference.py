@@ -124,7 +124,7 @@ class ReferenceBackend(Backend):
             recv_src_idx=recv_src_idx,
             is_token_in_rank=is_token_in_rank,
             send_head=send_head,
-            num_recv_tokens=num_recv,
+            num_recv_tokens=num_worst_tokens or num_recv,
             num_tokens=x.size(0),
             owner=self.owner,
         )
@@ -146,10 +146,11 @@ class ReferenceBackend(Backend):
         send_counts = handle.is_token_in_rank.sum(dim=0).tolist()
         recv = unpack_rows(self.comm.all_to_all_rows(rows, send_counts, self._recv_counts(handle),
                                                      "cached dispatch: payload"), specs)
-        return recv[0], (recv[1] if x_scales is not None else None)
+        rows_out = handle.num_recv_tokens  # padded like the dispatch that made the handle
+        return _pad_rows(recv[0], rows_out, 0), _pad_rows(recv[1] if x_scales is not None else None, rows_out, 0)
 
     def combine(self, x, handle, topk_weights, bias_0, bias_1, config):
-        n = handle.num_recv_tokens
+        n = sum(self._recv_counts(handle))  # valid rows; the rest is num_worst_tokens padding
         rows, specs = pack_rows([x[:n], None if topk_weights is None else topk_weights[:n]])
         back_counts = handle.is_token_in_rank.sum(dim=0).tolist()
         back = unpack_rows(self.comm.all_to_all_rows(rows, self._recv_counts(handle), back_counts,
