@@ -36,6 +36,8 @@ def _parse(argv):
     p.add_argument("--latency-iters", type=int, default=2000)
     p.add_argument("--chunk-bytes", type=int, nargs="+", default=[65536, 1 << 20, 4 << 20])
     p.add_argument("--total-bytes", type=int, default=1 << 30, help="bytes per rank per ipc/fabric measurement")
+    p.add_argument("--ops", nargs="+", default=["single", "ipc"], choices=["single", "ipc"],
+                   help="gpu mode: single = NOP flood + latencies on one GPU, ipc = two-GPU write bandwidth")
     p.add_argument("--provider", default="shm", help="fabric provider for --mode cpu (shm, tcp, sockets)")
     p.add_argument("--json", default=None, help="write the records here")
     return p.parse_args(argv)
@@ -149,7 +151,8 @@ def _ipc_worker(rank, world, port, args, threads, q):
                 recs.append(dict(bench="proxy", op="ipc_write", ranks=world, gbps=gbps, us=sec / n * 1e6,
                                  device=torch.cuda.get_device_name(dev), sms=0, threads=threads, chunk_bytes=chunk,
                                  commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
-                                 commands_per_s=n / sec, transport="ipc", both_directions=True))
+                                 commands_per_s=n / sec, transport="ipc", both_directions=True,
+                                 max_inflight=g.config()["max_inflight"]))
                 dist.barrier()
             g.check()
         dist.destroy_process_group()
@@ -190,7 +193,7 @@ def _gpu_ipc(args):
         for r in rows:
             recs.append(r)
         gb = [r["gbps"] for r in rows]
-        print(f"[ipc_write] chunk {chunk >> 10} KiB, {threads} threads, both directions: "
+        print(f"[ipc_write] chunk {chunk >> 10} KiB, {threads} threads, in-flight {rows[0]['max_inflight']}, both directions: "
               f"{' / '.join(f'{x:.1f}' for x in gb)} GB/s per GPU, "
               f"{rows[0]['commands_per_s'] / 1e3:.1f} K cmd/s", flush=True)
     return recs
@@ -272,9 +275,12 @@ def main(argv=None) -> int:
     records = []
     if mode == "gpu":
         device = _device_name()
-        records += _gpu_single(args, device)
+        if "single" in args.ops:
+            records += _gpu_single(args, device)
         import torch
-        if torch.cuda.device_count() >= 2:
+        if "ipc" not in args.ops:
+            pass
+        elif torch.cuda.device_count() >= 2:
             records += _gpu_ipc(args)
         else:
             print("[ipc_write] skipped: needs 2 GPUs", flush=True)
