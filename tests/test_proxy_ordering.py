@@ -149,3 +149,11 @@ def test_fault_injection_in_a_live_proxy_keeps_counters_exact(seed):
     got = data[8192: 8192 + 300 * 64].reshape(300, 64)
     for k in range(300):
         np.testing.assert_array_equal(got[k], data[(k % 64) * 64: (k % 64) * 64 + 64])
+
+
+def test_fault_spec_comes_from_the_environment(monkeypatch):
+    if "fabric" not in P.compiled_transports():
+        pytest.skip("fabric transport not built")
+    monkeypatch.setenv("UCCL_EP_FAULT", "reorder=0.25,delay_us=5,seed=9")
+    with P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="fabric", num_threads=1, pin_threads=False) as g:
+        assert g.config()["fault"] == "reorder=0.25,delay_us=5,seed=9"

@@ -308,10 +308,10 @@ bool ProxyThread::step() {
   Completion comps[64];
   int n = transport_->poll(comps, 64);
   if (n > 0 || fault_.holding()) {
-    const size_t before = scratch_.size();
-    (void)before;
     on_completions(comps, n);
     work = n > 0;
+    out_of_order_.store(emu_->out_of_order(), std::memory_order_relaxed);
+    fault_held_.store(fault_.held_total(), std::memory_order_relaxed);
   }
   Command cmds[32];
   uint32_t got = consumer_.peek(cmds, 32);
@@ -522,8 +522,8 @@ ProxyStats Proxy::stats() const {
     s.bytes += x.bytes;
     s.local_completions += x.local_completions;
     s.arrivals += x.arrivals;
-    s.out_of_order += t->emu_->out_of_order();
-    s.fault_held += t->fault_.held_total();
+    s.out_of_order += t->out_of_order_.load(std::memory_order_relaxed);
+    s.fault_held += t->fault_held_.load(std::memory_order_relaxed);
     s.idle_sleeps += x.idle_sleeps;
   }
   return s;

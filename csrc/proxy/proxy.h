@@ -97,7 +97,7 @@ class ProxyThread {
   std::vector<Completion> scratch_;
   // stats (written by the thread, read by anyone)
   std::atomic<uint64_t> commands_{0}, writes_{0}, atomics_{0}, flushes_{0}, nops_{0}, rejected_{0}, bytes_{0},
-      local_{0}, arrivals_{0}, idle_sleeps_{0};
+      local_{0}, arrivals_{0}, idle_sleeps_{0}, out_of_order_{0}, fault_held_{0};
 };
 
 class Proxy {
