@@ -218,3 +218,44 @@ def test_silent_peer_times_out_with_rank_peer_channel_phase():
     msg = res[0]
     for part in ("rank 0", "peer 1", "channel 3", "'dispatch'", "timeout"):
         assert part in msg, msg
+
+
+def _bootstrap_fail_worker(rank, port, q):
+    os.environ["FI_TCP_IFACE"] = "lo"
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        provider = "tcp" if rank == 0 else "no-such-provider"
+        try:
+            P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", provider=provider,
+                         num_threads=1, pin_threads=False)
+            msg = "no error"
+        except Exception as e:  # noqa: BLE001
+            msg = str(e)
+        dist.destroy_process_group()
+        q.put((rank, "ok", msg))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def test_a_rank_failing_at_bootstrap_fails_every_rank_without_hanging():
+    import multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_bootstrap_fail_worker, args=(r, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        res = {}
+        for _ in range(2):
+            rank, status, payload = q.get(timeout=90)
+            assert status == "ok", payload
+            res[rank] = payload
+    finally:
+        for p in procs:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+    assert "no-such-provider" in res[1]
+    assert "bootstrap failed on rank 1" in res[0] and "no-such-provider" in res[0]

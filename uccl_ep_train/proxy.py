@@ -145,14 +145,29 @@ class ProxyGroup:
         self.transport = transport or _default_transport(gpu, hostnames)
         if self.transport not in ("fabric", "ipc", "verbs"):
             raise ValueError(f"ProxyGroup: transport must be 'fabric', 'ipc' or 'verbs', got {self.transport!r}")
-        self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job, **options)
+        # Phase 2: endpoint addresses + memory keys of every thread of every rank. A rank that fails to
+        # build its endpoints still takes part in the exchange, carrying its error, so no peer hangs.
+        self._native = None
         self._keepalive = dict(regions)  # the buffers must outlive the registrations
-        for rid, buf in regions.items():
-            ptr, nbytes, device = _region_of(buf)
-            self._native.register_region(int(rid), ptr, nbytes, device)
-        # Phase 2: endpoint addresses + memory keys of every thread of every rank.
-        blobs = [self._native.local_blob(t) for t in range(self._native.num_threads)]
-        self._native.connect(gather(blobs))
+        mine: Any
+        try:
+            self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job, **options)
+            for rid, buf in regions.items():
+                ptr, nbytes, device = _region_of(buf)
+                self._native.register_region(int(rid), ptr, nbytes, device)
+            mine = [self._native.local_blob(t) for t in range(self._native.num_threads)]
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers heard of it
+            mine = exc
+        everyone = gather(mine if not isinstance(mine, Exception) else f"{type(mine).__name__}: {mine}")
+        if isinstance(mine, Exception):
+            self.close()
+            raise mine
+        failed = [(r, e) for r, e in enumerate(everyone) if isinstance(e, str)]
+        if failed:
+            self.close()
+            raise RuntimeError("ProxyGroup: bootstrap failed on " +
+                               "; ".join(f"rank {r}: {e}" for r, e in failed))
+        self._native.connect(everyone)
         if start:
             self._native.start()
 
@@ -222,7 +237,8 @@ class ProxyGroup:
         if self._closed:
             return
         self._closed = True
-        self._native.stop()
+        if self._native is not None:
+            self._native.stop()
 
     stop = close
 
