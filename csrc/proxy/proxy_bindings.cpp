@@ -2,6 +2,8 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
+
 #include "bindings.h"
 #include "common/check.h"
 #include "proxy/fault.h"
@@ -99,6 +101,30 @@ void register_proxy(py::module_& m) {
     return d;
   });
   m.def("cpus_near_gpu", &cpus_near_gpu, py::arg("gpu"));
+  m.def("cpu_pickup_latency",
+        [](Proxy& p, int ring, int iters) {
+          // CPU stand-in for the GPU probe: push OP_NOP(cookie), spin until the proxy echoes it (ns).
+          if (p.config().gpu >= 0) throw py::value_error("cpu_pickup_latency: this proxy's rings belong to a GPU");
+          py::gil_scoped_release nogil;
+          std::vector<uint64_t> out;
+          out.reserve(size_t(iters));
+          const RingDesc& d = p.ring_host(ring);
+          const unsigned long long base = __atomic_load_n(d.echo, __ATOMIC_ACQUIRE);
+          for (int i = 0; i < iters; ++i) {
+            Command c{};
+            c.op = OP_NOP;
+            c.length = uint32_t(base + i + 1);
+            const auto t0 = std::chrono::steady_clock::now();
+            p.push(ring, &c, 1);
+            const auto deadline = t0 + std::chrono::seconds(10);
+            while (__atomic_load_n(d.echo, __ATOMIC_ACQUIRE) != (unsigned long long)c.length) {
+              if (std::chrono::steady_clock::now() > deadline) UCCL_THROW("cpu_pickup_latency: no echo within 10 s");
+            }
+            out.push_back(uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count()));
+          }
+          return out;
+        },
+        py::arg("proxy"), py::arg("ring"), py::arg("iters"));
 
   py::class_<Proxy>(m, "Proxy", "CPU proxy threads, rings and transport endpoints for one rank")
       .def(py::init([](int rank, int world, int gpu, const std::string& transport, py::object num_threads,

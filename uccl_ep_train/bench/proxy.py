@@ -245,6 +245,22 @@ def _fabric_worker(rank, world, port, args, threads, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
+def _cpu_latency(args):
+    """Proxy-loop round trip with a CPU producer (push NOP, spin on the echo), loopback fabric proxy."""
+    from uccl_ep_train import _native
+    from uccl_ep_train.proxy import ProxyGroup
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    recs = []
+    with ProxyGroup(0, 1, {0: np.zeros(4096, np.uint8)}, transport="fabric", provider=args.provider, num_threads=1,
+                    pin_threads=False, adaptive_sleep=False) as g:
+        rtt = [x / 1e3 for x in _native.cpu_pickup_latency(g._native, 0, args.latency_iters)][10:]
+    med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
+    recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device="cpu", sms=0, threads=1,
+                     median_us=med, p99_us=p99, iters=len(rtt), variant="cpu-producer", producer="cpu"))
+    print(f"[pickup_rtt] CPU producer -> proxy -> echo: median {med:.2f} us p99 {p99:.2f} us", flush=True)
+    return recs
+
+
 def _cpu(args):
     threads = min(args.threads)
     out = _spawn(_fabric_worker, 2, (args, threads))
@@ -285,6 +301,7 @@ def main(argv=None) -> int:
         else:
             print("[ipc_write] skipped: needs 2 GPUs", flush=True)
     else:
+        records += _cpu_latency(args)
         records += _cpu(args)
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
