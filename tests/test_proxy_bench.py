@@ -1,4 +1,7 @@
-"""`uccl-ep-train bench proxy --mode cpu` runs end to end and writes DESIGN.md-style JSON records."""
+"""`uccl-ep-train bench proxy --mode cpu` runs end to end and writes DESIGN.md-style JSON records.
+
+The provider is tcp: libfabric fixes its provider set (FI_PROVIDER) at its first use in a process, and
+the other tests in this process use tcp."""
 import json
 import os
 
@@ -15,7 +18,7 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
     monkeypatch.setenv("FI_TCP_IFACE", "lo")
     out = tmp_path / "proxy.json"
     rc = main(["bench", "proxy", "--mode", "cpu", "--threads", "1", "--chunk-bytes", "4096",
-               "--total-bytes", str(1 << 20), "--latency-iters", "50", "--provider", "shm", "--json", str(out)])
+               "--total-bytes", str(1 << 20), "--latency-iters", "50", "--provider", "tcp", "--json", str(out)])
     assert rc == 0
     recs = json.loads(out.read_text())
     ops = {r["op"] for r in recs}
