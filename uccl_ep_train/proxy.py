@@ -272,6 +272,10 @@ def start_proxies(runtime: Any, **kw: Any) -> tuple[list, list]:
     if runtime.num_rdma_bytes:
         flat = flat[: max(1, -(-runtime.num_rdma_bytes // flat.element_size()))]
     regions = {0: flat}
+    # Until kernels push commands on every call, idle proxies should not burn a core each: sleep
+    # adaptively unless UCCL_RDMA_ADAPTIVE_SLEEP (or the caller) says otherwise.
+    if "adaptive_sleep" not in kw and "UCCL_RDMA_ADAPTIVE_SLEEP" not in os.environ:
+        kw["adaptive_sleep"] = True
     group = ProxyGroup(runtime.rank, runtime.num_ranks, regions, group=runtime.group, gpu=gpu, **kw)
     log.info("uccl_ep_train: %d proxy threads on %s transport (cpus %s)", group.num_threads, group.transport,
              group.thread_cpus())
