@@ -134,7 +134,7 @@ def _check_all(rank, world, device):
             for i, what in enumerate(("num_tokens_per_rank", "num_tokens_per_expert", "is_token_in_rank")):
                 _same(n_[i], r_[i], f"{tag}: {what}")
             rh, nh = r_[7], n_[7]
-            num_recv = rh.num_recv_tokens
+            num_recv = int(rh.rank_prefix_matrix[-1, rank])  # valid rows (num_recv_tokens counts padding)
             _same(nh.rank_prefix_matrix, rh.rank_prefix_matrix, f"{tag}: rank_prefix_matrix")
             _same(nh.send_head, rh.send_head, f"{tag}: send_head")
             _same(nh.recv_src_idx[:num_recv], rh.recv_src_idx[:num_recv], f"{tag}: recv_src_idx")

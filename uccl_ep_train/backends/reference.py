@@ -113,6 +113,7 @@ class ReferenceBackend(Backend):
             recv_scales = _pad_rows(recv_scales, num_worst_tokens, 0)
             recv_topk_idx = _pad_rows(recv_topk_idx, num_worst_tokens, -1)
             recv_topk_weights = _pad_rows(recv_topk_weights, num_worst_tokens, 0)
+            recv_src_idx = _pad_rows(recv_src_idx, num_worst_tokens, -1)
             per_expert_list = []
 
         prefix = prefix_matrix_from_counts(counts).to(x.device)
