@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-APT_PACKAGES=(libfabric-dev libibverbs-dev ibverbs-providers rdma-core)
+APT_PACKAGES=(libfabric-dev libfabric-bin libibverbs-dev ibverbs-providers rdma-core)
 
 log() { echo "[setup] $*" >&2; }
 
