@@ -177,9 +177,13 @@ def native_build_kwargs() -> dict:
     if _have_header("infiniband/verbs.h") and os.environ.get("UCCL_EP_NO_VERBS") != "1":
         define_macros.append(("UCCL_EP_WITH_VERBS", "1"))
         libraries.append("ibverbs")
+    # Any header or kernel change must relink: setuptools compares these with the built module.
+    depends = sorted(p for pat in ("csrc/**/*.h", "csrc/**/*.cuh", "csrc/**/*.cu")
+                     for p in glob.glob(pat, recursive=True) if keep(p))
     ext = Extension(
         "uccl_ep_train._native",
         sources=sources,
+        depends=depends,
         include_dirs=include_dirs,
         define_macros=define_macros,
         libraries=libraries,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Compile-check the GPU kernels (csrc/kernels/*.cu) for AMD with HIP, so the AMD path stays honest on
-# machines without an AMD GPU. Installs Debian's hipcc (ROCm 5.2) when it is missing and apt can.
+# Compile-check the native module for AMD with HIP, so the AMD path stays honest on machines without an
+# AMD GPU: every csrc/**/*.cu with hipcc (device + host passes), every csrc/**/*.cpp with the host compiler
+# against the HIP runtime headers (as native_build.py builds them for ROCm). Installs Debian's hipcc (ROCm 5.2) when it is missing and apt can.
 # ROCm 5.2 does not know gfx942 (MI300X): check gfx90a here; real ROCm builds add gfx942 (native_build.py).
 # Usage: scripts/check_hip_build.sh [offload-arch]     Exit status: 0 ok, 1 compile error, 2 no hipcc.
 set -euo pipefail
@@ -23,7 +24,7 @@ OUT="$(mktemp -d)"
 trap 'rm -rf "$OUT"' EXIT
 status=0
 pids=()
-srcs=(csrc/kernels/*.cu)
+mapfile -t srcs < <(find csrc -name '*.cu' | sort)
 for src in "${srcs[@]}"; do
   obj="$OUT/$(basename "$src" .cu).o"
   # HIP_PLATFORM=amd: without it Debian's hipcc hands the file to nvcc
@@ -40,4 +41,19 @@ for i in "${!pids[@]}"; do
     status=1
   fi
 done
+# host code (proxy, transports, bindings) against the HIP runtime headers
+PY="${PYTHON:-.venv/bin/python}"
+[ -x "$PY" ] || PY=python3
+incs=(-Icsrc "-I$("$PY" -c 'import pybind11; print(pybind11.get_include())')"
+      "-I$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
+while IFS= read -r src; do
+  if g++ -std=c++17 -fPIC -fsyntax-only -DUCCL_EP_WITH_HIP=1 -D__HIP_PLATFORM_AMD__ "${incs[@]}" "$src" \
+      >"$OUT/host.log" 2>&1; then
+    echo "check_hip_build: ok    $src (host, HIP runtime)"
+  else
+    echo "check_hip_build: FAIL  $src (host, HIP runtime)"
+    cat "$OUT/host.log"
+    status=1
+  fi
+done < <(find csrc -name '*.cpp' | sort)
 exit $status

@@ -17,6 +17,13 @@
 #define UCCL_FORCEINLINE inline __attribute__((always_inline))
 #endif
 
+// Lanes that execute in lockstep and vote together: a CUDA warp, an AMD CDNA wavefront.
+#if defined(UCCL_EP_WITH_HIP) || defined(__HIP_PLATFORM_AMD__)
+#define UCCL_WARP_SIZE 64
+#else
+#define UCCL_WARP_SIZE 32
+#endif
+
 #if (defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__))
 #define UCCL_DEVICE_CODE 1
 #else

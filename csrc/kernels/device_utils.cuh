@@ -9,11 +9,7 @@
 
 namespace uccl_ep::intranode {
 
-#if defined(UCCL_EP_WITH_HIP)
-constexpr int kWarpSize = 64;
-#else
-constexpr int kWarpSize = 32;
-#endif
+constexpr int kWarpSize = UCCL_WARP_SIZE;
 
 // Header of every rank's IPC buffer (byte offsets). Signals are monotonically increasing counters:
 //   arrive[s]  in the receiver's buffer: blocks of rank s that finished pushing into it

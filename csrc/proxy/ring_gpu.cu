@@ -6,9 +6,15 @@
 namespace uccl {
 namespace {
 
+constexpr int kWarp = UCCL_WARP_SIZE;  // lanes that claim ring slots together (ring_push_warp)
+
 __device__ __forceinline__ unsigned long long now_ns() {
 #if defined(__HIP_PLATFORM_AMD__)
-  return wall_clock64() * 10ull;  // 100 MHz constant clock on CDNA
+#if defined(__HIP_DEVICE_COMPILE__)
+  return __builtin_amdgcn_s_memrealtime() * 10ull;  // 100 MHz constant clock on CDNA
+#else
+  return 0;  // host pass: never called
+#endif
 #else
   unsigned long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -18,11 +24,11 @@ __device__ __forceinline__ unsigned long long now_ns() {
 
 __global__ void push_commands_kernel(const RingDesc* rings, const Command* cmds, const int* offsets, int warps_per_ring) {
   const int r = blockIdx.x;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const RingDesc ring = rings[r];
   const int begin = offsets[r], end = offsets[r + 1];
-  // Warp w takes batches w, w + W, w + 2W, ... of 32 commands.
-  for (int base = begin + warp * 32; base < end; base += warps_per_ring * 32) {
+  // Warp w takes batches w, w + W, w + 2W, ... of kWarp commands.
+  for (int base = begin + warp * kWarp; base < end; base += warps_per_ring * kWarp) {
     const int i = base + lane;
     const bool has = i < end;
     Command c{};
@@ -32,13 +38,13 @@ __global__ void push_commands_kernel(const RingDesc* rings, const Command* cmds,
 }
 
 __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_warps, int per_warp) {
-  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / 32;
+  const int gwarp = (blockIdx.x * blockDim.x + threadIdx.x) / kWarp;
   if (gwarp >= num_warps) return;  // whole warps only: the grid may be rounded up
   const RingDesc ring = rings[gwarp % num_rings];
   Command c{};
   c.op = OP_NOP;
   c.channel = uint8_t(gwarp % num_rings);
-  for (int i = 0; i < per_warp; i += 32) {
+  for (int i = 0; i < per_warp; i += kWarp) {
     c.length = uint32_t(i);
     ring_push_warp(ring, c, true);
   }
@@ -98,27 +104,27 @@ __global__ void visibility_latency_kernel(RingDesc ring, Command cmd, const unsi
 
 void launch_push_commands(const RingDesc* d_rings, int num_rings, const Command* d_cmds, const int* d_offsets,
                           int warps_per_ring, void* stream) {
-  push_commands_kernel<<<num_rings, 32 * warps_per_ring, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, d_cmds, d_offsets,
+  push_commands_kernel<<<num_rings, kWarp * warps_per_ring, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, d_cmds, d_offsets,
                                                                                                  warps_per_ring);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
 void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring, int per_warp, void* stream) {
   const int warps = num_rings * warps_per_ring;
-  const int threads = 32 * (warps < 8 ? warps : 8);
-  const int blocks = (warps * 32 + threads - 1) / threads;
+  const int threads = kWarp * (warps < 8 ? warps : 8);
+  const int blocks = (warps * kWarp + threads - 1) / threads;
   push_nops_kernel<<<blocks, threads, 0, static_cast<gpuStream_t>(stream)>>>(d_rings, num_rings, warps, per_warp);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
 void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream, int mode) {
-  pickup_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns, mode);
+  pickup_latency_kernel<<<1, kWarp, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns, mode);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
 void launch_visibility_latency(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
                                unsigned long long* d_out_ns, void* stream) {
-  visibility_latency_kernel<<<1, 32, 0, static_cast<gpuStream_t>(stream)>>>(ring, cmd, counter, iters, d_out_ns);
+  visibility_latency_kernel<<<1, kWarp, 0, static_cast<gpuStream_t>(stream)>>>(ring, cmd, counter, iters, d_out_ns);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
