@@ -24,10 +24,14 @@ from uccl_ep_train import autograd as ep_autograd
 from . import settings
 
 _buffers: dict[int, Buffer] = {}
+_retired: list[Buffer] = []  # outgrown Buffers: earlier layers' backward may still use their handles
 
 
 def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buffer:
-    """One Buffer per EP group, grown when a layer needs more bytes than it holds."""
+    """One Buffer per EP group, replaced by a larger one when a layer needs more bytes than it holds.
+
+    An outgrown Buffer is kept (not destroyed) until `destroy_buffers()`: autograd graphs of earlier layers
+    hold handles made by it and run their backward through it."""
     num_ranks = group.size()
     need = max(Config(Buffer.num_sms, 6, 256).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
@@ -36,7 +40,7 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
     buf = _buffers.get(key)
     if buf is None or buf.num_nvl_bytes < need:
         if buf is not None:
-            buf.destroy()
+            _retired.append(buf)
         buf = Buffer(group, need, 0, explicitly_destroy=True)
         _buffers[key] = buf
     return buf
@@ -44,9 +48,10 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
 
 def destroy_buffers() -> None:
     """Free every Buffer the dispatchers made (e.g. between tests or before process exit)."""
-    for buf in _buffers.values():
+    for buf in list(_buffers.values()) + _retired:
         buf.destroy()
     _buffers.clear()
+    _retired.clear()
 
 
 def check_config(config: TransformerConfig) -> None:

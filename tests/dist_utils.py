@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -11,11 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from uccl_ep_train.localhost import free_loopback_port
 
 
 def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, env: dict, q,
@@ -51,7 +46,7 @@ def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout
     hard_exit: ranks leave without destroying the process group (for tests that break it)."""
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = free_port()
+    port = free_loopback_port()
     base_env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NCCL_NVLS_ENABLE": "0",
                 "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
     base_env.update(env or {})

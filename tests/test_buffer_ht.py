@@ -58,6 +58,10 @@ def _check_ht(rank: int, world: int, device: str) -> int:
                     assert prefix[:, rank].tolist() == torch.cumsum(torch.tensor(ex_counts), 0).tolist()
                     checks += 1
 
+            # every receiving rank r returns its rows times (r + 1): the combine sums them per token
+            factor = (ref_in_rank.float() * torch.arange(1, world + 1).float()).sum(1, keepdim=True)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+
             # num_worst_tokens: padded outputs, same prefix, empty list
             worst = sum(counts) + 5
             wx, widx, ww, wlist, whandle, _ = buf.dispatch(
@@ -69,8 +73,8 @@ def _check_ht(rank: int, world: int, device: str) -> int:
             # a padded handle: cached dispatch returns padded rows too, combine ignores the padding
             cwx, *_ = buf.dispatch(x, handle=whandle)
             assert cwx.size(0) == worst and torch.equal(cwx[:n].cpu(), ex_x)
-            wcomb, _, _ = buf.combine(cwx, whandle)
-            assert wcomb.shape == x.shape
+            wcomb, _, _ = buf.combine(cwx * (rank + 1), whandle)
+            torch.testing.assert_close(wcomb.cpu().float(), me.x.float() * factor, atol=tol * 4, rtol=tol)
 
             # cached dispatch reproduces the rows; combine sums them back (with weights and biases)
             cx, cidx, cw, clist, chandle, _ = buf.dispatch(x * 2, handle=handle)
@@ -80,10 +84,7 @@ def _check_ht(rank: int, world: int, device: str) -> int:
             bias0 = torch.ones_like(x)
             bias1 = torch.full_like(x, 0.5)
             comb, comb_w, _ = buf.combine(y, handle, topk_weights=recv_w, bias=(bias0, bias1))
-            dst = ref_in_rank.float()
-            factor = (dst * torch.arange(1, world + 1).float()).sum(1, keepdim=True)
             expect = me.x.float() * factor + 1.5
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
             assert comb.dtype == dtype and comb.shape == x.shape
             torch.testing.assert_close(comb.cpu().float(), expect, atol=tol * 4, rtol=tol)
             torch.testing.assert_close(comb_w.cpu(), me.topk_weights.masked_fill(me.topk_idx < 0, 0.0))

@@ -112,6 +112,17 @@ def _mismatch(rank: int, world: int, device: str) -> str:
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
     with pytest.raises(ValueError, match="ranks disagree on hidden: rank 0=128, rank 1=256"):
         buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    # same shapes for the dispatch; then combine / cached dispatch with a per-rank hidden size
+    x = torch.randn(4, 128).to(torch.bfloat16)
+    recv, *_, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                       num_tokens_per_expert=per_expert)
+    wide = torch.randn(recv.size(0), 128 if rank == 0 else 256).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="combine: ranks disagree on hidden: rank 0=128, rank 1=256"):
+        buf.combine(wide, handle)
+    with pytest.raises(ValueError, match="cached dispatch: ranks disagree on x dtype"):
+        buf.dispatch(x if rank == 0 else x.float(), handle=handle)
+    with pytest.raises(NotImplementedError, match="get_local_buffer_tensor: the reference backend"):
+        buf.get_local_buffer_tensor(torch.bfloat16)
     return "ok"
 
 

@@ -140,3 +140,30 @@ def _flex_parity(rank: int, world: int, device: str) -> int:
 
 def test_flex_deepep_backend_runs_on_our_deep_ep():
     assert run_ranks(_flex_parity, 2) == [1, 1]
+
+
+def _buffer_growth(rank: int, world: int, device: str) -> int:
+    """A later, wider layer grows the shared Buffer; an earlier layer's backward still runs on the old one."""
+    import torch.distributed as dist
+
+    from megatron_patch.dispatcher import destroy_buffers, get_buffer
+    from uccl_ep_train import autograd as ep_autograd
+    group = dist.new_group(list(range(world)))
+    small = get_buffer(group, 64)
+    x = torch.randn(5, 32, requires_grad=True)
+    idx = torch.tensor([[0, 3], [1, -1], [2, 0], [3, 1], [-1, 2]])
+    w = torch.rand(5, 2, requires_grad=True)
+    recv_x, _, recv_w, _, handle = ep_autograd.dispatch(small, x, idx, w, 4)
+    out = ep_autograd.combine(small, recv_x * recv_w.sum(1, keepdim=True), handle)
+    big = get_buffer(group, 1 << 20)
+    assert big is not small and big.num_nvl_bytes > small.num_nvl_bytes
+    out.sum().backward()
+    assert x.grad is not None and w.grad is not None
+    destroy_buffers()
+    with pytest.raises(RuntimeError, match="after destroy"):
+        small.combine(recv_x.detach(), handle)
+    return 1
+
+
+def test_growing_the_shared_buffer_keeps_earlier_graphs_alive():
+    assert run_ranks(_buffer_growth, 2) == [1, 1]

@@ -33,8 +33,6 @@ class Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_recv_x, _grad_idx, grad_recv_w, *_rest):
         (recv_idx,) = ctx.saved_tensors
-        if grad_recv_x is None:
-            grad_recv_x = torch.zeros((recv_idx.size(0), 0), device=recv_idx.device)
         grad_w = None
         if grad_recv_w is not None:
             # weights of experts that live elsewhere are constant zeros here: no gradient flows from them

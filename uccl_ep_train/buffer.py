@@ -108,7 +108,6 @@ class Buffer:
         self.device = _group_device(group)
         self.id = next(_buffer_ids)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
-        self._local_buffers: dict[bool, torch.Tensor] = {}
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device)
         self.backend_name = self._backend.name
@@ -123,7 +122,6 @@ class Buffer:
         for backend in {id(b): b for b in (self._backend, self._ll_backend) if b is not None}.values():
             backend.destroy()
         self._backend = self._ll_backend = None
-        self._local_buffers.clear()
 
     def __del__(self) -> None:
         if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
@@ -198,11 +196,10 @@ class Buffer:
 
     def get_local_buffer_tensor(self, dtype: torch.dtype, size: Optional[torch.Size] = None, offset: int = 0,
                                 use_rdma_buffer: bool = False) -> torch.Tensor:
-        """This rank's NVLink (or RDMA) buffer viewed as `dtype`, from byte `offset`, optionally shaped `size`."""
-        nbytes = self.num_rdma_bytes if use_rdma_buffer else self.num_nvl_bytes
-        if use_rdma_buffer not in self._local_buffers:
-            self._local_buffers[use_rdma_buffer] = torch.zeros(nbytes, dtype=torch.uint8, device=self.device)
-        raw = self._local_buffers[use_rdma_buffer][offset:]
+        """This rank's NVLink (or RDMA) communication buffer viewed as `dtype`, from byte `offset`, optionally
+        shaped `size` (a view: writes reach the buffer). Backends without such a buffer raise
+        NotImplementedError."""
+        raw = self.backend.local_buffer(use_rdma_buffer)[offset:]
         elem = torch.empty((), dtype=dtype).element_size()
         tensor = raw[: raw.numel() // elem * elem].view(dtype)
         if size is None:
@@ -214,17 +211,24 @@ class Buffer:
 
     # ---- stream/event plumbing -------------------------------------------------------------------------
     def _run(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
-             async_finish: bool, allocate_on_comm_stream: bool) -> tuple[Any, EventOverlap]:
-        """Run `fn` on the comm stream after `previous_event` (or the current stream's work), record an
-        event; unless `async_finish`, the current stream waits for it."""
+             async_finish: bool, allocate_on_comm_stream: bool,
+             checks: Optional[Callable[[], None]] = None) -> tuple[Any, EventOverlap]:
+        """Run `fn` on the comm stream after `previous_event` (or the current stream's work) and record an
+        event; unless `async_finish`, the current stream waits for it. `checks` (argument checks that read
+        tensor values) run first, in the same stream order, so they see what `previous_event` produced.
+
+        Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
+        not reused while either stream may still use it (`allocate_on_comm_stream` is accepted as in DeepEP:
+        ownership is on the comm stream either way)."""
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")
         if self._comm_stream is None:
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
-            result = fn()
-            return result, EventOverlap(EventHandle(), None)
+            if checks is not None:
+                checks()
+            return fn(), EventOverlap(EventHandle(), None)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
         if previous_event is not None and previous_event.event is not None:
@@ -232,14 +236,15 @@ class Buffer:
         else:
             comm.wait_stream(compute)
         with torch.cuda.stream(comm):
+            if checks is not None:
+                checks()
             result = fn()
         event = EventHandle(comm)
         outputs = tuple(_tensors(result))
         for t in _tensors(inputs):
             t.record_stream(comm)
-        if not allocate_on_comm_stream:
-            for t in outputs:
-                t.record_stream(compute)
+        for t in outputs:
+            t.record_stream(compute)
         if not async_finish:
             event.current_stream_wait()
         return result, EventOverlap(event, inputs + outputs if async_finish else None)
@@ -263,13 +268,12 @@ class Buffer:
             event: the event after the computation.
         """
         V.check_num_experts(num_experts, self.group_size)
-        V.check_tensor(topk_idx, "topk_idx", V.INDEX_DTYPES, 2)
-        V.check_topk(topk_idx, None, topk_idx.size(0), num_experts)
+        V.check_topk(topk_idx, None, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0)
         V.check_device(topk_idx, "topk_idx", self.device)
         backend = self.backend
         (per_rank, per_expert, in_rank), event = self._run(
             lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,), previous_event,
-            async_finish, allocate_on_comm_stream)
+            async_finish, allocate_on_comm_stream, checks=lambda: V.check_expert_range(topk_idx, num_experts))
         return per_rank, None, per_expert, in_rank, event
 
     def dispatch(self, x: XType, handle: Optional[IntranodeHandle] = None,
@@ -332,7 +336,7 @@ class Buffer:
         V.check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_tokens, self.group_size)
         num_experts = num_tokens_per_expert.size(0)
         if topk_idx is not None:
-            V.check_topk(topk_idx, topk_weights, num_tokens, num_experts)
+            V.check_topk(topk_idx, topk_weights, num_tokens)
         elif topk_weights is not None:
             raise ValueError("dispatch: topk_weights given without topk_idx")
         V.check_non_negative_int(expert_alignment, "expert_alignment", 1)
@@ -341,17 +345,22 @@ class Buffer:
                         ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
                         ("topk_weights", topk_weights), ("x scales", scales)):
             V.check_device(t, name, self.device)
-        sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        if V.value_checks(sent) and not torch.equal(sent, num_tokens_per_rank):
-            raise ValueError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with is_token_in_rank, "
-                             f"which sends {sent.tolist()}")
-        if topk_idx is not None and topk_idx.dtype != torch.int64:
-            topk_idx = topk_idx.to(torch.int64)
+
+        def checks() -> None:  # values: read in stream order, after previous_event
+            if topk_idx is not None:
+                V.check_expert_range(topk_idx, num_experts)
+            if V.value_checks(is_token_in_rank):
+                sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
+                if not torch.equal(sent, num_tokens_per_rank):
+                    raise ValueError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
+                                     f"is_token_in_rank, which sends {sent.tolist()}")
+
+        topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(
-            lambda: backend.dispatch(data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+            lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert, expert_alignment, num_worst_tokens, config),
             (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert),
-            previous_event, async_finish, allocate_on_comm_stream)
+            previous_event, async_finish, allocate_on_comm_stream, checks=checks)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle = result
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
@@ -440,7 +449,8 @@ class Buffer:
         V.check_tensor(x, "x", (torch.bfloat16,), 2)
         V.check_device(x, "x", self.device)
         V.check_num_experts(num_experts, self.group_size)
-        V.check_topk(topk_idx, None, x.size(0), num_experts)
+        V.check_topk(topk_idx, None, x.size(0))
+        V.check_expert_range(topk_idx, num_experts)
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
@@ -449,6 +459,8 @@ class Buffer:
             raise ValueError(f"x: hidden ({x.size(1)}) must be divisible by {FP8_BLOCK} for use_fp8")
         if use_ue8m0 and not (use_fp8 and round_scale):
             raise ValueError("use_ue8m0: requires use_fp8=True and round_scale=True")
+        if use_ue8m0 and x.size(1) % (4 * FP8_BLOCK):
+            raise ValueError(f"x: hidden ({x.size(1)}) must be divisible by {4 * FP8_BLOCK} for use_ue8m0")
         if round_scale and not use_fp8:
             raise ValueError("round_scale: requires use_fp8=True")
         if cumulative_local_expert_recv_stats is not None:
@@ -504,8 +516,8 @@ class Buffer:
         V.check_tensor(x, "x", (torch.bfloat16,), 3)
         if tuple(x.shape) != shape:
             raise ValueError(f"x: expected {list(shape)}, got {list(x.shape)}")
-        V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1,
-                     handle.num_experts)
+        V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1)
+        V.check_expert_range(topk_idx, handle.num_experts)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
                              f"{handle.num_max_dispatch_tokens_per_rank}")

@@ -39,10 +39,6 @@ class LowLatencyHandle(NamedTuple):
     owner: int = -1
     private: Any = None
 
-    def check_owner(self, owner: int) -> None:
-        if self.owner != owner:
-            raise ValueError("handle: this low-latency handle was made by another Buffer")
-
 
 def check_intranode_handle(handle: Any, owner: int, arg: str = "handle") -> IntranodeHandle:
     """Reject anything but an IntranodeHandle made by Buffer `owner`."""

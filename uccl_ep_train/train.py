@@ -14,7 +14,6 @@ import argparse
 import json
 import math
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -22,6 +21,8 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+
+from .localhost import loopback_init_method
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -210,12 +211,6 @@ def _write_log(args, world: int, device: torch.device, history: list[dict]) -> N
                    "steps": history}, f, indent=1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def plot_loss(log_paths: list[str], out: str) -> None:
     try:
         import matplotlib
@@ -251,7 +246,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if world < 1 or args.steps < 1:
             raise SystemExit("--ranks and --steps must be >= 1")
         import torch.multiprocessing as mp
-        init = f"tcp://127.0.0.1:{_free_port()}"
+        init = loopback_init_method()
         print(f"uccl-ep-train train: {world} ranks ({'NCCL/GPU' if torch.cuda.is_available() else 'gloo/CPU'}), "
               f"dispatcher {args.dispatcher}, recipe {args.recipe}, {args.steps} steps", file=sys.stderr)
         mp.spawn(_rank_main, args=(world, args, init), nprocs=world, join=True)

@@ -37,8 +37,10 @@ def check_tensor(t: Any, arg: str, dtypes: Sequence[torch.dtype], ndim: int, con
 
 
 def check_device(t: Optional[torch.Tensor], arg: str, device: torch.device) -> None:
-    if t is not None and t.device.type != device.type:
-        raise ValueError(f"{arg}: is on {t.device}, expected {device.type} like the Buffer's group")
+    if t is None:
+        return
+    if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):
+        raise ValueError(f"{arg}: is on {t.device}, expected {device} like the Buffer")
 
 
 def split_x(x: Union[torch.Tensor, tuple, list], arg: str = "x") -> tuple[torch.Tensor, Optional[torch.Tensor]]:
@@ -64,8 +66,9 @@ def split_x(x: Union[torch.Tensor, tuple, list], arg: str = "x") -> tuple[torch.
     return x, None
 
 
-def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int, num_experts: Optional[int],
+def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
                idx_arg: str = "topk_idx", weights_arg: str = "topk_weights") -> None:
+    """Dtype, rank, layout and shape of the top-k tensors (no values read)."""
     check_tensor(topk_idx, idx_arg, INDEX_DTYPES, 2)
     if topk_idx.size(0) != num_tokens:
         raise ValueError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
@@ -74,7 +77,11 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int, num_experts: O
         if topk_weights.shape != topk_idx.shape:
             raise ValueError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
                              f"{idx_arg} shape {list(topk_idx.shape)}")
-    if num_experts is not None and topk_idx.numel() and value_checks(topk_idx):
+
+
+def check_expert_range(topk_idx: torch.Tensor, num_experts: int, idx_arg: str = "topk_idx") -> None:
+    """Every id in [-1, num_experts): reads values, so it syncs a GPU (see value_checks)."""
+    if topk_idx.numel() and value_checks(topk_idx):
         lo, hi = int(topk_idx.min()), int(topk_idx.max())
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"{idx_arg}: expert ids must be in [-1, {num_experts}), got range [{lo}, {hi}]")

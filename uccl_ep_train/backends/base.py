@@ -70,6 +70,11 @@ class Backend(abc.ABC):
         """The buffer a zero-copy combine reads: `[num_local_experts, num_ranks * max_tokens, hidden]` bf16."""
         raise NotImplementedError(f"{self.name} backend: zero_copy low-latency combine")
 
+    def local_buffer(self, use_rdma_buffer: bool) -> torch.Tensor:
+        """This rank's communication buffer as a uint8 tensor (a view, for get_local_buffer_tensor)."""
+        raise NotImplementedError(f"get_local_buffer_tensor: the {self.name} backend has no "
+                                  f"{'RDMA' if use_rdma_buffer else 'NVLink'} communication buffer to expose")
+
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: every rank must call it; returns once all ranks have cleaned."""
 

@@ -24,7 +24,7 @@ from .rows import pack_rows, unpack_rows
 # Identifies x's dtype in the cross-rank consistency check of the notify phase.
 _DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4,
                 torch.float8_e4m3fnuz: 5}
-_HEADER = ("num_experts", "hidden", "x dtype", "num_topk", "FP8 scales")
+_HEADER = ("num_experts", "hidden", "x dtype", "num_topk", "FP8 scales", "topk_weights given")
 
 
 def _align_up(n: int, a: int) -> int:
@@ -58,15 +58,17 @@ class ReferenceBackend(Backend):
         return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
 
     # ---- notify: counts and a cross-rank consistency check -----------------------------------------
-    def _notify(self, header: list[int], counts: torch.Tensor, phase: str) -> torch.Tensor:
-        h = torch.tensor(header, dtype=torch.int64, device=self.device)
+    def _notify(self, header: list[int], counts: Optional[torch.Tensor], phase: str) -> Optional[torch.Tensor]:
+        """Check that every rank called with the same shapes (else a ValueError on every rank), then
+        all-gather `counts` ([num_ranks, *])."""
+        h = torch.tensor(header + [0] * (len(_HEADER) - len(header)), dtype=torch.int64, device=self.device)
         all_h = self.comm.all_gather(h, f"{phase}: notify header").tolist()
         for i, name in enumerate(_HEADER):
             values = [row[i] for row in all_h]
             if len(set(values)) > 1:
                 raise ValueError(f"{phase}: ranks disagree on {name}: " +
                                  ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
-        return self.comm.all_gather(counts.to(torch.int64), f"{phase}: notify counts")
+        return None if counts is None else self.comm.all_gather(counts.to(torch.int64), f"{phase}: notify counts")
 
     # ---- high throughput -------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -75,7 +77,7 @@ class ReferenceBackend(Backend):
         num_experts = num_tokens_per_expert.numel()
         num_local = num_experts // R
         header = [num_experts, x.size(1), _DTYPE_CODES[x.dtype], 0 if topk_idx is None else topk_idx.size(1),
-                  0 if x_scales is None else 1]
+                  0 if x_scales is None else 1, int(topk_weights is not None)]
         gathered = self._notify(header, torch.cat([num_tokens_per_rank, num_tokens_per_expert]), "dispatch")
         counts = gathered[:, :R]  # counts[i][r]: tokens rank i sends to rank r
         recv_counts = counts[:, me].tolist()
@@ -142,6 +144,7 @@ class ReferenceBackend(Backend):
         return torch.diff(col, prepend=col.new_zeros(1)).tolist()
 
     def cached_dispatch(self, x, x_scales, handle, config):
+        self._notify([0, x.size(1), _DTYPE_CODES[x.dtype], 0, int(x_scales is not None)], None, "cached dispatch")
         token_ids, _ = self._send_order(handle.is_token_in_rank)
         rows, specs = pack_rows([x[token_ids], None if x_scales is None else x_scales[token_ids]])
         send_counts = handle.is_token_in_rank.sum(dim=0).tolist()
@@ -151,6 +154,8 @@ class ReferenceBackend(Backend):
         return _pad_rows(recv[0], rows_out, 0), _pad_rows(recv[1] if x_scales is not None else None, rows_out, 0)
 
     def combine(self, x, handle, topk_weights, bias_0, bias_1, config):
+        self._notify([0, x.size(1), _DTYPE_CODES[x.dtype], 0 if topk_weights is None else topk_weights.size(1), 0,
+                      int(topk_weights is not None)], None, "combine")
         n = sum(self._recv_counts(handle))  # valid rows; the rest is num_worst_tokens padding
         rows, specs = pack_rows([x[:n], None if topk_weights is None else topk_weights[:n]])
         back_counts = handle.is_token_in_rank.sum(dim=0).tolist()

@@ -17,12 +17,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from ..localhost import free_loopback_port
 
 FP8_BLOCK = 128
 
@@ -254,9 +255,7 @@ def main(argv=None) -> int:
         import torch.multiprocessing as mp
 
         world = args.num_processes or torch.cuda.device_count()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_loopback_port()
         ctx = mp.get_context("spawn")
         q = ctx.Queue()
         procs = [ctx.Process(target=_worker, args=(r, world, port, args, q), daemon=True) for r in range(world)]

@@ -130,14 +130,11 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    import socket
-
     import torch.multiprocessing as mp
+
+    from ..localhost import loopback_init_method
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(_rank, args=(world, args, f"tcp://127.0.0.1:{port}", args.json), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json), nprocs=world, join=True)
     if args.json:
         print(f"records: {args.json}", file=sys.stderr)
     return 0

@@ -17,13 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import time
 import traceback
 
 import numpy as np
+
+from ..localhost import free_loopback_port
 
 
 def _parse(argv):
@@ -46,14 +47,6 @@ def _parse(argv):
 def _pct(xs, q):
     xs = sorted(xs)
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
-
-
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _device_name():
@@ -165,7 +158,7 @@ def _spawn(target, world, extra, timeout=300):
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _port()
+    port = free_loopback_port()
     procs = [ctx.Process(target=target, args=(r, world, port) + extra + (q,)) for r in range(world)]
     for p in procs:
         p.start()
