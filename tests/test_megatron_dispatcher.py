@@ -122,9 +122,9 @@ def _flex_parity(rank: int, world: int, device: str) -> int:
     outs = {}
     for name, kw in (("alltoall", {}), ("flex", {"moe_flex_dispatcher_backend": "deepep"}),
                      ("flex-uccl", {"moe_flex_dispatcher_backend": "uccl"})):
-        layer = build_moe_layer("flex" if name.startswith("flex") else name, **kw)
+        layer = build_moe_layer("flex" if name.startswith("flex") else name, **kw).to(device)
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(6, 2, 64, generator=g).requires_grad_(True)
+        x = torch.randn(6, 2, 64, generator=g).to(device).requires_grad_(True)
         out, _ = layer(x)
         out.sum().backward()
         outs[name] = (out.detach(), x.grad.detach())
@@ -167,3 +167,11 @@ def _buffer_growth(rank: int, world: int, device: str) -> int:
 
 def test_growing_the_shared_buffer_keeps_earlier_graphs_alive():
     assert run_ranks(_buffer_growth, 2) == [1, 1]
+
+
+@pytest.mark.gpu
+def test_flex_deepep_backend_on_gpus():
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    assert run_ranks(_flex_parity, 2, device="cuda") == [1, 1]
+
