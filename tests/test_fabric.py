@@ -9,7 +9,6 @@ error that names rank, peer, channel and phase. Proxies are torn down and rebuil
 """
 import os
 import queue
-import socket
 import threading
 import traceback
 
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 
 from uccl_ep_train import proxy as P
+from uccl_ep_train.localhost import free_loopback_port
 
 pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
                                 reason="native module with the fabric transport not built")
@@ -24,14 +24,6 @@ pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_
 CH = [0, 1, 2, 3]      # channels (ring = channel % threads)
 K = 24                 # chunks per (src, dst, channel)
 S = 512                # chunk slot size
-
-
-def _free_port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _pattern(src, dst, ch, k, n):
@@ -124,12 +116,13 @@ def _worker(rank, world, port, provider, faults, threads, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def _run(world, provider, faults, threads=2, timeout=150):
+def _spawn(target, world, make_args, timeout=150):
+    """Start `world` processes running target(*make_args(rank, port), q); return {rank: payload}."""
     import multiprocessing as mp
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, provider, faults, threads, q)) for r in range(world)]
+    port = free_loopback_port()
+    procs = [ctx.Process(target=target, args=(*make_args(r, port), q)) for r in range(world)]
     for p in procs:
         p.start()
     out = {}
@@ -147,6 +140,10 @@ def _run(world, provider, faults, threads=2, timeout=150):
             if p.is_alive():
                 p.kill()
     return out
+
+
+def _run(world, provider, faults, threads=2, timeout=150):
+    return _spawn(_worker, world, lambda r, port: (r, world, port, provider, faults, threads), timeout)
 
 
 def test_tcp_two_ranks_every_byte_once():
@@ -197,24 +194,7 @@ def _silent_worker(rank, port, q):
 
 
 def test_silent_peer_times_out_with_rank_peer_channel_phase():
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_silent_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        res = {}
-        for _ in range(2):
-            rank, status, payload = q.get(timeout=90)
-            assert status == "ok", payload
-            res[rank] = payload
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    res = _spawn(_silent_worker, 2, lambda r, port: (r, port), timeout=90)
     msg = res[0]
     for part in ("rank 0", "peer 1", "channel 3", "'dispatch'", "timeout"):
         assert part in msg, msg
@@ -239,23 +219,6 @@ def _bootstrap_fail_worker(rank, port, q):
 
 
 def test_a_rank_failing_at_bootstrap_fails_every_rank_without_hanging():
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_bootstrap_fail_worker, args=(r, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    try:
-        res = {}
-        for _ in range(2):
-            rank, status, payload = q.get(timeout=90)
-            assert status == "ok", payload
-            res[rank] = payload
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
+    res = _spawn(_bootstrap_fail_worker, 2, lambda r, port: (r, port), timeout=90)
     assert "no-such-provider" in res[1]
     assert "bootstrap failed on rank 1" in res[0] and "no-such-provider" in res[0]
