@@ -34,6 +34,7 @@ def _layer_parity(rank: int, world: int, device: str, overrides: dict) -> int:
     (2, {}),
     (4, {}),
     (2, {"moe_expert_capacity_factor": 0.5}),  # token dropping: dropped slots are -1
+    (2, {"moe_shared_expert_overlap": True}),  # shared expert driven by the dispatcher's hooks
     (2, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
          "moe_router_load_balancing_type": "seq_aux_loss", "moe_shared_expert_intermediate_size": None}),
 ])
