@@ -96,7 +96,7 @@ def _check_ht(rank: int, world: int, device: str) -> int:
     return checks
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_dispatch_combine_match_oracle(world):
     checks = run_ranks(_check_ht, world)
     assert all(c == len(SHAPES) * 2 * 5 for c in checks)

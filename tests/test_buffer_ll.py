@@ -91,7 +91,7 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
     return checks
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_low_latency_matches_oracle(world):
     assert run_ranks(_check_ll, world, 9, 512, 8, 3) == [16] * world
 
