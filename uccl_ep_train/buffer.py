@@ -92,7 +92,7 @@ class Buffer:
         if group is None:
             raise ValueError("Buffer: group must be a torch.distributed process group")
         for name, v in (("num_nvl_bytes", num_nvl_bytes), ("num_rdma_bytes", num_rdma_bytes)):
-            V.check_non_negative_int(int(v) if isinstance(v, float) and v == int(v) else v, name)
+            V.check_non_negative_int(v, name)
         V.check_non_negative_int(num_qps_per_rank, "num_qps_per_rank", 1)
         if allow_mnnvl:
             raise NotImplementedError("Buffer: allow_mnnvl=True (multi-node NVLink) is not supported")
