@@ -84,6 +84,12 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         ll.low_latency_dispatch(x, idx, 4, e)
     with pytest.raises(ValueError, match="use_ue8m0"):
         ll.low_latency_dispatch(x, idx, 16, e, use_fp8=True, use_ue8m0=True)
+    ll_ok = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(16, h, 2, e), low_latency_mode=True)
+    _, _, ll_handle, _, _ = ll_ok.low_latency_dispatch(x, idx, 16, e, use_fp8=False)
+    with pytest.raises(ValueError, match="topk_weights: required"):
+        ll_ok.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16), idx, None, ll_handle)
+    with pytest.raises(ValueError, match="made by another Buffer"):
+        ll.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16), idx, w, ll_handle)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
         ll.low_latency_dispatch(x, idx, 16, e, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64))
 

@@ -516,6 +516,8 @@ class Buffer:
         V.check_tensor(x, "x", (torch.bfloat16,), 3)
         if tuple(x.shape) != shape:
             raise ValueError(f"x: expected {list(shape)}, got {list(x.shape)}")
+        if topk_weights is None:
+            raise ValueError("topk_weights: required, low-latency combine reduces with the top-k weights")
         V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1)
         V.check_expert_range(topk_idx, handle.num_experts)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
