@@ -8,7 +8,6 @@ completions reordered and delayed (many seeds), all of that still holds. A silen
 error that names rank, peer, channel and phase. Proxies are torn down and rebuilt between rounds.
 """
 import os
-import queue
 import threading
 import traceback
 
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 
 from uccl_ep_train import proxy as P
-from uccl_ep_train.localhost import free_loopback_port
+from uccl_ep_train.localhost import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
                                 reason="native module with the fabric transport not built")
@@ -116,34 +115,8 @@ def _worker(rank, world, port, provider, faults, threads, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def _spawn(target, world, make_args, timeout=150):
-    """Start `world` processes running target(*make_args(rank, port), q); return {rank: payload}."""
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_loopback_port()
-    procs = [ctx.Process(target=target, args=(*make_args(r, port), q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world):
-            rank, status, payload = q.get(timeout=timeout)
-            if status != "ok":
-                pytest.fail(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    except queue.Empty:
-        pytest.fail(f"ranks timed out after {timeout} s (got {sorted(out)})")
-    finally:
-        for p in procs:
-            p.join(10)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 def _run(world, provider, faults, threads=2, timeout=150):
-    return _spawn(_worker, world, lambda r, port: (r, world, port, provider, faults, threads), timeout)
+    return spawn_ranks(_worker, world, lambda r, port: (r, world, port, provider, faults, threads), timeout)
 
 
 def test_tcp_two_ranks_every_byte_once():
@@ -194,7 +167,7 @@ def _silent_worker(rank, port, q):
 
 
 def test_silent_peer_times_out_with_rank_peer_channel_phase():
-    res = _spawn(_silent_worker, 2, lambda r, port: (r, port), timeout=90)
+    res = spawn_ranks(_silent_worker, 2, lambda r, port: (r, port), timeout=90)
     msg = res[0]
     for part in ("rank 0", "peer 1", "channel 3", "'dispatch'", "timeout"):
         assert part in msg, msg
@@ -219,6 +192,6 @@ def _bootstrap_fail_worker(rank, port, q):
 
 
 def test_a_rank_failing_at_bootstrap_fails_every_rank_without_hanging():
-    res = _spawn(_bootstrap_fail_worker, 2, lambda r, port: (r, port), timeout=90)
+    res = spawn_ranks(_bootstrap_fail_worker, 2, lambda r, port: (r, port), timeout=90)
     assert "no-such-provider" in res[1]
     assert "bootstrap failed on rank 1" in res[0] and "no-such-provider" in res[0]

@@ -14,3 +14,34 @@ def free_loopback_port() -> int:
 def loopback_init_method() -> str:
     """A torch.distributed init_method on 127.0.0.1 with a free port."""
     return f"tcp://127.0.0.1:{free_loopback_port()}"
+
+
+def spawn_ranks(target, world: int, make_args, timeout: float) -> dict:
+    """Run `world` spawned processes of target(*make_args(rank, port), q) on one loopback port. Each puts
+    (rank, "ok", payload) or (rank, "error", traceback) on q; returns {rank: payload}, or raises naming the
+    failed rank (RuntimeError) or the ranks still missing after `timeout` seconds (TimeoutError)."""
+    import multiprocessing as mp
+    import queue
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_loopback_port()
+    procs = [ctx.Process(target=target, args=(*make_args(r, port), q)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict = {}
+    try:
+        for _ in range(world):
+            try:
+                rank, status, payload = q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError(f"ranks timed out after {timeout} s (finished: {sorted(out)})") from None
+            if status != "ok":
+                raise RuntimeError(f"rank {rank} failed:\n{payload}")
+            out[rank] = payload
+    finally:
+        for p in procs:
+            p.join(15)
+            if p.is_alive():
+                p.kill()
+    return out

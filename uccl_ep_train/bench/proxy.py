@@ -24,7 +24,7 @@ import traceback
 
 import numpy as np
 
-from ..localhost import free_loopback_port
+from ..localhost import spawn_ranks
 
 
 def _parse(argv):
@@ -154,33 +154,10 @@ def _ipc_worker(rank, world, port, args, threads, q):
         q.put((rank, "error", traceback.format_exc()))
 
 
-def _spawn(target, world, extra, timeout=300):
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_loopback_port()
-    procs = [ctx.Process(target=target, args=(r, world, port) + extra + (q,)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out = {}
-    try:
-        for _ in range(world):
-            rank, status, payload = q.get(timeout=timeout)
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-    return out
-
-
 def _gpu_ipc(args):
     recs = []
     threads = max(args.threads)
-    out = _spawn(_ipc_worker, 2, (args, threads))
+    out = spawn_ranks(_ipc_worker, 2, lambda r, port: (r, 2, port, args, threads), timeout=300)
     for i, chunk in enumerate(args.chunk_bytes):
         rows = [out[r][i] for r in sorted(out)]
         for r in rows:
@@ -256,7 +233,7 @@ def _cpu_latency(args):
 
 def _cpu(args):
     threads = min(args.threads)
-    out = _spawn(_fabric_worker, 2, (args, threads))
+    out = spawn_ranks(_fabric_worker, 2, lambda r, port: (r, 2, port, args, threads), timeout=300)
     recs = []
     for i in range(len(out[0])):
         rows = [out[r][i] for r in sorted(out)]
