@@ -25,4 +25,5 @@ PYBIND11_MODULE(_native, m) {
   if (register_proxy_gpu) register_proxy_gpu(m);
   // GPU kernels (csrc/kernels/) register here when compiled in.
   if (register_intranode) register_intranode(m);
+  if (register_permute) register_permute(m);
 }

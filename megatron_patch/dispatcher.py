@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from uccl_ep_train import Buffer, Config
+from uccl_ep_train import Buffer, Config, permute
 from uccl_ep_train import autograd as ep_autograd
 
 from . import settings
@@ -92,7 +92,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.hidden_shape = None
         self.topk_idx = None
         self.handle = None
-        self.expert_rows = None
+        self.expert_map = None
         self.num_recv = 0
 
     # ---- dispatch --------------------------------------------------------------------------------------
@@ -129,24 +129,19 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """Expand received rows into expert-major order: (rows, tokens_per_expert, probs per row).
 
-        Advanced indexing, whose backward accumulates by sorting, measured faster on 2xH200 than a
-        sync-free sort + index_select (atomic bf16 index_add backward): 7.3-7.9 vs 8.4-8.9 ms per
-        DeepSeek-V3 round trip (benchmarks/results/megatron_round_trip_2xH200.json)."""
+        One pass over the received rows (uccl_ep_train.permute: a native kernel on GPUs, no sort, no
+        atomics, no extra host sync: the row counts came with the dispatch)."""
         self.num_recv = hidden_states.size(0)
-        rows, slots = torch.nonzero(self.recv_idx >= 0, as_tuple=True)
-        experts = self.recv_idx[rows, slots]
-        order = torch.sort(experts, stable=True).indices  # rows stay in (source rank, token) order
-        rows, slots = rows[order], slots[order]
-        self.expert_rows = rows
+        self.expert_map = permute.expert_major_map(self.recv_idx, self.tokens_per_expert_list)
+        num_rows = sum(self.tokens_per_expert_list)
         tokens_per_expert = torch.tensor(self.tokens_per_expert_list, dtype=torch.int64)
-        permuted_probs = probs[rows, slots].to(self.probs_dtype)
-        return hidden_states[rows], tokens_per_expert, permuted_probs
+        permuted_probs = permute.expand_probs(probs, self.expert_map, num_rows).to(self.probs_dtype)
+        return permute.expand_rows(hidden_states, self.expert_map, num_rows), tokens_per_expert, permuted_probs
 
     # ---- combine ---------------------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor):
         """Fold expert-major outputs back to one row per received token (sum over local experts)."""
-        out = hidden_states.new_zeros((self.num_recv, hidden_states.size(1)))
-        return out.index_add(0, self.expert_rows, hidden_states)
+        return permute.reduce_rows(hidden_states, self.expert_map, self.num_recv)
 
     def token_combine(self, hidden_states: torch.Tensor):
         if self.shared_experts is not None:
@@ -156,7 +151,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()
         self.handle = None
-        self.expert_rows = None
+        self.expert_map = None
         return out
 
     def combine_postprocess(self, hidden_states: torch.Tensor):

@@ -157,14 +157,14 @@ def _check_all(rank, world, device):
             _same(None if ncx[1] is None else ncx[1][:num_recv], None if rcx[1] is None else rcx[1][:num_recv],
                   f"{tag}: cached recv_x_scales")
 
-            # combine: the same expert outputs on both (rows beyond num_recv are padding and ignored)
+            # combine: the same expert outputs on both (each handle counts its own padding rows; they are ignored)
             g = torch.Generator().manual_seed(77 + ci)
             rows = torch.randn((nh.num_recv_tokens, hidden), generator=g).to(torch.bfloat16).cuda()
             bias = (torch.randn((n, hidden), generator=g).to(torch.bfloat16).cuda(),
                     torch.randn((n, hidden), generator=g).to(torch.bfloat16).cuda())
             for use_bias in (False, True):
                 b = bias if use_bias else None
-                ry, rwy, _ = ref.combine(rows[:num_recv], rh, topk_weights=r_[5][:num_recv], bias=b, config=cfg)
+                ry, rwy, _ = ref.combine(rows[:rh.num_recv_tokens], rh, topk_weights=r_[5], bias=b, config=cfg)
                 ny, nwy, _ = nat.combine(rows, nh, topk_weights=n_[5], bias=b, config=cfg)
                 torch.testing.assert_close(ny.float(), ry.float(), rtol=1e-2, atol=1e-2, msg=f"{tag}: combine")
                 torch.testing.assert_close(nwy, rwy, rtol=1e-5, atol=1e-5, msg=f"{tag}: combine weights")

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
+    p.add_argument("--profile", action="store_true",
+                   help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
     return p
 
 
@@ -64,6 +66,22 @@ def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: tor
     out = disp.combine_postprocess(y)
     out.backward(grad)
     return out
+
+
+def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool) -> None:
+    """Three round trips under torch.profiler; rank 0 prints the top operators by device (or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        for _ in range(3):
+            round_trip(disp, x.clone().requires_grad_(True), routing_map, probs_full.clone().requires_grad_(True), grad)
+        if cuda:
+            torch.cuda.synchronize()
+    if rank == 0:
+        key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        print(f"[megatron] profile of {kind} (3 round trips, rank 0):", flush=True)
+        print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
 
 
 def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
@@ -110,6 +128,8 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+        if args.profile:
+            _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda)
         mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)
         rec = {"bench": "megatron", "op": "round_trip_fwd_bwd", "dispatcher": kind, "ranks": world,

@@ -1,0 +1,40 @@
+// pybind11 face of the expert-major permutation kernels: `_native.expand_rows` / `_native.reduce_rows`.
+// Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream), as for the intranode path.
+#include <pybind11/pybind11.h>
+
+#include "bindings.h"
+
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "kernels/permute_api.h"
+#endif
+
+namespace py = pybind11;
+
+void register_permute(py::module_& m) {
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  using namespace uccl_ep::permute;
+  m.def(
+      "expand_rows",
+      [](uintptr_t x, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t row_bytes,
+         uintptr_t stream) {
+        launch_expand_rows(reinterpret_cast<const void*>(x), reinterpret_cast<const int*>(dst),
+                           reinterpret_cast<void*>(out), num_rows, num_topk, row_bytes,
+                           reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("x"), py::arg("dst"), py::arg("out"), py::arg("num_rows"), py::arg("num_topk"), py::arg("row_bytes"),
+      py::arg("stream"), "out[dst[i, j]] = x[i] for every valid (>= 0) int32 destination");
+  m.def(
+      "reduce_rows",
+      [](uintptr_t y, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t hidden, int dtype,
+         uintptr_t stream) {
+        launch_reduce_rows(reinterpret_cast<const void*>(y), reinterpret_cast<const int*>(dst),
+                           reinterpret_cast<void*>(out), num_rows, num_topk, hidden, dtype,
+                           reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("y"), py::arg("dst"), py::arg("out"), py::arg("num_rows"), py::arg("num_topk"), py::arg("hidden"),
+      py::arg("dtype"), py::arg("stream"),
+      "out[i] = sum_j y[dst[i, j]] (float32 accumulation; dtype bf16=0, fp16=1, fp32=2)");
+#else
+  (void)m;
+#endif
+}

@@ -1,0 +1,173 @@
+// Expert-major expand / reduce kernels (see permute_api.h). One block per row (grid-stride): the block
+// reads its row's destination list once, then every thread moves 16-byte vectors of the row, so both
+// kernels run at HBM bandwidth and are deterministic (no atomics, fixed summation order).
+#include "common/check.h"
+#include "kernels/device_utils.cuh"
+#include "kernels/permute_api.h"
+
+#if defined(UCCL_EP_WITH_HIP)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
+namespace uccl_ep::permute {
+
+constexpr int kThreads = 256;
+constexpr int kMaxTopk = 64;
+constexpr int kMaxBlocks = 4096;
+
+using intranode::bf16_to_float;
+using intranode::float_to_bf16;
+using intranode::ld_nc_v4;
+
+// Loads this row's destinations into shared memory, compacted (valid ones only); returns their count.
+__device__ __forceinline__ int load_dsts(const int* dst, int64_t row, int num_topk, int* s_dst, int* s_n) {
+  if (threadIdx.x == 0) {
+    int n = 0;
+    for (int j = 0; j < num_topk; ++j) {
+      const int d = dst[row * num_topk + j];
+      if (d >= 0) s_dst[n++] = d;
+    }
+    *s_n = n;
+  }
+  __syncthreads();
+  return *s_n;
+}
+
+template <typename V>
+__global__ void __launch_bounds__(kThreads) expand_rows_kernel(const V* x, const int* dst, V* out, int64_t num_rows,
+                                                               int num_topk, int64_t row_vecs) {
+  __shared__ int s_dst[kMaxTopk];
+  __shared__ int s_n;
+  for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
+    const int n = load_dsts(dst, row, num_topk, s_dst, &s_n);
+    const V* src = x + row * row_vecs;
+    for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
+      V val;
+      if constexpr (sizeof(V) == 16)
+        val = ld_nc_v4(src + v);
+      else
+        val = src[v];
+      for (int j = 0; j < n; ++j) out[(int64_t)s_dst[j] * row_vecs + v] = val;
+    }
+    __syncthreads();  // s_dst is rewritten for the next row
+  }
+}
+
+struct Bf16 {
+  static constexpr int kSize = 2;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(f);
+  }
+};
+struct Fp16 {
+  static constexpr int kSize = 2;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
+    static_cast<__half*>(p)[i] = __float2half_rn(f);
+  }
+};
+struct Fp32 {
+  static constexpr int kSize = 4;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) { static_cast<float*>(p)[i] = f; }
+};
+
+// kVec: true when rows are 16-byte aligned: each thread then sums 16-byte vectors (16 / size elements).
+template <typename T, bool kVec>
+__global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const char* y, const int* dst, char* out,
+                                                               int64_t num_rows, int num_topk, int64_t hidden) {
+  constexpr int kPer = kVec ? 16 / T::kSize : 1;
+  __shared__ int s_dst[kMaxTopk];
+  __shared__ int s_n;
+  const int64_t row_bytes = hidden * T::kSize;
+  const int64_t units = hidden / kPer;
+  for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
+    const int n = load_dsts(dst, row, num_topk, s_dst, &s_n);
+    char* o = out + row * row_bytes;
+    for (int64_t u = threadIdx.x; u < units; u += kThreads) {
+      float acc[kPer];
+#pragma unroll
+      for (int e = 0; e < kPer; ++e) acc[e] = 0.f;
+      for (int j = 0; j < n; ++j) {
+        const char* s = y + (int64_t)s_dst[j] * row_bytes + u * kPer * T::kSize;
+        if constexpr (kVec) {
+          const int4 v = ld_nc_v4(reinterpret_cast<const int4*>(s));
+#pragma unroll
+          for (int e = 0; e < kPer; ++e) acc[e] += T::load(&v, e);
+        } else {
+          acc[0] += T::load(s, 0);
+        }
+      }
+      if constexpr (kVec) {
+        int4 r;
+#pragma unroll
+        for (int e = 0; e < kPer; ++e) T::store(&r, e, acc[e]);
+        *reinterpret_cast<int4*>(o + u * 16) = r;
+      } else {
+        T::store(o, u, acc[0]);
+      }
+    }
+    __syncthreads();
+  }
+}
+
+static int grid_for(int64_t num_rows) {
+  return (int)(num_rows < kMaxBlocks ? num_rows : kMaxBlocks);
+}
+
+static bool aligned16(const void* a, const void* b, int64_t bytes) {
+  return ((reinterpret_cast<uintptr_t>(a) | reinterpret_cast<uintptr_t>(b) | (uintptr_t)bytes) & 15u) == 0;
+}
+
+void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t row_bytes,
+                        gpuStream_t stream) {
+  UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
+  UCCL_CHECK(row_bytes >= 0, "row_bytes " << row_bytes);
+  if (num_rows == 0 || row_bytes == 0) return;
+  const int grid = grid_for(num_rows);
+  if (aligned16(x, out, row_bytes)) {
+    expand_rows_kernel<int4><<<grid, kThreads, 0, stream>>>(static_cast<const int4*>(x), dst, static_cast<int4*>(out),
+                                                            num_rows, num_topk, row_bytes / 16);
+  } else if (((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) | (uintptr_t)row_bytes) & 3u) == 0) {
+    expand_rows_kernel<int><<<grid, kThreads, 0, stream>>>(static_cast<const int*>(x), dst, static_cast<int*>(out),
+                                                           num_rows, num_topk, row_bytes / 4);
+  } else {
+    expand_rows_kernel<char><<<grid, kThreads, 0, stream>>>(static_cast<const char*>(x), dst, static_cast<char*>(out),
+                                                            num_rows, num_topk, row_bytes);
+  }
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+template <typename T>
+static void reduce_as(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
+                      gpuStream_t stream) {
+  const int grid = grid_for(num_rows);
+  const char* yc = static_cast<const char*>(y);
+  char* oc = static_cast<char*>(out);
+  if (aligned16(y, out, hidden * T::kSize))
+    reduce_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden);
+  else
+    reduce_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden);
+}
+
+void launch_reduce_rows(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
+                        int dtype, gpuStream_t stream) {
+  UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
+  if (num_rows == 0 || hidden == 0) return;
+  switch (dtype) {
+    case kBf16: reduce_as<Bf16>(y, dst, out, num_rows, num_topk, hidden, stream); break;
+    case kFp16: reduce_as<Fp16>(y, dst, out, num_rows, num_topk, hidden, stream); break;
+    case kFp32: reduce_as<Fp32>(y, dst, out, num_rows, num_topk, hidden, stream); break;
+    default: UCCL_THROW("reduce_rows: unsupported dtype code " << dtype << " (bf16=0, fp16=1, fp32=2)");
+  }
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+}  // namespace uccl_ep::permute

@@ -1,0 +1,26 @@
+// Expert-major permutation on the receiving rank (host-side launchers; kernels in permute.cu).
+//
+// A dispatch delivers each token once per destination rank; the rank's experts want their rows grouped
+// by expert. `dst[i * num_topk + j]` (int32) is the expert-major row of received row i's j-th top-k slot,
+// or -1 when that slot names another rank's expert (or none). With it:
+//   expand_rows   out[dst[i, j]] = x[i]             (dispatch side; read each row once, write it k' times)
+//   reduce_rows   out[i] = sum_j y[dst[i, j]]       (combine side; float32 sum in slot order, no atomics)
+// Each is the other's backward, so neither forward nor backward needs atomics or a sort.
+#pragma once
+
+#include <cstdint>
+
+#include "common/portability.h"
+
+namespace uccl_ep::permute {
+
+enum Dtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
+
+// Copies row i of `x` (row_bytes each) to every valid destination row of `out`.
+void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_rows, int num_topk,
+                        int64_t row_bytes, gpuStream_t stream);
+// Sums, per row i, the rows of `y` named by dst[i, :] (zeros when none) into out[i]; float32 accumulation.
+void launch_reduce_rows(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
+                        int dtype, gpuStream_t stream);
+
+}  // namespace uccl_ep::permute

@@ -1,0 +1,145 @@
+"""Expert-major permutation of received tokens, and its inverse, for the experts of one rank.
+
+A dispatch delivers each token once per destination rank, in (source rank, token) order, with its top-k
+expert ids (local ids; -1 for other ranks' experts). Megatron's experts want one row per (token, local
+expert), grouped by expert, and within an expert by source rank then token — the order the alltoall
+dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major row; then
+
+    expand_rows(x, dst, m)   -> [m, H]  out[dst[i, j]] = x[i]           (backward: reduce_rows)
+    reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
+    expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
+
+On CUDA/HIP tensors expand/reduce are single native kernels (one read of each source row, float32 sums in
+slot order, no atomics, no sort, no host sync); elsewhere the same maps drive torch index ops. Both give
+the same values, so CPU tests check the semantics the GPU kernels implement.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+
+
+def _native():
+    """The native module when it carries the permutation kernels, else None."""
+    try:
+        from . import _native as m  # noqa: PLC0415 (optional extension)
+    except ImportError:
+        return None
+    return m if hasattr(m, "expand_rows") else None
+
+
+def _use_native(t: torch.Tensor) -> bool:
+    return t.is_cuda and _native() is not None
+
+
+def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor) -> torch.Tensor:
+    """int32 [n, k]: the expert-major row of each (received row, top-k slot), -1 for slots of no local expert.
+
+    `topk_idx` holds local expert ids (>= num_local_experts or < 0 mean "not here"); `tokens_per_expert`
+    the number of rows per local expert (as the dispatch returns it). Rows of one expert keep their order."""
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
+    counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(topk_idx.device, non_blocking=True)
+    num_experts = counts.numel()
+    valid = (topk_idx >= 0) & (topk_idx < num_experts)
+    key = torch.where(valid, topk_idx, num_experts)  # the spare column num_experts collects non-local slots
+    onehot = torch.zeros((topk_idx.size(0), num_experts + 1), dtype=torch.int32, device=topk_idx.device)
+    onehot.scatter_(1, key, 1)
+    rank_in_expert = onehot.cumsum(0, dtype=torch.int32).gather(1, key) - 1
+    start = torch.cumsum(counts, 0) - counts
+    base = torch.cat([start, start.new_zeros(1)])[key]
+    return torch.where(valid, base + rank_in_expert, -1).to(torch.int32).contiguous()
+
+
+def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+    out = x.new_empty((num_out,) + tuple(x.shape[1:]))
+    if _use_native(x):
+        x = x.contiguous()
+        _native().expand_rows(x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
+                              x[0].numel() * x.element_size() if x.size(0) else 0,
+                              torch.cuda.current_stream(x.device).cuda_stream)
+        return out
+    flat = dst.reshape(-1).long()
+    keep = flat >= 0
+    rows = torch.arange(x.size(0), device=x.device).repeat_interleave(dst.size(1))
+    out[flat[keep]] = x[rows[keep]]
+    return out
+
+
+def _reduce(y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+    if _use_native(y) and y.dtype in _DTYPES:
+        y = y.contiguous()
+        out = y.new_empty((num_rows,) + tuple(y.shape[1:]))
+        _native().reduce_rows(y.data_ptr(), dst.data_ptr(), out.data_ptr(), num_rows, dst.size(1),
+                              y[0].numel() if y.size(0) else 0, _DTYPES[y.dtype],
+                              torch.cuda.current_stream(y.device).cuda_stream)
+        return out
+    acc = torch.promote_types(y.dtype, torch.float32) if y.is_floating_point() else y.dtype
+    out = torch.zeros((num_rows,) + tuple(y.shape[1:]), dtype=acc, device=y.device)
+    for j in range(dst.size(1)):  # slot by slot: the kernel's summation order
+        col = dst[:, j].long()
+        keep = col >= 0
+        out[keep] += y[col[keep]].to(out.dtype)
+    return out.to(y.dtype)
+
+
+class _ExpandRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        ctx.num_rows = x.size(0)
+        return _expand(x, dst, num_out)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return _reduce(grad.contiguous(), dst, ctx.num_rows), None, None
+
+
+class _ReduceRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
+        ctx.save_for_backward(dst)
+        ctx.num_in = y.size(0)
+        return _reduce(y, dst, num_rows)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (dst,) = ctx.saved_tensors
+        return _expand(grad.contiguous(), dst, ctx.num_in), None, None
+
+
+def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+    """[n, ...] -> [num_out, ...]: row i copied to every expert-major row dst[i, :] names (autograd-aware)."""
+    _check(x, dst, "x")
+    return _ExpandRows.apply(x, dst, int(num_out))
+
+
+def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
+    """[m, ...] -> [n, ...]: row i is the sum of the expert-major rows dst[i, :] names (autograd-aware)."""
+    n = dst.size(0) if num_rows is None else int(num_rows)
+    if n != dst.size(0):
+        raise ValueError(f"num_rows: {n} != dst rows {dst.size(0)}")
+    if y.dim() < 1 or y.device != dst.device:
+        raise ValueError(f"y: expected [rows, ...] on {dst.device}, got shape {tuple(y.shape)} on {y.device}")
+    return _ReduceRows.apply(y, dst, n)
+
+
+def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+    """[n, k] -> [num_out]: the top-k weight of each expert-major row (autograd-aware; a scatter)."""
+    if weights.shape != dst.shape:
+        raise ValueError(f"weights: shape {tuple(weights.shape)} != dst shape {tuple(dst.shape)}")
+    index = torch.where(dst >= 0, dst, num_out).reshape(-1).long()  # slot num_out collects the rest
+    out = weights.new_zeros(num_out + 1)
+    return out.scatter(0, index, weights.reshape(-1))[:num_out]
+
+
+def _check(x: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+    if dst.dtype != torch.int32 or dst.dim() != 2 or not dst.is_contiguous():
+        raise ValueError(f"dst: expected a contiguous int32 [rows, k] map, got {dst.dtype} {tuple(dst.shape)}")
+    if x.dim() < 1 or x.size(0) != dst.size(0) or x.device != dst.device:
+        raise ValueError(f"{name}: expected {dst.size(0)} rows on {dst.device}, got shape {tuple(x.shape)} "
+                         f"on {x.device}")
