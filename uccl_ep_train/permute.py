@@ -9,7 +9,7 @@ dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major
     reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
     expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
 
-On CUDA/HIP tensors expand/reduce are single native kernels (one read of each source row, float32 sums in
+On CUDA/HIP tensors the map, expand and reduce are single native kernels (one read of each source row, float32 sums in
 slot order, no atomics, no sort, no host sync); elsewhere the same maps drive torch index ops. Both give
 the same values, so CPU tests check the semantics the GPU kernels implement.
 """
@@ -42,6 +42,15 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
     the number of rows per local expert (as the dispatch returns it). Rows of one expert keep their order."""
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
+    if _use_native(topk_idx):
+        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(topk_idx.device, non_blocking=True)
+        idx = topk_idx.to(torch.int64).contiguous()
+        dst = torch.full(idx.shape, -1, dtype=torch.int32, device=idx.device)
+        if idx.numel() == 0:
+            return dst
+        _native().expert_major_map(idx.data_ptr(), idx.size(0), idx.size(1), counts.numel(), counts.data_ptr(),
+                                   dst.data_ptr(), torch.cuda.current_stream(idx.device).cuda_stream)
+        return dst
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(topk_idx.device, non_blocking=True)
     num_experts = counts.numel()
     valid = (topk_idx >= 0) & (topk_idx < num_experts)

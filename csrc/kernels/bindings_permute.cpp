@@ -1,4 +1,4 @@
-// pybind11 face of the expert-major permutation kernels: `_native.expand_rows` / `_native.reduce_rows`.
+// pybind11 face of the expert-major permutation kernels: `_native.expert_major_map`, `expand_rows`, `reduce_rows`.
 // Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream), as for the intranode path.
 #include <pybind11/pybind11.h>
 
@@ -13,6 +13,17 @@ namespace py = pybind11;
 void register_permute(py::module_& m) {
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   using namespace uccl_ep::permute;
+  m.def(
+      "expert_major_map",
+      [](uintptr_t topk_idx, int64_t num_rows, int num_topk, int num_experts, uintptr_t counts, uintptr_t dst,
+         uintptr_t stream) {
+        launch_expert_major_map(reinterpret_cast<const int64_t*>(topk_idx), num_rows, num_topk, num_experts,
+                                reinterpret_cast<const int*>(counts), reinterpret_cast<int*>(dst),
+                                reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("topk_idx"), py::arg("num_rows"), py::arg("num_topk"), py::arg("num_experts"), py::arg("counts"),
+      py::arg("dst"), py::arg("stream"),
+      "dst[i, j]: expert-major row of row i's slot j (int64 local expert ids, int32 counts; dst pre-filled -1)");
   m.def(
       "expand_rows",
       [](uintptr_t x, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t row_bytes,

@@ -118,6 +118,63 @@ __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const char* y, co
   }
 }
 
+constexpr int kMapThreads = 1024;
+
+// One block per local expert: the block walks the rows in order, and each row that selected the expert
+// takes the next position (warp ballots + a block-wide prefix over warp totals), offset by the rows of
+// all earlier experts. Slots of other ranks' experts are left as the caller filled them (-1).
+__global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int64_t* topk_idx, int64_t num_rows,
+                                                                       int num_topk, const int* counts, int* dst) {
+  constexpr int kWarps = kMapThreads / UCCL_WARP_SIZE;
+  __shared__ int s_warp[kWarps];
+  __shared__ int s_base;
+  const int e = blockIdx.x;
+  const int lane = threadIdx.x % UCCL_WARP_SIZE, warp = threadIdx.x / UCCL_WARP_SIZE;
+  if (threadIdx.x == 0) {
+    int start = 0;
+    for (int i = 0; i < e; ++i) start += counts[i];
+    s_base = start;
+  }
+  __syncthreads();
+  for (int64_t chunk = 0; chunk < num_rows; chunk += kMapThreads) {
+    const int64_t row = chunk + threadIdx.x;
+    int slot = -1;
+    if (row < num_rows)
+      for (int j = 0; j < num_topk; ++j)
+        if (topk_idx[row * num_topk + j] == e) slot = j;
+#if defined(UCCL_EP_WITH_HIP)
+    const uint64_t hits = __ballot(slot >= 0);
+    const int before = __popcll(hits & ((1ull << lane) - 1ull));
+    const int total = __popcll(hits);
+#else
+    const unsigned hits = __ballot_sync(0xffffffffu, slot >= 0);
+    const int before = __popc(hits & ((1u << lane) - 1u));
+    const int total = __popc(hits);
+#endif
+    if (lane == 0) s_warp[warp] = total;
+    __syncthreads();
+    int offset = s_base;
+    for (int w = 0; w < warp; ++w) offset += s_warp[w];
+    if (slot >= 0) dst[row * num_topk + slot] = offset + before;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      int sum = 0;
+      for (int w = 0; w < kWarps; ++w) sum += s_warp[w];
+      s_base += sum;
+    }
+    __syncthreads();
+  }
+}
+
+void launch_expert_major_map(const int64_t* topk_idx, int64_t num_rows, int num_topk, int num_experts,
+                             const int* counts, int* dst, gpuStream_t stream) {
+  UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
+  UCCL_CHECK(num_experts >= 0, "num_experts " << num_experts);
+  if (num_rows == 0 || num_experts == 0) return;
+  expert_major_map_kernel<<<num_experts, kMapThreads, 0, stream>>>(topk_idx, num_rows, num_topk, counts, dst);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
 static int grid_for(int64_t num_rows) {
   return (int)(num_rows < kMaxBlocks ? num_rows : kMaxBlocks);
 }

@@ -5,7 +5,8 @@ combine_preprocess -> token_combine -> combine_postprocess, forward + backward, 
 and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-ep-train deep-ep-path`)
 dispatchers, with the same routing. Default shape: DeepSeek-V3 layer (4096 tokens/rank, hidden 7168,
 256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
-max over ranks; JSON records with `--json PATH`.
+max over ranks, and the identity experts' own fwd+bwd time on the same rows (timed alone) so the
+dispatcher's share can be read off; JSON records with `--json PATH`.
 """
 from __future__ import annotations
 
@@ -56,16 +57,40 @@ def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world:
     return cls(local, list(range(rank * local, (rank + 1) * local)), config=cfg, pg_collection=pg)
 
 
-def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor):
+def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor) -> int:
+    """One forward + backward through `disp` with identity experts; returns the expert-major row count."""
     h, p = disp.dispatch_preprocess(hidden, routing_map, probs)
     h, p = disp.token_dispatch(h, p)
     h, _, p = disp.dispatch_postprocess(h, p)
-    y = h * p.unsqueeze(-1).to(h.dtype)  # identity experts
+    y = identity_experts(h, p)
     y = disp.combine_preprocess(y)
     y = disp.token_combine(y)
     out = disp.combine_postprocess(y)
     out.backward(grad)
-    return out
+    return h.size(0)
+
+
+def identity_experts(h: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    return h * p.unsqueeze(-1).to(h.dtype)
+
+
+def _time_experts(rows: int, hidden: int, dtype, device, warmup: int, iters: int) -> float:
+    """Seconds per fwd+bwd of the identity experts alone on `rows` expert-major rows (part of every
+    dispatcher's round trip, reported so the dispatcher's own share can be read off)."""
+    h = torch.randn(rows, hidden, device=device).to(dtype).requires_grad_(True)
+    p = torch.rand(rows, device=device, requires_grad=True)
+    g = torch.randn(rows, hidden, device=device).to(dtype)
+    times = []
+    for i in range(warmup + iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        identity_experts(h, p).backward(g)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    return sum(times) / len(times)
 
 
 def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool) -> None:
@@ -123,7 +148,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            round_trip(disp, hidden, routing_map, probs, grad)
+            rows = round_trip(disp, hidden, routing_map, probs, grad)
             if cuda:
                 torch.cuda.synchronize()
             if i >= args.warmup:
@@ -132,16 +157,21 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
             _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda)
         mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)
+        experts = torch.tensor(_time_experts(rows, H, dtype, device, args.warmup, args.iters), dtype=torch.float64,
+                               device=device)
+        dist.all_reduce(experts, op=dist.ReduceOp.MAX)
         rec = {"bench": "megatron", "op": "round_trip_fwd_bwd", "dispatcher": kind, "ranks": world,
                "us": mean.item() * 1e6, "ms": mean.item() * 1e3, "gbps": None,
                "device": torch.cuda.get_device_name(device) if cuda else "cpu", "sms": None,
-               "num_tokens": T, "hidden": H, "num_experts": E, "num_topk": K, "dtype": str(dtype)}
+               "num_tokens": T, "hidden": H, "num_experts": E, "num_topk": K, "dtype": str(dtype),
+               "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3}
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
         records.append(rec)
         if rank == 0:
             print(f"[megatron] {kind:<8} EP={world} tokens={T} hidden={H} experts={E} top-{K}: "
-                  f"{rec['ms']:.3f} ms per fwd+bwd round trip", flush=True)
+                  f"{rec['ms']:.3f} ms per fwd+bwd round trip (identity experts alone {rec['experts_ms']:.3f} ms, "
+                  f"the rest {rec['ms_without_experts']:.3f} ms)", flush=True)
     if rank == 0 and out_path:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
