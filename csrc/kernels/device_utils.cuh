@@ -132,6 +132,55 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 #endif
 }
 
+// 16-byte load of data another GPU may have written during this kernel (after an acquire of its flag):
+// the coherent global path, skipping L1 allocation (read once). Not `.nc`: the read-only path is only
+// defined for data that stays unchanged for the kernel's lifetime.
+__device__ __forceinline__ int4 ld_global_v4(const int4* p) {
+#if defined(UCCL_EP_WITH_HIP)
+  return *p;
+#else
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+#endif
+}
+
+// 16-byte asynchronous copy global -> shared (sm_80+: cp.async, L2 only, no registers held while it flies),
+// and the wait for all of this thread's copies. Elsewhere a plain copy (same result, synchronous).
+__device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const uint32_t s = (uint32_t)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+#else
+  *reinterpret_cast<int4*>(smem) = *reinterpret_cast<const int4*>(gmem);
+#endif
+}
+
+__device__ __forceinline__ void cp_async_wait_all() {
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Warp votes over all lanes (bit i of the ballot = lane i; 64 lanes on AMD).
+__device__ __forceinline__ uint64_t warp_ballot(bool pred) {
+#if defined(UCCL_EP_WITH_HIP)
+  return (uint64_t)__ballot(pred);
+#else
+  return (uint64_t)__ballot_sync(0xffffffffu, pred);
+#endif
+}
+
+__device__ __forceinline__ bool warp_any(bool pred) {
+#if defined(UCCL_EP_WITH_HIP)
+  return __any(pred) != 0;
+#else
+  return __any_sync(0xffffffffu, pred) != 0;
+#endif
+}
+
 __device__ __forceinline__ int warp_shfl(int v, int src) {
 #if defined(UCCL_EP_WITH_HIP)
   return __shfl(v, src);

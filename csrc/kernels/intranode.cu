@@ -8,6 +8,7 @@
 //   3. signal arrival to every peer, wait for the arrivals of every peer's blocks
 //   4. copy out (dispatch) / reduce (combine) from the own buffer, then signal "free" to every peer.
 // No queues, no atomics on data, deterministic order. Rows for the own rank skip the buffer entirely.
+#include <cstring>
 #include <type_traits>
 
 #include "common/check.h"
@@ -39,27 +40,35 @@ __device__ __forceinline__ int4 load_stream<int4>(const int4* p) {
 }
 
 // One warp copies a row of `nbytes` (a multiple of sizeof(V)) from `src` to each of `dsts[0..ndst)`:
-// the row is read once, stored ndst times.
-template <typename V>
+// the row is read once, stored ndst times. U vectors per lane in flight; full rounds carry no per-vector
+// predicates (a predicate per vector splits a round into two load waits once the 7 predicate registers
+// run out), and the tail goes 4 vectors at a time.
+template <typename V, int U = (sizeof(V) == 16 ? 8 : 4)>
 __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, char* const* dsts, int ndst,
                                               int lane) {
-  constexpr int U = sizeof(V) == 16 ? 8 : 4;  // vectors in flight per lane
   const int n = (int)(nbytes / (int64_t)sizeof(V));
   const V* s = reinterpret_cast<const V*>(src);
-  for (int base = lane; base < n; base += kWarpSize * U) {
+  int i = lane;
+  for (; i + (U - 1) * kWarpSize < n; i += kWarpSize * U) {
     V v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int i = base + u * kWarpSize;
-      if (i < n) v[u] = load_stream<V>(s + i);
-    }
+    for (int u = 0; u < U; ++u) v[u] = load_stream<V>(s + i + u * kWarpSize);
     for (int j = 0; j < ndst; ++j) {
       V* d = reinterpret_cast<V*>(dsts[j]);
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
-        const int i = base + u * kWarpSize;
-        if (i < n) d[i] = v[u];
-      }
+      for (int u = 0; u < U; ++u) d[i + u * kWarpSize] = v[u];
+    }
+  }
+  for (; i < n; i += kWarpSize * 4) {
+    V v[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      if (i + u * kWarpSize < n) v[u] = load_stream<V>(s + i + u * kWarpSize);
+    for (int j = 0; j < ndst; ++j) {
+      V* d = reinterpret_cast<V*>(dsts[j]);
+#pragma unroll
+      for (int u = 0; u < 4; ++u)
+        if (i + u * kWarpSize < n) d[i + u * kWarpSize] = v[u];
     }
   }
 }
@@ -385,8 +394,10 @@ struct alignas(sizeof(T) * N) ElemVec {
   T v[N];
 };
 
+// First version (UCCL_EP_COMBINE_KERNEL=0), kept to compare against: one token per warp, 4 vectors per
+// source per lane in flight, lane 0 gathers the sources and waits for the flags one by one.
 template <typename T, int kVec>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel_v0(CombineArgs a) {
   constexpr int kWarps = kCombineThreads / kWarpSize;
   constexpr int U = 4;  // vectors per lane per source in flight
   using Vec = ElemVec<T, kVec>;
@@ -576,6 +587,347 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       }
 }
 
+// Current version. Same protocol, order and sums as v0; what changed is how many bytes each warp keeps in
+// flight and how few round trips sit between them:
+//  - push: 12 vectors of 16 B per lane per round without per-vector predicates (a 7168-wide bf16 row is
+//    2 full rounds + a 4-vector tail), the row's top-k weights loaded before the row and stored after it.
+//  - reduce: lane r (< R) owns source rank r: it reads send_pos (prefetched one token ahead), waits for
+//    its own row flag, and publishes the row pointer; the rows are then summed with every source's loads
+//    of a round issued together (12-14 vectors per lane for 1-4 sources; more spills at 128 registers), from the global
+//    state space (explicit ld.global, no generic loads), biases loaded as two more sources (the sum order
+//    stays: sources in rank order, then bias_0, then bias_1).
+constexpr int kStageSlots = 24;  // 16-byte vectors per lane staged in shared memory by the kMode 2 reduce
+constexpr int kCombineStageBytes = kCombineThreads * kStageSlots * 16;  // 192 KiB
+
+template <typename T, int kVec>
+struct CombineRow {
+  using Vec = ElemVec<T, kVec>;
+
+  __device__ __forceinline__ static Vec load(const Vec* p) {
+    if constexpr (sizeof(Vec) == 16) {
+      const int4 v = ld_global_v4(reinterpret_cast<const int4*>(p));
+      Vec r;
+      memcpy(&r, &v, sizeof(r));
+      return r;
+    } else {
+      return *p;
+    }
+  }
+
+  // One round over vectors i0 + u*W (u < U) of NS sources: all loads first, then the sums in source order.
+  template <int NS, int U, bool kPred>
+  __device__ __forceinline__ static void step(const Vec* const (&src)[NS], Vec* out, int i0, int nv) {
+    Vec in[NS][U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kWarpSize;
+      if (!kPred || i < nv) {
+#pragma unroll
+        for (int q = 0; q < NS; ++q) in[q][u] = load(src[q] + i);
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = i0 + u * kWarpSize;
+      if (kPred && i >= nv) continue;
+      float acc[kVec];
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+#pragma unroll
+      for (int q = 0; q < NS; ++q)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] += in[q][u].v[e].to_float();
+      Vec o;
+#pragma unroll
+      for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[e]);
+      out[i] = o;
+    }
+  }
+
+  // A row with exactly NS inputs (pointers in shared memory): rounds of U vectors per lane, then a tail of
+  // UT at a time (NS * U vectors of 16 B per lane in flight: at most 64 registers of loads).
+  template <int NS, int U, int UT>
+  __device__ __forceinline__ static void fixed(const T* const* s_src, T* out_row, int nv, int lane) {
+    const Vec* src[NS];
+#pragma unroll
+    for (int q = 0; q < NS; ++q) src[q] = reinterpret_cast<const Vec*>(s_src[q]);
+    Vec* out = reinterpret_cast<Vec*>(out_row);
+    int i = lane;
+#pragma unroll 1
+    for (; i + (U - 1) * kWarpSize < nv; i += U * kWarpSize) step<NS, U, false>(src, out, i, nv);
+#pragma unroll 1
+    for (; i < nv; i += UT * kWarpSize) step<NS, UT, true>(src, out, i, nv);
+  }
+
+  // Any number (1..kStageSlots) of inputs through shared memory (16-byte vectors only): each lane copies
+  // kStageSlots / m vectors of every input into its own slots with cp.async (nothing held in registers
+  // while they fly), waits for its own copies, then sums its slots in input order. A lane only reads
+  // the slots it filled itself, so no barrier is needed.
+  __device__ __forceinline__ static void staged(const T* const* s_src, int m, T* out_row, int nv, int lane,
+                                                int4* stage) {
+    static_assert(sizeof(Vec) == 16, "staged reduce moves 16-byte vectors");
+    const int U = kStageSlots / m;
+    Vec* out = reinterpret_cast<Vec*>(out_row);
+    for (int i0 = 0; i0 < nv; i0 += U * kWarpSize) {
+      for (int j = 0; j < m; ++j) {
+        const int4* src = reinterpret_cast<const int4*>(s_src[j]);
+        for (int u = 0; u < U; ++u) {
+          const int i = i0 + u * kWarpSize + lane;
+          if (i < nv) cp_async_16(&stage[(j * U + u) * kWarpSize + lane], src + i);
+        }
+      }
+      cp_async_wait_all();
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kWarpSize + lane;
+        if (i >= nv) break;
+        float acc[kVec];
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
+        for (int j = 0; j < m; ++j) {
+          Vec v;
+          memcpy(&v, &stage[(j * U + u) * kWarpSize + lane], sizeof(v));
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) acc[e] += v.v[e].to_float();
+        }
+        Vec o;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[e]);
+        out[i] = o;
+      }
+    }
+  }
+
+  // Any number of inputs: groups of 4 sources, float accumulators carried between groups.
+  __device__ __forceinline__ static void generic(const T* const* s_src, int m, T* out_row, int nv, int lane) {
+    constexpr int U = 2;
+    Vec* out = reinterpret_cast<Vec*>(out_row);
+    for (int i0 = lane; i0 < nv; i0 += U * kWarpSize) {
+      float acc[U][kVec];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
+      for (int j = 0; j < m; j += 4) {
+        Vec in[4][U];
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (j + q < m)
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+              if (i0 + u * kWarpSize < nv) in[q][u] = load(reinterpret_cast<const Vec*>(s_src[j + q]) + i0 + u * kWarpSize);
+#pragma unroll
+        for (int q = 0; q < 4; ++q)
+          if (j + q < m)
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+              for (int e = 0; e < kVec; ++e) acc[u][e] += in[q][u].v[e].to_float();
+      }
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int i = i0 + u * kWarpSize;
+        if (i >= nv) continue;
+        Vec o;
+#pragma unroll
+        for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[u][e]);
+        out[i] = o;
+      }
+    }
+  }
+};
+
+// kMode 1: the reduce loads into registers (CombineRow::fixed / generic); kMode 2: through shared memory
+// with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only).
+template <typename T, int kVec, int kMode>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  constexpr int kWarps = kCombineThreads / kWarpSize;
+  using Row = CombineRow<T, kVec>;
+  extern __shared__ int4 s_stage[];  // kMode 2: kStageSlots vectors per lane, lane-interleaved per warp
+  using PushV = typename std::conditional<
+      kVec * sizeof(T) == 16, int4,
+      typename std::conditional<kVec * sizeof(T) == 4, int, typename std::conditional<kVec * sizeof(T) == 8, int2, short>::type>::type>::type;
+  constexpr int kPushU = sizeof(PushV) == 16 ? 12 : 4;
+  const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
+  const int K = a.num_topk, H = a.hidden;
+  const int push_warps = a.push_warps;
+  const int64_t row_bytes = (int64_t)H * sizeof(T);
+  const T* x = reinterpret_cast<const T*>(a.x);
+  char* my = a.peers.p[me];
+  uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
+  const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
+  const uint32_t seq = (uint32_t)(a.sig.base + 1);
+  __shared__ int s_P[kMaxRanks * kMaxRanks];
+  __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_sendbase[kMaxRanks], s_recvbase[kMaxRanks];
+  __shared__ int s_skip, s_next;
+  __shared__ const T* s_src[kWarps][kMaxRanks + 2];  // sources in rank order, then bias_0, bias_1
+  __shared__ const float* s_wsrc[kWarps][kMaxRanks];
+
+  if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
+  __syncthreads();
+  auto count = [&](int s, int r) { return s_P[s * R + r] - (s > 0 ? s_P[(s - 1) * R + r] : 0); };
+  if (tid < R) {
+    s_lo[tid] = tid > 0 ? s_P[(tid - 1) * R + me] : 0;
+    s_hi[tid] = s_P[tid * R + me];
+    int sb = 0, rb = 0;
+    for (int r = 0; r < me; ++r) sb += count(tid, r);  // my rows in rank tid's combine buffer start here
+    for (int r = 0; r < tid; ++r) rb += count(me, r);  // rows from rank tid in my combine buffer start here
+    s_sendbase[tid] = sb;
+    s_recvbase[tid] = rb;
+  }
+  if (tid == 0) {
+    int skip = 0;
+    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
+    for (int s = 0; s < R; ++s) {
+      int total = 0;
+      for (int r = 0; r < R; ++r) total += count(s, r);
+      if (total > cap) {
+        skip = 1;
+        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, s, kPhaseCombine, total, (int)cap);
+      }
+    }
+    s_skip = skip;
+    s_next = 0;
+  }
+  if (tid < R && tid != me)
+    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
+  __syncthreads();
+
+  if (!s_skip && w < push_warps) {
+    const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
+    for (int s = 0; s < R; ++s) {
+      if (s == me) continue;
+      char* pdata = a.peers.p[s] + kHeaderBytes;
+      uint32_t* pflags = reinterpret_cast<uint32_t*>(a.peers.p[s] + kFlagsOffset);
+      int batch = 0;
+      int64_t pend_first = 0;
+      for (int i = s_lo[s] + gw; i < s_hi[s]; i += nw) {
+        const int64_t slot = s_sendbase[s] + (i - s_lo[s]);
+        if (batch == 0) pend_first = slot;
+        float wv = 0.f;  // loaded before the row, stored after it: no extra round trip per row
+        const bool w_lane = a.with_weights && K <= kWarpSize && lane < K;
+        if (w_lane) wv = a.topk_w[(int64_t)i * K + lane];
+        char* dst = pdata + a.lay.off_x + slot * row_bytes;
+        warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
+        if (a.with_weights) {
+          float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + slot * K;
+          if (K <= kWarpSize) {
+            if (w_lane) dw[lane] = wv;
+          } else {
+            for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)i * K + k];
+          }
+        }
+        // Release every flag_batch rows (and after the last): rows reach the peer before their flags.
+        if (++batch == a.flag_batch || i + nw >= s_hi[s]) {
+          __threadfence_system();
+          warp_sync();
+          for (int j = lane; j < batch; j += kWarpSize) st_relaxed_sys_u32(pflags + pend_first + (int64_t)j * nw, seq);
+          batch = 0;
+        }
+      }
+    }
+  }
+
+  // Reduce: tokens b + k*B of this block, claimed by any free warp (one token ahead, so its send_pos
+  // loads overlap the current token); lane r waits for the flag of the row from rank r.
+  if (!s_skip) {
+    const char* data = my + kHeaderBytes;
+    const int nv = H / kVec;
+    const int N = a.num_tokens;
+    const int nbias = (a.bias0 != nullptr ? 1 : 0) + (a.bias1 != nullptr ? 1 : 0);
+    auto claim = [&]() {
+      int k = 0;
+      if (lane == 0) k = atomicAdd(&s_next, 1);
+      return (int64_t)blockIdx.x + (int64_t)warp_shfl(k, 0) * gridDim.x;
+    };
+    int64_t t = claim();
+    int pos = (lane < R && t < N) ? a.send_pos[t * R + lane] : -1;
+    while (t < N) {
+      const int64_t t_next = claim();
+      const int pos_next = (lane < R && t_next < N) ? a.send_pos[t_next * R + lane] : -1;
+      bool ok = true;
+      int64_t row = 0;
+      if (pos >= 0) {
+        if (lane == me) {
+          row = s_lo[me] + pos;
+        } else {
+          row = s_recvbase[lane] + pos;
+          ok = wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, lane, kPhaseCombine,
+                         (int)row);
+        }
+      }
+      if (warp_any(!ok)) break;  // each lane's acquire, then the vote (a warp barrier): every lane reads the rows
+      const uint64_t present = warp_ballot(pos >= 0);
+      const int n = __popcll(present);
+      if (pos >= 0) {
+        const int j = __popcll(present & ((1ull << lane) - 1ull));
+        if (lane == me) {
+          s_src[w][j] = x + row * H;
+          s_wsrc[w][j] = a.topk_w + row * K;
+        } else {
+          s_src[w][j] = reinterpret_cast<const T*>(data + a.lay.off_x) + row * H;
+          s_wsrc[w][j] = reinterpret_cast<const float*>(data + a.lay.off_topk_w) + row * K;
+        }
+      }
+      if (lane == 0) {
+        int m = n;
+        if (a.bias0 != nullptr) s_src[w][m++] = reinterpret_cast<const T*>(a.bias0) + t * H;
+        if (a.bias1 != nullptr) s_src[w][m++] = reinterpret_cast<const T*>(a.bias1) + t * H;
+      }
+      warp_sync();
+      // top-k weights: every source's value loaded at once, summed in source order
+      float wv[kMaxRanks];
+      const bool w_lane = a.with_weights && K <= kWarpSize && lane < K;
+      if (w_lane) {
+#pragma unroll
+        for (int j = 0; j < kMaxRanks; ++j)
+          if (j < n) wv[j] = s_wsrc[w][j][lane];
+      }
+      const int m = n + nbias;
+      T* out_row = reinterpret_cast<T*>(a.out) + t * H;
+      if constexpr (kMode == 2) {
+        if (m > 0) Row::staged(s_src[w], m, out_row, nv, lane, s_stage + (int64_t)w * kStageSlots * kWarpSize);
+      } else switch (m) {
+        case 0: break;
+        case 1: Row::template fixed<1, 12, 2>(s_src[w], out_row, nv, lane); break;
+        case 2: Row::template fixed<2, 7, 1>(s_src[w], out_row, nv, lane); break;
+        case 3: Row::template fixed<3, 4, 1>(s_src[w], out_row, nv, lane); break;
+        case 4: Row::template fixed<4, 3, 1>(s_src[w], out_row, nv, lane); break;
+        default: Row::generic(s_src[w], m, out_row, nv, lane); break;
+      }
+      if (m == 0)  // token sent nowhere (all experts masked) and no bias: zeros, as the reference
+        for (int i = lane; i < nv; i += kWarpSize) {
+          typename Row::Vec o;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(0.f);
+          reinterpret_cast<typename Row::Vec*>(out_row)[i] = o;
+        }
+      if (w_lane) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < kMaxRanks; ++j)
+          if (j < n) acc += wv[j];
+        a.out_w[t * K + lane] = acc;
+      }
+      if (a.with_weights && K > kWarpSize)
+        for (int kk = lane; kk < K; kk += kWarpSize) {
+          float acc = 0.f;
+          for (int j = 0; j < n; ++j) acc += s_wsrc[w][j][kk];
+          a.out_w[t * K + kk] = acc;
+        }
+      warp_sync();  // s_src / s_wsrc of this warp are rewritten for the next token
+      t = t_next;
+      pos = pos_next;
+    }
+  }
+  __syncthreads();
+  if (tid == 0)
+    for (int r = 0; r < R; ++r)
+      if (r != me) {
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
+        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+      }
+}
+
 // ------------------------------------------------------------------------------------------------ launch
 void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
   notify_kernel<<<1, kNotifyThreads, 0, stream>>>(a);
@@ -597,10 +949,31 @@ void launch_dispatch(const DispatchArgs& a, int num_blocks, gpuStream_t stream) 
 template <typename T>
 static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
-  if (a.hidden % kFull == 0)
-    combine_kernel<T, kFull><<<num_blocks, kCombineThreads, 0, stream>>>(a);
-  else
-    combine_kernel<T, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);
+  const bool full = a.hidden % kFull == 0;
+  if (a.variant == 0) {
+    if (full)
+      combine_kernel_v0<T, kFull><<<num_blocks, kCombineThreads, 0, stream>>>(a);
+    else
+      combine_kernel_v0<T, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);
+    return;
+  }
+  if (!full) {
+    combine_kernel<T, 1, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);
+    return;
+  }
+#if !defined(UCCL_EP_WITH_HIP)
+  if (a.variant == 2) {
+    static bool attr_set = false;  // per instantiation; the launch is on one host thread per Buffer
+    if (!attr_set) {
+      UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kCombineStageBytes));
+      attr_set = true;
+    }
+    combine_kernel<T, kFull, 2><<<num_blocks, kCombineThreads, kCombineStageBytes, stream>>>(a);
+    return;
+  }
+#endif
+  combine_kernel<T, kFull, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);  // HIP: variant 2 runs this too
 }
 
 void launch_combine(const CombineArgs& a, int num_blocks, gpuStream_t stream) {

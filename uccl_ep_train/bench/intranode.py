@@ -46,6 +46,8 @@ def _parse(argv):
                    help="comma-separated push-warp counts (of 16 per block) to sweep for the native kernels")
     p.add_argument("--flag-batch", default="",
                    help="comma-separated rows-per-fence values to sweep (UCCL_EP_FLAG_BATCH / _COMBINE_FLAG_BATCH)")
+    p.add_argument("--combine-kernel", default="",
+                   help="comma-separated combine kernel variants to sweep (UCCL_EP_COMBINE_KERNEL: 0, 1, 2)")
     p.add_argument("--no-api", action="store_true", help="kernel times only (faster sweeps)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="draw GB/s vs SMs into this PNG (needs matplotlib)")
@@ -125,18 +127,22 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     def rec(op, us, nbytes, sms, timing, knobs=None):
         records.append({"bench": "intranode", "op": op, "ranks": world, "rank": rank, "gbps": nbytes / us / 1e3,
                         "us": us, "bytes": nbytes, "device": name, "sms": sms, "backend": buf.backend_name,
-                        "timing": timing, "push_warps": 0, "flag_batch": 0, **(knobs or {}), **shape})
+                        "timing": timing, "push_warps": 0, "flag_batch": 0, "combine_kernel": -1, **(knobs or {}),
+                        **shape})
 
     _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
-    sweep = [(sms, pw, fb) for sms in [int(s) for s in args.sms.split(",") if s]
+    sweep = [(sms, pw, fb, ck) for sms in [int(s) for s in args.sms.split(",") if s]
              for pw in ([int(p) for p in args.push_warps.split(",") if p] or [0])
-             for fb in ([int(f) for f in args.flag_batch.split(",") if f] or [0])]
-    for sms, pw, fb in sweep:
+             for fb in ([int(f) for f in args.flag_batch.split(",") if f] or [0])
+             for ck in ([int(c) for c in args.combine_kernel.split(",") if c] or [-1])]
+    for sms, pw, fb, ck in sweep:
         if pw:
             os.environ["UCCL_EP_DISPATCH_PUSH_WARPS"] = os.environ["UCCL_EP_COMBINE_PUSH_WARPS"] = str(pw)
         if fb:
             os.environ["UCCL_EP_FLAG_BATCH"] = os.environ["UCCL_EP_COMBINE_FLAG_BATCH"] = str(fb)
-        knobs = {"push_warps": pw, "flag_batch": fb}
+        if ck >= 0:
+            os.environ["UCCL_EP_COMBINE_KERNEL"] = str(ck)
+        knobs = {"push_warps": pw, "flag_batch": fb, "combine_kernel": ck}
         cfg = Config(sms, 6, 256)
         d_bf16 = lambda: buf.dispatch(x, handle=handle, config=cfg)  # noqa: E731
         d_fp8 = lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)  # noqa: E731
@@ -189,7 +195,8 @@ def _summarise(records: list[dict]) -> list[dict]:
     """Mean over ranks per (op, sms, timing); also keeps the slowest rank's GB/s."""
     keys = {}
     for r in records:
-        keys.setdefault((r["op"], r["timing"], r["sms"], r.get("push_warps", 0), r.get("flag_batch", 0)), []).append(r)
+        keys.setdefault((r["op"], r["timing"], r["sms"], r.get("push_warps", 0), r.get("flag_batch", 0),
+                         r.get("combine_kernel", -1)), []).append(r)
     out = []
     for _, rs in sorted(keys.items()):
         base = {k: v for k, v in rs[0].items() if k not in ("rank", "gbps", "us", "bytes")}
@@ -200,10 +207,10 @@ def _summarise(records: list[dict]) -> list[dict]:
 
 
 def _print(summary: list[dict]) -> None:
-    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'push':>5}{'fb':>8}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
+    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'push':>5}{'fb':>8}{'ck':>4}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
     for r in summary:
         print(f"{r['op']:<22}{r['timing']:<8}{r['sms']:>5}{r.get('push_warps', 0):>5}{r.get('flag_batch', 0):>8}"
-              f"{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
+              f"{r.get('combine_kernel', -1):>4}{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
 
 
 def _plot(summary: list[dict], path: str) -> None:
