@@ -18,7 +18,7 @@ import torch
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from uccl_ep_train import Buffer, Config, permute
+from uccl_ep_train import Buffer, Config, permute, validation
 from uccl_ep_train import autograd as ep_autograd
 
 from . import settings
@@ -119,8 +119,9 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         buffer = get_buffer(self.ep_group, hidden_states.size(1) * hidden_states.element_size())
-        recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
-            buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts)
+        with validation.trusted_values():  # top-k ids come from dispatch_preprocess: no value-reading syncs
+            recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
+                buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts)
         self.buffer, self.handle, self.recv_idx, self.tokens_per_expert_list = buffer, handle, recv_idx, counts
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(recv_x)

@@ -5,7 +5,9 @@ collective it costs a hang of every rank.
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -17,10 +19,29 @@ FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e4m3fnuz)
 INDEX_DTYPES = (torch.int64, torch.int32)
 
 
+_trusted = threading.local()
+
+
+@contextlib.contextmanager
+def trusted_values():
+    """Within this block, GPU tensors' values are not read for checks (shapes, dtypes and devices still
+    are): for callers that built the routing themselves, e.g. the Megatron dispatcher, whose top-k ids come
+    from its own router. Each skipped check would otherwise be a host sync in the training step."""
+    old = getattr(_trusted, "on", False)
+    _trusted.on = True
+    try:
+        yield
+    finally:
+        _trusted.on = old
+
+
 def value_checks(t: torch.Tensor) -> bool:
     """Checks that read tensor values (expert id range, count consistency) sync a GPU with the host:
-    always on for CPU tensors, on for GPU tensors unless UCCL_EP_CHECK_VALUES=0 (for graph capture/speed)."""
-    return t.device.type == "cpu" or os.environ.get("UCCL_EP_CHECK_VALUES", "1") != "0"
+    always on for CPU tensors; on for GPU tensors unless UCCL_EP_CHECK_VALUES=0 (for graph capture/speed)
+    or inside `trusted_values()`."""
+    if t.device.type == "cpu":
+        return True
+    return os.environ.get("UCCL_EP_CHECK_VALUES", "1") != "0" and not getattr(_trusted, "on", False)
 
 
 def check_tensor(t: Any, arg: str, dtypes: Sequence[torch.dtype], ndim: int, contiguous: bool = True) -> torch.Tensor:
@@ -82,7 +103,7 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
 def check_expert_range(topk_idx: torch.Tensor, num_experts: int, idx_arg: str = "topk_idx") -> None:
     """Every id in [-1, num_experts): reads values, so it syncs a GPU (see value_checks)."""
     if topk_idx.numel() and value_checks(topk_idx):
-        lo, hi = int(topk_idx.min()), int(topk_idx.max())
+        lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one host sync for both
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"{idx_arg}: expert ids must be in [-1, {num_experts}), got range [{lo}, {hi}]")
 

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
+    p.add_argument("--trace", default=None, help="with --profile: write rank 0's Chrome trace to TRACE.<dispatcher>.json")
     return p
 
 
@@ -93,7 +94,8 @@ def _time_experts(rows: int, hidden: int, dtype, device, warmup: int, iters: int
     return sum(times) / len(times)
 
 
-def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool) -> None:
+def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool,
+             trace: Optional[str] = None) -> None:
     """Three round trips under torch.profiler; rank 0 prints the top operators by device (or CPU) time."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -107,6 +109,8 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"[megatron] profile of {kind} (3 round trips, rank 0):", flush=True)
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
+        if trace:
+            prof.export_chrome_trace(f"{trace}.{kind}.json")
 
 
 def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
@@ -154,7 +158,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
         if args.profile:
-            _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda)
+            _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda, args.trace)
         mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
         dist.all_reduce(mean, op=dist.ReduceOp.MAX)
         experts = torch.tensor(_time_experts(rows, H, dtype, device, args.warmup, args.iters), dtype=torch.float64,
