@@ -78,12 +78,42 @@ std::vector<int> cpus_near_gpu(int gpu) {
   return near.empty() ? all : near;
 }
 
+namespace {
+// Restricts the calling thread to `cpus` for its lifetime (best effort), then restores its affinity.
+class AffinityScope {
+ public:
+  explicit AffinityScope(const std::vector<int>& cpus) {
+    if (cpus.empty() || sched_getaffinity(0, sizeof(saved_), &saved_) != 0) return;
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    for (int c : cpus)
+      if (c >= 0 && c < CPU_SETSIZE) CPU_SET(c, &set);
+    active_ = sched_setaffinity(0, sizeof(set), &set) == 0;
+  }
+  ~AffinityScope() {
+    if (active_) sched_setaffinity(0, sizeof(saved_), &saved_);
+  }
+  AffinityScope(const AffinityScope&) = delete;
+  AffinityScope& operator=(const AffinityScope&) = delete;
+
+ private:
+  cpu_set_t saved_;
+  bool active_ = false;
+};
+}  // namespace
+
 // ------------------------------------------------------------------------------------------------
 ProxyThread::ProxyThread(Proxy* owner, int index)
     : p_(owner), index_(index), fault_(owner->fault(), uint64_t(owner->cfg_.rank) * 1000 + index) {
   const ProxyConfig& cfg = owner->cfg_;
-  ring_.reset(new RingBuffer(cfg.ring_capacity, cfg.gpu));
+  {
+    AffinityScope near_gpu(owner->near_cpus_);  // the ring's pages on the GPU's NUMA node (see Proxy::Proxy)
+    ring_.reset(new RingBuffer(cfg.ring_capacity, cfg.gpu));
+  }
   consumer_ = RingConsumer(ring_->host_desc());
+  echo_ = ring_->host_desc().echo;
+  flushed_ = ring_->host_desc().flushed;
+  credit_batch_ = std::max<uint32_t>(1, cfg.ring_capacity / 8);
   TransportOptions to;
   to.rank = cfg.rank;
   to.world = cfg.world;
@@ -159,7 +189,7 @@ void ProxyThread::run() {
       if (p_->cfg_.adaptive_sleep && idle > 2048 && inflight_total_ == 0 && !fault_.holding()) {
         std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
         sleep_us = std::min<uint32_t>(sleep_us * 2, 100);
-        idle_sleeps_.fetch_add(1, std::memory_order_relaxed);
+        bump(idle_sleeps_);
       } else {
         uccl_cpu_relax();
       }
@@ -188,7 +218,7 @@ void ProxyThread::reject(const Command& c, const std::string& why) {
 }
 
 // Returns false without consuming when the command must wait (in-flight limit, flush).
-bool ProxyThread::handle(const Command& c, bool* stall) {
+bool ProxyThread::handle(const Command& c, bool* stall, uint64_t pickup_ticks) {
   const ProxyConfig& cfg = p_->cfg_;
   *stall = false;
   if (c.op == 0 || c.op > OP_LAST) {
@@ -196,8 +226,10 @@ bool ProxyThread::handle(const Command& c, bool* stall) {
     return true;
   }
   if (c.op == OP_NOP) {
-    __atomic_store_n(ring_->host_desc().echo, (unsigned long long)c.length, __ATOMIC_RELEASE);
-    nops_.fetch_add(1, std::memory_order_relaxed);
+    // Pickup time first, then the cookie (release): a GPU that sees the cookie also sees its time.
+    __atomic_store_n(echo_ + 1, (unsigned long long)pickup_ticks, __ATOMIC_RELAXED);
+    __atomic_store_n(echo_, (unsigned long long)c.length, __ATOMIC_RELEASE);
+    bump(nops_);
     return true;
   }
   if (c.op == OP_FLUSH || c.op == OP_BARRIER) {
@@ -207,8 +239,9 @@ bool ProxyThread::handle(const Command& c, bool* stall) {
     }
   }
   if (c.op == OP_FLUSH) {
-    __atomic_fetch_add(ring_->host_desc().flushed, 1ull, __ATOMIC_RELEASE);
-    flushes_.fetch_add(1, std::memory_order_relaxed);
+    // Single writer (this thread): a release store, no locked read-modify-write.
+    __atomic_store_n(flushed_, __atomic_load_n(flushed_, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+    bump(flushes_);
     return true;
   }
   const int dst = c.dst_rank;
@@ -249,14 +282,14 @@ bool ProxyThread::handle(const Command& c, bool* stall) {
   const uint64_t wr = next_wr_++;
   if (is_write) {
     transport_->write(dst, c.region, c.local_off, c.remote_off, c.length, imm, wr);
-    writes_.fetch_add(1, std::memory_order_relaxed);
-    bytes_.fetch_add(c.length, std::memory_order_relaxed);
+    bump(writes_);
+    bump(bytes_, c.length);
   } else if (c.op == OP_ATOMIC_ADD) {
     transport_->atomic_add(dst, c.region, c.remote_off, int64_t(int32_t(c.length)), imm, wr);
-    atomics_.fetch_add(1, std::memory_order_relaxed);
+    bump(atomics_);
   } else {  // OP_BARRIER: everything earlier completed; flushed++, then a sequenced marker to dst
-    __atomic_fetch_add(ring_->host_desc().flushed, 1ull, __ATOMIC_RELEASE);
-    flushes_.fetch_add(1, std::memory_order_relaxed);
+    __atomic_store_n(flushed_, __atomic_load_n(flushed_, __ATOMIC_RELAXED) + 1, __ATOMIC_RELEASE);
+    bump(flushes_);
     transport_->atomic_add(dst, kNoRegion, 0, 0, imm, wr);
   }
   seq = (seq + 1) & kSeqMask;
@@ -284,10 +317,10 @@ void ProxyThread::on_completions(const Completion* in, int n) {
       inflight_bytes_[po.dst] -= po.bytes;
       --inflight_total_;
       posted_.erase(it);
-      local_.fetch_add(1, std::memory_order_relaxed);
+      bump(local_);
     } else {
       emu_->on_arrival(c);
-      arrivals_.fetch_add(1, std::memory_order_relaxed);
+      bump(arrivals_);
     }
   }
 }
@@ -303,7 +336,11 @@ void ProxyThread::check_timeouts() {
              << " phase 'completion' (" << inflight_total_ << " operations in flight, no completion; is the peer alive?)");
 }
 
+// One iteration of the pickup loop: no syscall, no locked instruction, no sleep. The ring's next header is
+// read with a plain acquire load (x86: an ordinary load that hits the cache until the GPU's write
+// invalidates the line); credits are returned with one release store per batch, not per command.
 bool ProxyThread::step() {
+  constexpr uint32_t kBatch = 32;
   bool work = false;
   Completion comps[64];
   int n = transport_->poll(comps, 64);
@@ -313,15 +350,20 @@ bool ProxyThread::step() {
     out_of_order_.store(emu_->out_of_order(), std::memory_order_relaxed);
     fault_held_.store(fault_.held_total(), std::memory_order_relaxed);
   }
-  Command cmds[32];
-  uint32_t got = consumer_.peek(cmds, 32);
+  Command cmds[kBatch];
+  const uint32_t got = consumer_.peek(cmds, kBatch);
   uint32_t used = 0;
-  for (; used < got; ++used) {
-    bool stall = false;
-    if (!handle(cmds[used], &stall)) break;
-    commands_.fetch_add(1, std::memory_order_relaxed);
+  if (got > 0) {
+    const uint64_t pickup = proxy_clock_ticks();  // one clock read per batch: the pickup time of its NOPs
+    for (; used < got; ++used) {
+      bool stall = false;
+      if (!handle(cmds[used], &stall, pickup)) break;
+    }
+    bump(commands_, used);
+    consumer_.consume(used);
   }
-  consumer_.release(used);
+  // Credits: at once when the ring is drained (got < kBatch) or a command waits; otherwise in batches.
+  if (got < kBatch || used < got || consumer_.unpublished() >= credit_batch_) consumer_.publish();
   return work || used > 0;
 }
 
@@ -338,8 +380,16 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
     UCCL_THROW(e.what());
   }
   regions_.resize(256);
+  if (cfg.pin_threads && cfg.gpu >= 0) near_cpus_ = cpus_near_gpu(cfg.gpu);
+  const std::vector<int>& cpus = near_cpus_;
   const size_t n = size_t(cfg.world) * kMaxChannels;
-  sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long), cfg.gpu);
+  {
+    // Rings and signal words are pinned host memory that the GPU writes and the proxy threads spin on:
+    // allocate them on the GPU's NUMA node (pages land on the node of the allocating thread). Only the
+    // allocations run under this affinity: threads created later must not inherit it.
+    AffinityScope near_gpu(cpus);
+    sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long), cfg.gpu);
+  }
   auto fill = [&](SignalBlock& s, char* base) {
     auto* p = reinterpret_cast<unsigned long long*>(base);
     s.seq_tail = p;
@@ -351,7 +401,6 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
   fill(sig_dev_, sig_mem_.device());
   for (int t = 0; t < cfg.num_threads; ++t) threads_.emplace_back(new ProxyThread(this, t));
   if (cfg.pin_threads && cfg.gpu >= 0) {
-    auto cpus = cpus_near_gpu(cfg.gpu);
     // Take cores from the end of the node's list: frameworks usually pin their own work to the start.
     for (int t = 0; t < cfg.num_threads && !cpus.empty(); ++t)
       threads_[t]->cpu_ = cpus[(cpus.size() - 1 - size_t(t) % cpus.size())];

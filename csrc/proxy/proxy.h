@@ -9,6 +9,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -22,6 +23,38 @@
 #include "transport/transport.h"
 
 namespace uccl {
+
+// The proxy's pickup clock: a raw CPU cycle counter read without a syscall or a serialising instruction
+// (x86: rdtsc, aarch64: cntvct_el0), steady_clock nanoseconds elsewhere. Units are ticks: callers that
+// need nanoseconds measure the rate against steady_clock (proxy_clock_ticks_per_ns).
+static inline uint64_t proxy_clock_ticks() {
+#if defined(__x86_64__) || defined(__i386__)
+  uint32_t lo, hi;
+  asm volatile("rdtsc" : "=a"(lo), "=d"(hi));
+  return (uint64_t(hi) << 32) | lo;
+#elif defined(__aarch64__)
+  uint64_t v;
+  asm volatile("mrs %0, cntvct_el0" : "=r"(v));
+  return v;
+#else
+  return uint64_t(std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count());
+#endif
+}
+
+// Pairs of (proxy_clock_ticks, steady_clock ns) taken around a measurement give the tick rate.
+struct ClockPair {
+  uint64_t ticks;
+  int64_t ns;
+  static ClockPair now() {
+    ClockPair p;
+    p.ticks = proxy_clock_ticks();
+    p.ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+    return p;
+  }
+};
+inline double proxy_clock_ticks_per_ns(const ClockPair& a, const ClockPair& b) {
+  return b.ns > a.ns ? double(b.ticks - a.ticks) / double(b.ns - a.ns) : 1.0;
+}
 
 struct ProxyConfig {
   int rank = 0;
@@ -72,7 +105,7 @@ class ProxyThread {
   };
   void run();
   bool step();                         // one loop iteration; true when it did work
-  bool handle(const Command& c, bool* stall);
+  bool handle(const Command& c, bool* stall, uint64_t pickup_ticks);
   void on_completions(const Completion* c, int n);
   void reject(const Command& c, const std::string& why);
   void check_timeouts();
@@ -85,6 +118,9 @@ class ProxyThread {
   std::unique_ptr<OrderingEmulator> emu_;
   FaultInjector fault_;
   RingConsumer consumer_;
+  unsigned long long* echo_ = nullptr;     // host view of the ring's echo words ([0] cookie, [1] pickup ticks)
+  unsigned long long* flushed_ = nullptr;  // host view of the ring's flush counter
+  uint32_t credit_batch_ = 1;              // return credits at least every this many slots while busy
   std::vector<uint32_t> next_seq_;  // [dst * kMaxChannels + ch]
   std::vector<int> inflight_;       // per dst
   std::vector<uint64_t> inflight_bytes_;
@@ -95,7 +131,10 @@ class ProxyThread {
   std::thread thread_;
   std::atomic<bool> stop_{false};
   std::vector<Completion> scratch_;
-  // stats (written by the thread, read by anyone)
+  // stats (written by this thread only, read by anyone: bump() is a relaxed load + store, no locked op)
+  static void bump(std::atomic<uint64_t>& a, uint64_t n = 1) {
+    a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
+  }
   std::atomic<uint64_t> commands_{0}, writes_{0}, atomics_{0}, flushes_{0}, nops_{0}, rejected_{0}, bytes_{0},
       local_{0}, arrivals_{0}, idle_sleeps_{0}, out_of_order_{0}, fault_held_{0};
 };
@@ -144,6 +183,7 @@ class Proxy {
   ProxyConfig cfg_;
   FaultSpec fault_;
   std::vector<LocalRegion> regions_;
+  std::vector<int> near_cpus_;  // allowed CPUs on the GPU's NUMA node (empty: no pinning / no GPU)
   HostMemory sig_mem_;
   SignalBlock sig_host_, sig_dev_;
   std::vector<std::unique_ptr<ProxyThread>> threads_;

@@ -7,6 +7,7 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cmath>
 #include <thread>
 #include <vector>
 
@@ -57,6 +58,32 @@ std::vector<unsigned long long> copy_back(unsigned long long* d, int n) {
   UCCL_CHECK_GPU(cudaMemcpy(h.data(), d, sizeof(unsigned long long) * n, cudaMemcpyDeviceToHost));
 #endif
   return h;
+}
+
+struct PickupStamps {
+  std::vector<unsigned long long> raw;  // 4 words per iteration (ring_gpu.h)
+  ClockPair a, b;                       // proxy clock vs steady_clock around the run
+  double ticks_per_ns = 1.0;
+};
+
+PickupStamps pickup_stamps(Proxy& p, int ring, int iters, int mode) {
+  if (mode < 0 || mode >= kPickupModes) throw py::value_error("gpu_pickup_latency: mode must be in [0, 4)");
+  if (ring < 0 || ring >= p.num_threads()) throw py::value_error("gpu_pickup_latency: ring out of range");
+  if (iters < 1) throw py::value_error("gpu_pickup_latency: iters must be >= 1");
+  if (!p.running()) throw py::value_error("gpu_pickup_latency: the proxy is not running (the kernel would spin forever)");
+  PickupStamps st;
+  py::gil_scoped_release nogil;
+  UCCL_CHECK_GPU(gpuSetDevice(p.config().gpu));
+  DeviceArray<unsigned long long> out(std::vector<unsigned long long>(4 * size_t(iters), 0));
+  // Fresh cookies: the first one differs from whatever the echo word holds now.
+  const unsigned cookie_base = unsigned(__atomic_load_n(p.ring_host(ring).echo, __ATOMIC_ACQUIRE)) + 1u;
+  st.a = ClockPair::now();
+  launch_pickup_latency(p.ring_device(ring), iters, cookie_base, out.get(), nullptr, mode);
+  sync(nullptr);
+  st.b = ClockPair::now();
+  st.ticks_per_ns = proxy_clock_ticks_per_ns(st.a, st.b);
+  st.raw = copy_back(out.get(), 4 * iters);
+  return st;
 }
 
 }  // namespace
@@ -114,16 +141,53 @@ void register_proxy_gpu(py::module_& m) {
 
   m.def("gpu_pickup_latency",
         [](Proxy& p, int ring, int iters, int mode) {
-          if (mode < 0 || mode > 2) throw py::value_error("gpu_pickup_latency: mode must be 0, 1 or 2");
-          py::gil_scoped_release nogil;
-          UCCL_CHECK_GPU(gpuSetDevice(p.config().gpu));
-          DeviceArray<unsigned long long> out(std::vector<unsigned long long>(size_t(iters), 0));
-          launch_pickup_latency(p.ring_device(ring), iters, out.get(), nullptr, mode);
-          sync(nullptr);
-          return copy_back(out.get(), iters);
+          auto st = pickup_stamps(p, ring, iters, mode);
+          std::vector<unsigned long long> rtt(static_cast<size_t>(iters));
+          for (int i = 0; i < iters; ++i) rtt[i] = st.raw[4 * size_t(i) + 2] - st.raw[4 * size_t(i)];
+          return rtt;
         },
         py::arg("proxy"), py::arg("ring"), py::arg("iters"), py::arg("mode") = 0,
         "GPU->CPU->GPU round trips (ns): push a NOP, wait for the proxy's echo (mode: see ring_gpu.h).");
+
+  m.def("gpu_pickup_stamps",
+        [](Proxy& p, int ring, int iters, int mode) {
+          auto st = pickup_stamps(p, ring, iters, mode);
+          const size_t n = static_cast<size_t>(iters);
+          std::vector<long long> start(n), publish(n), seen(n), pickup(n);
+          for (int i = 0; i < iters; ++i) {
+            const unsigned long long* w = &st.raw[4 * size_t(i)];
+            start[i] = (long long)w[0];
+            publish[i] = (long long)w[1];
+            seen[i] = (long long)w[2];
+            // proxy ticks -> steady_clock ns, with the rate measured over this run
+            pickup[i] = st.a.ns + (long long)std::llround(double((long long)(w[3] - st.a.ticks)) / st.ticks_per_ns);
+          }
+          py::dict d;
+          d["start_ns"] = start;
+          d["publish_ns"] = publish;
+          d["seen_ns"] = seen;
+          d["pickup_ns"] = pickup;
+          d["ticks_per_ns"] = st.ticks_per_ns;
+          d["mode"] = mode;
+          return d;
+        },
+        py::arg("proxy"), py::arg("ring"), py::arg("iters"), py::arg("mode") = 0,
+        "Per-iteration stamps of the pickup probe: start/publish/seen (GPU globaltimer ns) and pickup (proxy "
+        "clock, converted to steady_clock ns). The two clocks have an unknown offset: calibrate it "
+        "(uccl_ep_train.bench.proxy.one_way_pickup).");
+
+  m.def("gpu_timer_resolution",
+        [](int gpu, int reads) {
+          py::gil_scoped_release nogil;
+          UCCL_CHECK_GPU(gpuSetDevice(gpu));
+          DeviceArray<unsigned long long> out(std::vector<unsigned long long>(3, 0));
+          launch_timer_resolution(reads, out.get(), nullptr);
+          sync(nullptr);
+          auto h = copy_back(out.get(), 3);
+          return std::vector<unsigned long long>(h.begin(), h.end());
+        },
+        py::arg("gpu"), py::arg("reads") = 4096,
+        "globaltimer granularity on `gpu`: [smallest step ns, steps seen, span ns] over `reads` reads.");
 
   m.def("gpu_visibility_latency",
         [](Proxy& p, int ring, int region, uint32_t bytes, uint32_t local_off, uint32_t remote_off, int iters) {

@@ -1,15 +1,23 @@
 // The GPU→CPU command channel: one header shared by device code (CUDA/HIP) and host C++.
 //
 // A ring lives in pinned, GPU-mapped host memory. Producers (GPU warps, or CPU threads in tests) claim
-// slots with one atomic on a claim counter, write the 12-byte command body, fence at system scope, then
-// store the 4-byte header word that carries the opcode and the lap parity bit: that store publishes the
-// slot. The single consumer (one CPU proxy thread per ring) acquire-loads header words in slot order,
-// copies commands out, and returns credits by storing its tail with release semantics. Producers keep a
-// cached copy of the tail next to the claim counter (GPU memory) and read the host tail over PCIe only
-// when the ring looks full.
+// slots with one atomic on a claim counter, write the 12-byte command body, then store the 4-byte header
+// word that carries the opcode and the lap parity bit with system-scope release semantics: that store
+// publishes the slot (on NVIDIA sm_70+ one `st.release.sys`, i.e. MEMBAR.ALL.SYS + store, not the heavier
+// sequentially consistent fence of __threadfence_system). Each slot is published by the lane that filled
+// it, so no cross-lane fence is needed. The single consumer (one CPU proxy thread per ring) spins on
+// header words in slot order with acquire loads (plain loads on x86), copies commands out, and returns
+// credits by storing its tail with release semantics, in batches (RingConsumer::consume / publish).
+// Producers keep a cached copy of the tail next to the claim counter (GPU memory) and read the host tail
+// over PCIe only when the ring looks full.
 //
 // Slot validity needs no consumer write-back: a slot at index i is ready when its opcode is non-zero and
 // its lap bit equals (i / capacity) & 1, so stale commands from the previous lap never look ready.
+//
+// Echo block (latency probe): echo[0] is the cookie of the last OP_NOP picked up, echo[1] the proxy's
+// clock (proxy_clock_ticks(), proxy.h) when that NOP was picked up; echo[1] is written before echo[0]
+// (release), so a reader that sees the cookie also sees its pickup time. The echo words share one 64-byte
+// line of the ring header (RingBuffer lays out tail / flushed / echo 64 bytes apart).
 #pragma once
 
 #include "common/portability.h"
@@ -23,7 +31,7 @@ enum Opcode : uint8_t {
   OP_ATOMIC_ADD = 3,  // dst's int64 at region[remote_off] += (int32)length, applied in sequence order
   OP_FLUSH = 4,       // quiet: wait until every earlier command of this ring completed, then flushed++
   OP_BARRIER = 5,     // flush, then a sequenced marker to dst: its barrier_count[src] += 1 in order
-  OP_NOP = 6,         // no transport work; the proxy echoes `length` into the ring's echo word (latency probe)
+  OP_NOP = 6,         // no transport work; the proxy echoes `length` into echo[0], its pickup clock into echo[1]
   OP_LAST = OP_NOP,
 };
 constexpr uint8_t kOpcodeMask = 0x3f;
@@ -54,7 +62,7 @@ struct RingDesc {
   unsigned long long* tail_cache;  // producers' cached tail (monotonic max)
   unsigned long long* tail;        // consumer tail = credits returned (host memory)
   unsigned long long* flushed;     // number of OP_FLUSH/OP_BARRIER completed by the proxy
-  unsigned long long* echo;        // last OP_NOP cookie picked up (latency probe)
+  unsigned long long* echo;        // [0]: last OP_NOP cookie picked up, [1]: its pickup time (latency probe)
   uint32_t capacity;               // power of two
   uint32_t mask;
 };
@@ -93,27 +101,66 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fetch_max(unsigned long long* p, uns
 #endif
 }
 
+// Relaxed system-scope load (device: one PCIe read per call for host memory; no cache invalidation).
+UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_load_relaxed_sys(const unsigned long long* p) {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  unsigned long long v;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(v) : "l"(p) : "memory");
+  return v;
+#elif UCCL_DEVICE_CODE
+  return *reinterpret_cast<const volatile unsigned long long*>(p);
+#else
+  return __atomic_load_n(p, __ATOMIC_RELAXED);
+#endif
+}
+
+// Release fence at system scope: orders this thread's earlier stores before its later stores for every
+// observer (CPU included). Device sm_70+: fence.acq_rel.sys (MEMBAR.ALL.SYS), not fence.sc.sys.
 UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fence_sys() {
-#if UCCL_DEVICE_CODE
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#elif UCCL_DEVICE_CODE
   __threadfence_system();
 #else
   __atomic_thread_fence(__ATOMIC_RELEASE);
 #endif
 }
 
+// Header store after ring_fence_sys() (several slots published behind one fence): relaxed, system scope.
 UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_header(Command* slot, uint32_t header) {
-#if UCCL_DEVICE_CODE
-  *reinterpret_cast<volatile uint32_t*>(slot) = header;  // ordered after the body by ring_fence_sys()
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" : : "l"(slot), "r"(header) : "memory");
+#elif UCCL_DEVICE_CODE
+  *reinterpret_cast<volatile uint32_t*>(slot) = header;
 #else
   __atomic_store_n(reinterpret_cast<uint32_t*>(slot), header, __ATOMIC_RELEASE);
 #endif
 }
 
+// Header store that publishes this thread's own earlier body stores: one release store at system scope.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_header_release(Command* slot, uint32_t header) {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.release.sys.global.u32 [%0], %1;" : : "l"(slot), "r"(header) : "memory");
+#elif UCCL_DEVICE_CODE
+  __threadfence_system();
+  *reinterpret_cast<volatile uint32_t*>(slot) = header;
+#else
+  __atomic_store_n(reinterpret_cast<uint32_t*>(slot), header, __ATOMIC_RELEASE);
+#endif
+}
+
+// Body words 1..3: two stores (4 + 8 bytes) on NVIDIA, i.e. two PCIe writes instead of three.
 UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_body(Command* slot, const Command& c) {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  uint32_t* w = reinterpret_cast<uint32_t*>(slot);
+  asm volatile("st.relaxed.sys.global.u32 [%0], %1;" : : "l"(w + 1), "r"(c.length) : "memory");
+  asm volatile("st.relaxed.sys.global.v2.u32 [%0], {%1, %2};" : : "l"(w + 2), "r"(c.local_off), "r"(c.remote_off) : "memory");
+#else
   volatile uint32_t* w = reinterpret_cast<volatile uint32_t*>(slot);
   w[1] = c.length;
   w[2] = c.local_off;
   w[3] = c.remote_off;
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -121,16 +168,18 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_body(Command* slot, const Comm
 
 // Claims n consecutive slots (n <= capacity) and waits for credits. Returns the first slot index, or
 // ~0ull if `spin_limit` polls of the host tail passed without space (0 = wait forever).
+// The cached tail is read before the claim atomic so that both are in flight together (one round trip to
+// GPU memory, not two); an older cached value is only conservative (tail_cache is monotonic).
 UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_claim(const RingDesc& r, uint32_t n,
                                                                 unsigned long long spin_limit = 0) {
+#if UCCL_DEVICE_CODE
+  unsigned long long t = *reinterpret_cast<volatile unsigned long long*>(r.tail_cache);
+#else
+  unsigned long long t = __atomic_load_n(r.tail_cache, __ATOMIC_RELAXED);
+#endif
   const unsigned long long first = ring_fetch_add(r.claim, n);
   const unsigned long long need = first + n - r.capacity;  // tail must reach `need`
   if (first + n > r.capacity) {
-#if UCCL_DEVICE_CODE
-    unsigned long long t = *reinterpret_cast<volatile unsigned long long*>(r.tail_cache);
-#else
-    unsigned long long t = __atomic_load_n(r.tail_cache, __ATOMIC_RELAXED);
-#endif
     unsigned long long spins = 0;
     while (t < need) {
       t = ring_load_acquire_sys(r.tail);  // the only PCIe read: the ring looked full
@@ -147,24 +196,40 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_claim(const RingDesc& 
   return first;
 }
 
-// Writes one command into claimed slot `idx` (body only; publish with ring_publish after a fence).
+// Writes one command into claimed slot `idx` (body only; publish with ring_publish_release, or with
+// ring_publish after ring_fence_sys()).
 UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_fill(const RingDesc& r, unsigned long long idx, const Command& c) {
   ring_store_body(&r.slots[idx & r.mask], c);
 }
 
-UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish(const RingDesc& r, unsigned long long idx, const Command& c) {
+UCCL_HOST_DEVICE UCCL_FORCEINLINE uint32_t ring_header_for(const RingDesc& r, unsigned long long idx, const Command& c) {
   Command h = c;
   h.op = uint8_t((c.op & kOpcodeMask) | (((idx / r.capacity) & 1ull) ? kLapBit : 0));
-  ring_store_header(&r.slots[idx & r.mask], command_header(h));
+  return command_header(h);
 }
 
-// Single-thread push of n commands: claim, bodies, one system fence, headers.
+// Publishes slot idx; the caller fenced (ring_fence_sys) after filling the bodies it publishes.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish(const RingDesc& r, unsigned long long idx, const Command& c) {
+  ring_store_header(&r.slots[idx & r.mask], ring_header_for(r, idx, c));
+}
+
+// Publishes slot idx that this thread filled: the release store orders the body before the header.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish_release(const RingDesc& r, unsigned long long idx, const Command& c) {
+  ring_store_header_release(&r.slots[idx & r.mask], ring_header_for(r, idx, c));
+}
+
+// Single-thread push of n commands: claim, bodies, then one release store (n == 1) or one release fence
+// and relaxed header stores (n > 1).
 UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, uint32_t n,
                                        unsigned long long spin_limit = 0) {
   if (n == 0) return true;
   const unsigned long long first = ring_claim(r, n, spin_limit);
   if (first == ~0ull) return false;
   for (uint32_t i = 0; i < n; ++i) ring_fill(r, first + i, cmds[i]);
+  if (n == 1) {
+    ring_publish_release(r, first, cmds[0]);
+    return true;
+  }
   ring_fence_sys();
   for (uint32_t i = 0; i < n; ++i) ring_publish(r, first + i, cmds[i]);
   return true;
@@ -189,7 +254,9 @@ __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool 
 }
 #elif defined(__CUDACC__) || defined(__HIPCC__)
 // Warp-cooperative push: every active lane of `mask` contributes one command (lanes with has_cmd=false
-// contribute nothing). One claim atomic, one system fence per warp. Must be called by all lanes in mask.
+// contribute nothing). One claim atomic per warp; each lane publishes its own slot with one release
+// store (a slot's header covers only that lane's body, so no warp-wide fence). Must be called by all
+// lanes in mask.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {
   const unsigned lane = threadIdx.x & 31u;
   const unsigned vote = __ballot_sync(mask, has_cmd);
@@ -200,10 +267,10 @@ __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool 
   if (lane == leader) first = ring_claim(r, n);
   first = __shfl_sync(mask, first, leader);
   const unsigned rank_in_vote = __popc(vote & ((1u << lane) - 1u));
-  if (has_cmd) ring_fill(r, first + rank_in_vote, c);
-  __syncwarp(mask);
-  __threadfence_system();
-  if (has_cmd) ring_publish(r, first + rank_in_vote, c);
+  if (has_cmd) {
+    ring_fill(r, first + rank_in_vote, c);
+    ring_publish_release(r, first + rank_in_vote, c);
+  }
 }
 #endif
 
@@ -240,18 +307,27 @@ class RingConsumer {
     return n;
   }
 
-  // Returns n credits to producers (release store of the tail).
-  void release(uint32_t n) {
-    if (n == 0) return;
-    tail_ += n;
+  // Marks n more slots as used (local only: producers see the credits at the next publish()).
+  void consume(uint32_t n) { tail_ += n; }
+  // Makes every consumed slot available to producers (one release store of the tail, none if nothing new).
+  void publish() {
+    if (tail_ == published_) return;
+    published_ = tail_;
     __atomic_store_n(d_.tail, tail_, __ATOMIC_RELEASE);
+  }
+  // consume(n) + publish().
+  void release(uint32_t n) {
+    consume(n);
+    publish();
   }
 
   unsigned long long tail() const { return tail_; }
+  unsigned long long unpublished() const { return tail_ - published_; }
 
  private:
   RingDesc d_{};
   unsigned long long tail_ = 0;
+  unsigned long long published_ = 0;
 };
 #endif
 

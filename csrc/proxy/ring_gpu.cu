@@ -1,5 +1,5 @@
-// GPU-side producers: warps claim ring slots, write 16-byte commands and publish them with one system
-// fence per warp batch (proxy/ring.h). Used by the GPU tests and `uccl-ep-train bench proxy`.
+// GPU-side producers: warps claim ring slots, write 16-byte commands and publish each with a system-scope
+// release store (proxy/ring.h). Used by the GPU tests and `uccl-ep-train bench proxy`.
 #include "common/check.h"
 #include "proxy/ring_gpu.h"
 
@@ -17,7 +17,7 @@ __device__ __forceinline__ unsigned long long now_ns() {
 #endif
 #else
   unsigned long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t) : : "memory");  // not moved across ring accesses
   return t;
 #endif
 }
@@ -50,40 +50,76 @@ __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_w
   }
 }
 
-__device__ __forceinline__ unsigned long long load_volatile(const unsigned long long* p) {
-  return *reinterpret_cast<const volatile unsigned long long*>(p);
-}
-
-// mode 0: ring_push (claim atomic + fence + header), poll the echo with acquire loads
-// mode 1: ring_push, poll with volatile loads (fence once after)
-// mode 2: slot claimed before the clock starts; fill + fence + header, volatile polling
-__global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned long long* out, int mode) {
+// Pickup probe, one thread, `iters` round trips. Iteration i pushes OP_NOP(cookie_base + i) carrying its
+// start time (local_off = low, remote_off = high 32 bits of the globaltimer) and spins until the proxy
+// echoes the cookie. Stamps per iteration (out[4 i + k]):
+//   k=0 start    globaltimer before the claim (the pickup latency counts from here)
+//   k=1 publish  globaltimer after the body and the release fence, right before the header store
+//   k=2 seen     globaltimer when the echo was seen (before any acquire fence)
+//   k=3 pickup   the proxy's clock (ticks) when it picked the command up (echo[1], read after the acquire)
+// [publish, seen] is the ping-pong used to calibrate the proxy's clock against the globaltimer: the
+// fence is kept out of it so that both legs are one PCIe crossing plus a poll.
+// mode 0: claim, fill, fence.acq_rel.sys, relaxed header store; poll with ld.acquire.sys
+// mode 1: as 0, poll with ld.relaxed.sys and one acquire fence after the echo was seen
+// mode 2: as 1 with the slot claimed before the start stamp (claim cost excluded)
+// mode 3: claim, fill, st.release.sys header (ring_push's single-command path; the fence is inside the
+//         store, so [publish, seen] carries it); poll with ld.acquire.sys
+__global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_base, unsigned long long* out, int mode) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int i = 0; i < iters; ++i) {
-    Command c{};
-    c.op = OP_NOP;
-    c.length = uint32_t(i + 1);
-    const unsigned long long want = (unsigned long long)(i + 1);
+    const unsigned cookie = cookie_base + unsigned(i);
     unsigned long long idx = 0;
     if (mode == 2) idx = ring_claim(ring, 1);
     const unsigned long long t0 = now_ns();
-    if (mode == 2) {
-      ring_fill(ring, idx, c);
+    if (mode != 2) idx = ring_claim(ring, 1);
+    Command c{};
+    c.op = OP_NOP;
+    c.length = cookie;
+    c.local_off = uint32_t(t0);
+    c.remote_off = uint32_t(t0 >> 32);
+    ring_fill(ring, idx, c);
+    unsigned long long tp;
+    if (mode == 3) {
+      tp = now_ns();
+      ring_publish_release(ring, idx, c);
+    } else {
       ring_fence_sys();
+      tp = now_ns();
       ring_publish(ring, idx, c);
-    } else {
-      ring_push(ring, &c, 1);
     }
-    if (mode == 0) {
-      while (ring_load_acquire_sys(ring.echo) != want) {
+    if (mode == 0 || mode == 3) {
+      while (ring_load_acquire_sys(ring.echo) != (unsigned long long)cookie) {
       }
     } else {
-      while (load_volatile(ring.echo) != want) {
+      while (ring_load_relaxed_sys(ring.echo) != (unsigned long long)cookie) {
       }
-      __threadfence_system();
     }
-    out[i] = now_ns() - t0;
+    const unsigned long long ts = now_ns();
+    if (mode == 1 || mode == 2) ring_fence_sys();  // acquire side of the relaxed poll
+    const unsigned long long cpu = ring_load_relaxed_sys(ring.echo + 1);
+    out[4 * i + 0] = t0;
+    out[4 * i + 1] = tp;
+    out[4 * i + 2] = ts;
+    out[4 * i + 3] = cpu;
   }
+}
+
+// globaltimer granularity: out[0] smallest non-zero step, out[1] number of steps, out[2] span (ns).
+__global__ void timer_resolution_kernel(int reads, unsigned long long* out) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  unsigned long long prev = now_ns(), first = prev, min_step = ~0ull, steps = 0;
+  for (int i = 0; i < reads; ++i) {
+    const unsigned long long t = now_ns();
+    if (t != prev) {
+      const unsigned long long d = t - prev;
+      if (d < min_step) min_step = d;
+      ++steps;
+      prev = t;
+    }
+  }
+  out[0] = steps ? min_step : 0;
+  out[1] = steps;
+  out[2] = prev - first;
 }
 
 __global__ void visibility_latency_kernel(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
@@ -117,8 +153,13 @@ void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
-void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream, int mode) {
-  pickup_latency_kernel<<<1, kWarp, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, d_out_ns, mode);
+void launch_pickup_latency(RingDesc ring, int iters, unsigned cookie_base, unsigned long long* d_out, void* stream, int mode) {
+  pickup_latency_kernel<<<1, kWarp, 0, static_cast<gpuStream_t>(stream)>>>(ring, iters, cookie_base, d_out, mode);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
+void launch_timer_resolution(int reads, unsigned long long* d_out, void* stream) {
+  timer_resolution_kernel<<<1, kWarp, 0, static_cast<gpuStream_t>(stream)>>>(reads, d_out);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 

@@ -11,9 +11,15 @@ void launch_push_commands(const RingDesc* d_rings, int num_rings, const Command*
                           int warps_per_ring, void* stream);
 // Every warp pushes `per_warp` OP_NOP commands (rounded up to 32) into ring (warp % num_rings).
 void launch_push_nops(const RingDesc* d_rings, int num_rings, int warps_per_ring, int per_warp, void* stream);
-// One thread: push OP_NOP(cookie i+1), spin until the proxy echoes it; out_ns[i] = round trip in ns.
-// mode 0: full push + acquire polling; 1: full push + volatile polling; 2: pre-claimed slot + volatile.
-void launch_pickup_latency(RingDesc ring, int iters, unsigned long long* d_out_ns, void* stream, int mode = 0);
+constexpr int kPickupModes = 4;
+// One thread: push OP_NOP(cookie_base + i) stamped with the globaltimer, spin until the proxy echoes it.
+// d_out holds 4 words per iteration: start, publish, seen (globaltimer ns), pickup (proxy clock ticks).
+// mode 0: fence + relaxed header, acquire polling; 1: relaxed polling; 2: slot claimed before the start
+// stamp; 3: release-store header (ring_push's path). Details in ring_gpu.cu.
+void launch_pickup_latency(RingDesc ring, int iters, unsigned cookie_base, unsigned long long* d_out, void* stream,
+                           int mode = 0);
+// globaltimer granularity probe: d_out[0] smallest step (ns), d_out[1] steps seen in `reads` reads, d_out[2] span.
+void launch_timer_resolution(int reads, unsigned long long* d_out, void* stream);
 // One thread: push `cmd` (a signalled write), spin until *counter reaches its next value; out_ns[i] in ns.
 void launch_visibility_latency(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
                                unsigned long long* d_out_ns, void* stream);

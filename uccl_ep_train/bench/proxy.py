@@ -3,7 +3,11 @@
 Measures, per DESIGN.md conventions (`--json PATH` writes a list of records: bench, op, ranks, gbps, us,
 device, sms, plus the shape of each measurement):
   nop_push     commands/s from GPU warps through the rings into the proxy threads (per GPU, per thread)
-  pickup_rtt   GPU push -> CPU proxy pickup -> echo seen by the GPU (round trip; one-way ~ half)
+  pickup_rtt   GPU push -> CPU proxy pickup -> echo seen by the GPU (round trip, GPU clock)
+  pickup       GPU push -> CPU proxy pickup, one way: the GPU stamps the globaltimer into the command,
+               the proxy stamps its clock at pickup; the two clocks are calibrated per run with the
+               probe's own ping-pongs (Cristian's mid-point on the minimum-RTT sample of each window,
+               a line through the windows for drift). See one_way_pickup.
   visibility   GPU push of a signalled write to this rank -> proxy -> ipc copy -> in-order arrival seen
                by the GPU (push -> remote visibility through the whole proxy path)
   ipc_write    GB/s per GPU of chunked writes into the peer GPU through the ipc transport (two ranks,
@@ -49,6 +53,64 @@ def _pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
+def one_way_pickup(start_ns, publish_ns, seen_ns, pickup_ns, windows: int = 16, skip: int = 10) -> dict:
+    """One-way GPU->CPU pickup latency from the pickup probe's stamps.
+
+    start/publish/seen are GPU globaltimer ns (start: before the claim; publish: after the release fence,
+    right before the header store; seen: echo observed); pickup is the proxy's clock at pickup (another
+    clock, unknown offset, possibly a few ppm of drift). Each iteration is a ping-pong: [publish, seen] on
+    the GPU brackets `pickup` on the CPU. Calibration (Cristian): in each of `windows` consecutive windows
+    take the iteration with the smallest publish->seen round trip and assume the CPU stamp sits at its
+    mid-point: offset = pickup - (publish + seen) / 2; a least-squares line through the windows' offsets
+    absorbs drift. Then one_way[i] = pickup[i] - offset(start[i]) - start[i].
+
+    The mid-point assumption is the method's only error: for the calibrating samples, the GPU->CPU leg
+    (posted write + CPU poll) and the CPU->GPU leg (CPU store + GPU polling read) are each one PCIe
+    crossing and a poll; if they differ by d, every one-way value is off by d/2 (too high when the echo
+    leg is the slower one). The minimum round trip (`calib_rtt_min_us`) bounds it: one-way values of the
+    calibrating samples are exactly calib_rtt_min/2 + push.
+    Returns microseconds (median, p99, min, mean), the split push (start->publish, GPU clock only) and
+    transit (publish->pickup), and the calibration's figures.
+    """
+    g0 = np.asarray(start_ns, np.int64)[skip:]
+    gp = np.asarray(publish_ns, np.int64)[skip:]
+    gs = np.asarray(seen_ns, np.int64)[skip:]
+    c = np.asarray(pickup_ns, np.int64)[skip:]
+    n = len(g0)
+    if n < 2:
+        raise ValueError("one_way_pickup: needs at least 2 iterations after the warm-up skip")
+    if not (len(gp) == len(gs) == len(c) == n):
+        raise ValueError("one_way_pickup: stamp arrays differ in length")
+    # Work relative to the first sample (keeps float64 exact for ns-since-epoch clocks).
+    bg, bc = int(g0[0]), int(c[0])
+    t0 = (g0 - bg).astype(np.float64)
+    tp = (gp - bg).astype(np.float64)
+    ts = (gs - bg).astype(np.float64)
+    tc = (c - bc).astype(np.float64)
+    rtt = ts - tp
+    theta = tc - (tp + ts) / 2.0          # CPU - GPU offset (relative), one estimate per iteration
+    windows = max(1, min(windows, n // 8 if n >= 8 else 1))
+    idx = [int(ch[np.argmin(rtt[ch])]) for ch in np.array_split(np.arange(n), windows) if len(ch)]
+    tw, thw = (tp[idx] + ts[idx]) / 2.0, theta[idx]
+    if len(idx) >= 3 and np.ptp(tw) > 0:
+        slope, icept = np.polyfit(tw, thw, 1)
+    else:
+        j = int(np.argmin(rtt))
+        slope, icept = 0.0, float(theta[j])
+    off = lambda t: icept + slope * t  # noqa: E731
+    one_way = tc - off(t0) - t0
+    transit = tc - off(tp) - tp
+    resid = thw - off(tw)
+    us = lambda x: float(x) / 1e3  # noqa: E731
+    return dict(median_us=us(np.median(one_way)), p99_us=us(np.percentile(one_way, 99)),
+                min_us=us(one_way.min()), mean_us=us(one_way.mean()),
+                push_median_us=us(np.median(tp - t0)), transit_median_us=us(np.median(transit)),
+                calib_rtt_min_us=us(rtt[idx].min()), calib_rtt_median_us=us(np.median(rtt)),
+                drift_ppm=float(slope) * 1e6, calib_windows=len(idx),
+                calib_resid_us=us(np.abs(resid).max()) if len(resid) else 0.0, iters=n,
+                method="cristian-min-rtt")
+
+
 def _device_name():
     try:
         import torch
@@ -69,7 +131,9 @@ def _gpu_single(args, device):
     torch.cuda.set_device(0)
     region = torch.zeros(1 << 20, dtype=torch.uint8, device="cuda")
     for threads in args.threads:
-        with ProxyGroup(0, 1, {0: region}, transport="ipc", gpu=0, num_threads=threads, timeout_s=120) as g:
+        # adaptive_sleep off: the proxies spin for the whole measurement (idle_sleeps is recorded to show it)
+        with ProxyGroup(0, 1, {0: region}, transport="ipc", gpu=0, num_threads=threads, timeout_s=120,
+                        adaptive_sleep=False) as g:
             _native.gpu_bench_nops(g._native, 1, 64)  # warm-up
             total = threads * args.warps_per_ring * args.nops_per_warp
             sec = _native.gpu_bench_nops(g._native, args.warps_per_ring, args.nops_per_warp, 120.0)
@@ -81,15 +145,7 @@ def _gpu_single(args, device):
             print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring}: {rate / 1e6:.2f} M cmd/s per GPU, "
                   f"{rate / threads / 1e6:.2f} M/s per proxy thread", flush=True)
             if threads == max(args.threads):
-                variants = {0: "push+acquire-poll", 1: "push+volatile-poll", 2: "preclaimed+volatile-poll"}
-                for mode, name in variants.items():
-                    rtt = [x / 1e3 for x in _native.gpu_pickup_latency(g._native, 0, args.latency_iters, mode)][10:]
-                    med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
-                    recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device=device, sms=0,
-                                     threads=threads, median_us=med, p99_us=p99, one_way_median_us=med / 2,
-                                     iters=len(rtt), variant=name))
-                    print(f"[pickup_rtt] {name}: GPU->CPU->GPU median {med:.2f} us p99 {p99:.2f} us "
-                          f"(one-way ~{med / 2:.2f} us)", flush=True)
+                recs += _pickup(args, g, device, threads)
                 vis = [x / 1e3 for x in _native.gpu_visibility_latency(g._native, 0, 0, 64, 0, 4096,
                                                                          args.latency_iters)][10:]
                 med, p99 = statistics.median(vis), _pct(vis, 0.99)
@@ -99,6 +155,37 @@ def _gpu_single(args, device):
                 print(f"[visibility] push -> ipc write -> in-order arrival seen by GPU: median {med:.2f} us "
                       f"p99 {p99:.2f} us", flush=True)
             g.check()
+    return recs
+
+
+PICKUP_VARIANTS = {0: "fence+store/acquire-poll", 1: "relaxed-poll", 2: "preclaimed", 3: "release-store"}
+
+
+def _pickup(args, g, device, threads):
+    """Pickup probe on ring 0: round trip (GPU clock) and one-way (calibrated) per variant."""
+    from uccl_ep_train import _native
+    recs = []
+    step_ns, steps, span = _native.gpu_timer_resolution(g.gpu)
+    timer_ns = span / steps if steps else float("nan")
+    print(f"[pickup] globaltimer: smallest step {step_ns} ns, mean step {timer_ns:.1f} ns", flush=True)
+    for mode, name in PICKUP_VARIANTS.items():
+        sleeps0 = g.stats()["idle_sleeps"]
+        st = _native.gpu_pickup_stamps(g._native, 0, args.latency_iters, mode)
+        sleeps = g.stats()["idle_sleeps"] - sleeps0
+        start, seen = np.asarray(st["start_ns"], np.int64), np.asarray(st["seen_ns"], np.int64)
+        rtt = ((seen - start) / 1e3)[10:].tolist()
+        med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
+        common = dict(ranks=1, gbps=0.0, device=device, sms=0, threads=threads, variant=name, mode=mode,
+                      idle_sleeps=sleeps, globaltimer_step_ns=step_ns, globaltimer_mean_step_ns=timer_ns)
+        recs.append(dict(bench="proxy", op="pickup_rtt", us=med, median_us=med, p99_us=p99, min_us=min(rtt),
+                         one_way_median_us=med / 2, iters=len(rtt), **common))
+        ow = one_way_pickup(st["start_ns"], st["publish_ns"], st["seen_ns"], st["pickup_ns"], skip=10)
+        recs.append(dict(bench="proxy", op="pickup", us=ow["median_us"], proxy_ticks_per_ns=st["ticks_per_ns"],
+                         **ow, **common))
+        print(f"[pickup] {name}: one-way GPU->CPU median {ow['median_us']:.2f} us p99 {ow['p99_us']:.2f} us "
+              f"(push {ow['push_median_us']:.2f} + transit {ow['transit_median_us']:.2f}; calibration min RTT "
+              f"{ow['calib_rtt_min_us']:.2f} us, drift {ow['drift_ppm']:.1f} ppm); round trip median {med:.2f} us "
+              f"p99 {p99:.2f} us; idle sleeps {sleeps}", flush=True)
     return recs
 
 
