@@ -43,7 +43,8 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
     if _use_native(topk_idx):
-        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32).to(topk_idx.device, non_blocking=True)
+        counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32)
+        counts = (counts.pin_memory() if not counts.is_cuda else counts).to(topk_idx.device, non_blocking=True)
         idx = topk_idx.to(torch.int64).contiguous()
         dst = torch.full(idx.shape, -1, dtype=torch.int32, device=idx.device)
         if idx.numel() == 0:

@@ -394,201 +394,9 @@ struct alignas(sizeof(T) * N) ElemVec {
   T v[N];
 };
 
-// First version (UCCL_EP_COMBINE_KERNEL=0), kept to compare against: one token per warp, 4 vectors per
-// source per lane in flight, lane 0 gathers the sources and waits for the flags one by one.
-template <typename T, int kVec>
-__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel_v0(CombineArgs a) {
-  constexpr int kWarps = kCombineThreads / kWarpSize;
-  constexpr int U = 4;  // vectors per lane per source in flight
-  using Vec = ElemVec<T, kVec>;
-  using PushV = typename std::conditional<
-      kVec * sizeof(T) == 16, int4,
-      typename std::conditional<kVec * sizeof(T) == 4, int, typename std::conditional<kVec * sizeof(T) == 8, int2, short>::type>::type>::type;
-  const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
-  const int K = a.num_topk, H = a.hidden;
-  const int push_warps = a.push_warps;
-  const int64_t row_bytes = (int64_t)H * sizeof(T);
-  const T* x = reinterpret_cast<const T*>(a.x);
-  char* my = a.peers.p[me];
-  uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
-  const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
-  const uint32_t seq = (uint32_t)(a.sig.base + 1);
-  __shared__ int s_P[kMaxRanks * kMaxRanks];
-  __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_sendbase[kMaxRanks], s_recvbase[kMaxRanks];
-  __shared__ int s_skip, s_next;
-  __shared__ const T* s_src[kWarps][kMaxRanks];
-  __shared__ const float* s_wsrc[kWarps][kMaxRanks];
-  __shared__ int s_n[kWarps];
-
-  if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
-  __syncthreads();
-  auto count = [&](int s, int r) { return s_P[s * R + r] - (s > 0 ? s_P[(s - 1) * R + r] : 0); };
-  if (tid < R) {
-    s_lo[tid] = tid > 0 ? s_P[(tid - 1) * R + me] : 0;
-    s_hi[tid] = s_P[tid * R + me];
-    int sb = 0, rb = 0;
-    for (int r = 0; r < me; ++r) sb += count(tid, r);  // my rows in rank tid's combine buffer start here
-    for (int r = 0; r < tid; ++r) rb += count(me, r);  // rows from rank tid in my combine buffer start here
-    s_sendbase[tid] = sb;
-    s_recvbase[tid] = rb;
-  }
-  if (tid == 0) {
-    int skip = 0;
-    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
-    for (int s = 0; s < R; ++s) {
-      int total = 0;
-      for (int r = 0; r < R; ++r) total += count(s, r);
-      if (total > cap) {
-        skip = 1;
-        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, s, kPhaseCombine, total, (int)cap);
-      }
-    }
-    s_skip = skip;
-    s_next = 0;
-  }
-  if (tid < R && tid != me)
-    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
-  __syncthreads();
-
-  if (!s_skip && w < push_warps) {
-    const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
-    for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
-      char* pdata = a.peers.p[s] + kHeaderBytes;
-      uint32_t* pflags = reinterpret_cast<uint32_t*>(a.peers.p[s] + kFlagsOffset);
-      int batch = 0;
-      int64_t pend_first = 0;
-      for (int i = s_lo[s] + gw; i < s_hi[s]; i += nw) {
-        const int64_t slot = s_sendbase[s] + (i - s_lo[s]);
-        if (batch == 0) pend_first = slot;
-        char* dst = pdata + a.lay.off_x + slot * row_bytes;
-        warp_push_row<PushV>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
-        if (a.with_weights) {
-          float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + slot * K;
-          for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)i * K + k];
-        }
-        // Release every flag_batch rows (and after the last): rows reach the peer before their flags.
-        if (++batch == a.flag_batch || i + nw >= s_hi[s]) {
-          __threadfence_system();
-          warp_sync();
-          for (int j = lane; j < batch; j += kWarpSize) st_relaxed_sys_u32(pflags + pend_first + (int64_t)j * nw, seq);
-          batch = 0;
-        }
-      }
-    }
-  }
-
-  // Reduce: tokens b + k*B of this block, claimed by any free warp; waits for each remote row's flag.
-  if (!s_skip) {
-    const char* data = my + kHeaderBytes;
-    const int nv = H / kVec;
-    for (;;) {
-      int k = 0;
-      if (lane == 0) k = atomicAdd(&s_next, 1);
-      k = warp_shfl(k, 0);
-      const int64_t t = blockIdx.x + (int64_t)k * gridDim.x;
-      if (t >= a.num_tokens) break;
-      bool ok = true;
-      if (lane == 0) {
-        int n = 0;
-        for (int r = 0; r < R; ++r) {
-          const int pos = a.send_pos[t * R + r];
-          if (pos < 0) continue;
-          if (r == me) {
-            const int64_t row = s_lo[me] + pos;
-            s_src[w][n] = x + row * H;
-            s_wsrc[w][n] = a.topk_w + row * K;
-          } else {
-            const int64_t row = s_recvbase[r] + pos;
-            ok = ok && wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, r,
-                                 kPhaseCombine, (int)row);
-            s_src[w][n] = reinterpret_cast<const T*>(data + a.lay.off_x) + row * H;
-            s_wsrc[w][n] = reinterpret_cast<const float*>(data + a.lay.off_topk_w) + row * K;
-          }
-          ++n;
-        }
-        s_n[w] = ok ? n : -1;
-      }
-      warp_sync();
-      const int n = s_n[w];
-      if (n < 0) break;  // lane 0's acquire, then the warp barrier: every lane reads the landed rows
-      for (int v0 = lane; v0 < nv; v0 += kWarpSize * U) {
-        float acc[U][kVec];
-#pragma unroll
-        for (int u = 0; u < U; ++u)
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) acc[u][e] = 0.f;
-        int j = 0;
-        for (; j + 1 < n; j += 2) {  // two sources' loads in flight before the adds
-          const Vec* src0 = reinterpret_cast<const Vec*>(s_src[w][j]);
-          const Vec* src1 = reinterpret_cast<const Vec*>(s_src[w][j + 1]);
-          Vec in0[U], in1[U];
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (v0 + u * kWarpSize < nv) {
-              in0[u] = src0[v0 + u * kWarpSize];
-              in1[u] = src1[v0 + u * kWarpSize];
-            }
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) {
-              acc[u][e] += in0[u].v[e].to_float();
-              acc[u][e] += in1[u].v[e].to_float();
-            }
-        }
-        if (j < n) {
-          const Vec* src = reinterpret_cast<const Vec*>(s_src[w][j]);
-          Vec in[U];
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-            if (v0 + u * kWarpSize < nv) in[u] = src[v0 + u * kWarpSize];
-#pragma unroll
-          for (int u = 0; u < U; ++u)
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[u][e] += in[u].v[e].to_float();
-        }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int idx = v0 + u * kWarpSize;
-          if (idx >= nv) continue;
-          if (a.bias0 != nullptr) {
-            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias0) + t * H)[idx];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[u][e] += b.v[e].to_float();
-          }
-          if (a.bias1 != nullptr) {
-            const Vec b = reinterpret_cast<const Vec*>(reinterpret_cast<const T*>(a.bias1) + t * H)[idx];
-#pragma unroll
-            for (int e = 0; e < kVec; ++e) acc[u][e] += b.v[e].to_float();
-          }
-          Vec o;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[u][e]);
-          reinterpret_cast<Vec*>(reinterpret_cast<T*>(a.out) + t * H)[idx] = o;
-        }
-      }
-      if (a.with_weights) {
-        for (int kk = lane; kk < K; kk += kWarpSize) {
-          float acc = 0.f;
-          for (int j = 0; j < n; ++j) acc += s_wsrc[w][j][kk];
-          a.out_w[t * K + kk] = acc;
-        }
-      }
-      warp_sync();
-    }
-  }
-  __syncthreads();
-  if (tid == 0)
-    for (int r = 0; r < R; ++r)
-      if (r != me) {
-        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
-        signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
-      }
-}
-
-// Current version. Same protocol, order and sums as v0; what changed is how many bytes each warp keeps in
-// flight and how few round trips sit between them:
+// Combine. Rows travel back into the source's buffer at their dispatch positions; the source sums them per
+// token in float32. What keeps it fast is how many bytes each warp keeps in flight and how few round trips
+// sit between them:
 //  - push: 12 vectors of 16 B per lane per round without per-vector predicates (a 7168-wide bf16 row is
 //    2 full rounds + a 4-vector tail), the row's top-k weights loaded before the row and stored after it.
 //  - reduce: lane r (< R) owns source rank r: it reads send_pos (prefetched one token ahead), waits for
@@ -950,13 +758,6 @@ template <typename T>
 static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
   const bool full = a.hidden % kFull == 0;
-  if (a.variant == 0) {
-    if (full)
-      combine_kernel_v0<T, kFull><<<num_blocks, kCombineThreads, 0, stream>>>(a);
-    else
-      combine_kernel_v0<T, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);
-    return;
-  }
   if (!full) {
     combine_kernel<T, 1, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);
     return;
@@ -973,7 +774,7 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
     return;
   }
 #endif
-  combine_kernel<T, kFull, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);  // HIP: variant 2 runs this too
+  combine_kernel<T, kFull, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);  // variant 1 (default); HIP runs it for 2 too
 }
 
 void launch_combine(const CombineArgs& a, int num_blocks, gpuStream_t stream) {

@@ -299,11 +299,12 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.push_warps = push_warps;
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
-  // UCCL_EP_COMBINE_KERNEL: 2 (default) reduce staged through shared memory with cp.async (CUDA; HIP runs
-  // 1), 1 reduce through registers, 0 the first version (for comparisons). See intranode.cu.
+  // UCCL_EP_COMBINE_KERNEL: 1 (default) reduce through registers, 2 reduce staged through shared memory with
+  // cp.async (CUDA; HIP runs 1). 1 measured faster on 2xH200 at 8-24 SMs (433 vs 359 GB/s at 24); 2 keeps
+  // more bytes in flight per lane when a token has many sources (4-8 ranks). See intranode.cu.
   const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
-  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : 2;
-  UCCL_CHECK(a.variant >= 0 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (0, 1 or 2)");
+  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : 1;
+  UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
              "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");

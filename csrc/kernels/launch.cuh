@@ -78,7 +78,7 @@ struct CombineArgs {
   bool with_weights;  // topk_weights given: rows carry weights and out_w is written
   int push_warps;     // warps per block that push; the rest reduce from the start
   int flag_batch;     // rows a push warp sends between two system fences (then releases their flags)
-  int variant;        // UCCL_EP_COMBINE_KERNEL: 2 = staged reduce (default), 1 = register reduce, 0 = first version
+  int variant;        // UCCL_EP_COMBINE_KERNEL: 1 = register reduce (default), 2 = staged reduce
   RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
   SignalArgs sig;
 };

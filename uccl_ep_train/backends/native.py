@@ -242,14 +242,15 @@ class NativeBackend(Backend):
             # real counts against the buffer and report instead of overflowing).
             max_recv, max_send = out_rows, min(n * R, R * out_rows)
         else:
-            host = info.cpu()  # the one host sync: it sizes the outputs
+            host = info.tolist()  # the one host sync: it sizes the outputs (plain ints from here on)
             self._check()
-            prefix = host[: R * R].view(R, R).to(torch.int64)
-            counts = torch.diff(prefix, dim=0, prepend=torch.zeros(1, R, dtype=torch.int64, device=prefix.device))
-            out_rows = int(prefix[R - 1, me])
-            max_recv = int(prefix[R - 1].max())
-            max_send = int(counts.sum(dim=1).max())
-            per_expert_list = [_align_up(int(c), expert_alignment) for c in host[R * R:].tolist()]
+            last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
+            out_rows = last[me]
+            max_recv = max(last)
+            # rows source s sends in all = row s of the prefix matrix minus row s - 1, summed over receivers
+            max_send = max(sum(host[s * R: (s + 1) * R]) - (sum(host[(s - 1) * R: s * R]) if s else 0)
+                           for s in range(R))
+            per_expert_list = [_align_up(c, expert_alignment) for c in host[R * R:]]
         with_topk = topk_idx is not None
         self._ensure(max_recv, x_bytes, scale_bytes, num_topk, True)
         self._ensure(max_send, hidden * 4 if x.dtype == torch.float32 else hidden * 2, 0, num_topk, False)  # combine
