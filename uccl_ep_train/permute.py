@@ -96,36 +96,27 @@ def _reduce(y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
     return out.to(y.dtype)
 
 
-class _ExpandRows(torch.autograd.Function):
+class _Permute(torch.autograd.Function):
+    """expand (rows -> expert-major rows) or reduce (the reverse); each is the other's backward."""
+
     @staticmethod
-    def forward(ctx, x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, dst: torch.Tensor, num_out: int, expand: bool) -> torch.Tensor:
         ctx.save_for_backward(dst)
-        ctx.num_rows = x.size(0)
-        return _expand(x, dst, num_out)
+        ctx.num_in, ctx.expand = t.size(0), expand
+        return _expand(t, dst, num_out) if expand else _reduce(t, dst, num_out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (dst,) = ctx.saved_tensors
-        return _reduce(grad.contiguous(), dst, ctx.num_rows), None, None
-
-
-class _ReduceRows(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
-        ctx.save_for_backward(dst)
-        ctx.num_in = y.size(0)
-        return _reduce(y, dst, num_rows)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (dst,) = ctx.saved_tensors
-        return _expand(grad.contiguous(), dst, ctx.num_in), None, None
+        grad = grad.contiguous()
+        back = _reduce(grad, dst, ctx.num_in) if ctx.expand else _expand(grad, dst, ctx.num_in)
+        return back, None, None, None
 
 
 def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
     """[n, ...] -> [num_out, ...]: row i copied to every expert-major row dst[i, :] names (autograd-aware)."""
     _check(x, dst, "x")
-    return _ExpandRows.apply(x, dst, int(num_out))
+    return _Permute.apply(x, dst, int(num_out), True)
 
 
 def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
@@ -135,7 +126,7 @@ def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = No
         raise ValueError(f"num_rows: {n} != dst rows {dst.size(0)}")
     if y.dim() < 1 or y.device != dst.device:
         raise ValueError(f"y: expected [rows, ...] on {dst.device}, got shape {tuple(y.shape)} on {y.device}")
-    return _ReduceRows.apply(y, dst, n)
+    return _Permute.apply(y, dst, n, False)
 
 
 def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
