@@ -1,7 +1,9 @@
 """GPU test: CUDA warps push commands into the rings, CPU proxies execute them over the ipc transport
 (copy engine into the peer GPU's IPC-mapped buffer), data and counters verified on the receiver.
 
-Two processes, one per GPU (both on GPU 0 when only one exists). Needs the native module built with CUDA.
+Two processes, one per GPU (both on GPU 0 when only one exists), each protocol of publishing a slot
+(`vector`: one 16-byte store; `fence`: body + release store of the header) in turn. Needs the native module
+built with CUDA.
 """
 import os
 import queue
@@ -18,6 +20,7 @@ pytestmark = [pytest.mark.gpu]
 
 THREADS, K, S = 2, 64, 4096          # rings, chunks per (src, dst, channel), chunk slot bytes
 CHANNELS = [0, 1, 2, 3]
+PUBLISH = ["vector", "fence"]       # ring publish protocols (UCCL_EP_RING_PUBLISH), one ProxyGroup each
 
 
 def _ready():
@@ -58,47 +61,54 @@ def _worker(rank, world, port, q):
         region = torch.zeros(2 * half, dtype=torch.uint8, device="cuda")
         idx = torch.arange(half, device="cuda", dtype=torch.int64)
         region[:half] = ((idx * 3 + rank * 101) % 251 + 1).to(torch.uint8)
-        counters = np.zeros(world * len(CHANNELS), np.int64)
-        g = P.ProxyGroup(rank, world, {0: region, 1: counters}, transport="ipc", gpu=dev, num_threads=THREADS,
-                         timeout_s=60)
-        per_ring = {t: [] for t in range(THREADS)}
-        for d in range(world):
-            for c in CHANNELS:
-                for k in range(K):
-                    op = P.OP_WRITE_IMM if k % 2 else P.OP_WRITE
-                    per_ring[c % THREADS].append((op, d, c, 0, _len(k), slot(d, c, k), half + slot(rank, c, k)))
-                    per_ring[c % THREADS].append((P.OP_ATOMIC_ADD, d, c, 1, k + 1, 0, 8 * (rank * len(CHANNELS) + c)))
-        rows, offsets = [], [0]
-        for t in range(THREADS):
-            rows += per_ring[t]
-            offsets.append(len(rows))
-        cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
-        torch.cuda.synchronize()
-        dist.barrier()
-        _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 4, torch.cuda.current_stream().cuda_stream)
-        for s in range(world):
-            for c in CHANNELS:
-                g.wait_seq(s, c, 2 * K, timeout_s=60, phase="gpu-ipc")
-        g.check()
-        expect = torch.zeros(half, dtype=torch.uint8, device="cuda")
-        for s in range(world):
-            src_pattern = ((torch.arange(half, device="cuda") * 3 + s * 101) % 251 + 1).to(torch.uint8)
-            for c in CHANNELS:
-                assert g.imm_count(s, c) == K // 2
-                assert counters[s * len(CHANNELS) + c] == K * (K + 1) // 2
-                for k in range(K):
-                    n = _len(k)
-                    so = slot(rank, c, k)   # where s read from: its send area for destination `rank`
-                    expect[slot(s, c, k): slot(s, c, k) + n] = src_pattern[so: so + n]
-        got = region[half:]
-        mismatch = int((got != expect).sum())
-        rtt = _native.gpu_pickup_latency(g._native, 0, 50)
-        stats = g.stats()
-        dist.barrier()
-        g.close()
+        results = {}
+        for publish in PUBLISH:
+            # one ProxyGroup per ring publish protocol, in the same processes (UCCL_EP_RING_PUBLISH)
+            region[half:].zero_()
+            counters = np.zeros(world * len(CHANNELS), np.int64)
+            g = P.ProxyGroup(rank, world, {0: region, 1: counters}, transport="ipc", gpu=dev, num_threads=THREADS,
+                             timeout_s=60, ring_publish=publish)
+            assert g.config()["ring_publish"] == publish
+            per_ring = {t: [] for t in range(THREADS)}
+            for d in range(world):
+                for c in CHANNELS:
+                    for k in range(K):
+                        op = P.OP_WRITE_IMM if k % 2 else P.OP_WRITE
+                        per_ring[c % THREADS].append((op, d, c, 0, _len(k), slot(d, c, k), half + slot(rank, c, k)))
+                        per_ring[c % THREADS].append((P.OP_ATOMIC_ADD, d, c, 1, k + 1, 0, 8 * (rank * len(CHANNELS) + c)))
+            rows, offsets = [], [0]
+            for t in range(THREADS):
+                rows += per_ring[t]
+                offsets.append(len(rows))
+            cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
+            torch.cuda.synchronize()
+            dist.barrier()
+            _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 4, torch.cuda.current_stream().cuda_stream)
+            for s in range(world):
+                for c in CHANNELS:
+                    g.wait_seq(s, c, 2 * K, timeout_s=60, phase="gpu-ipc")
+            g.check()
+            expect = torch.zeros(half, dtype=torch.uint8, device="cuda")
+            for s in range(world):
+                src_pattern = ((torch.arange(half, device="cuda") * 3 + s * 101) % 251 + 1).to(torch.uint8)
+                for c in CHANNELS:
+                    assert g.imm_count(s, c) == K // 2
+                    assert counters[s * len(CHANNELS) + c] == K * (K + 1) // 2
+                    for k in range(K):
+                        n = _len(k)
+                        so = slot(rank, c, k)   # where s read from: its send area for destination `rank`
+                        expect[slot(s, c, k): slot(s, c, k) + n] = src_pattern[so: so + n]
+            got = region[half:]
+            mismatch = int((got != expect).sum())
+            # every pickup probe variant (4: the one-store vector publish) round-trips on this ring
+            rtt = [min(_native.gpu_pickup_latency(g._native, 0, 50, mode)) for mode in range(5)]
+            stats = g.stats()
+            dist.barrier()
+            g.close()
+            results[publish] = (mismatch, min(rtt), stats)
         dist.destroy_process_group()
         del pad
-        q.put((rank, "ok", (mismatch, min(rtt), stats)))
+        q.put((rank, "ok", results))
     except BaseException:
         q.put((rank, "error", traceback.format_exc()))
 
@@ -127,7 +137,9 @@ def test_gpu_kernel_pushes_commands_proxies_execute_over_ipc():
             p.join(15)
             if p.is_alive():
                 p.kill()
-    for rank, (mismatch, rtt_min, stats) in res.items():
-        assert mismatch == 0, f"rank {rank}: {mismatch} bytes differ"
-        assert rtt_min > 0
-        assert stats["rejected"] == 0 and stats["writes"] == 2 * len(CHANNELS) * K
+    for rank, per_mode in res.items():
+        assert sorted(per_mode) == sorted(PUBLISH)
+        for publish, (mismatch, rtt_min, stats) in per_mode.items():
+            assert mismatch == 0, f"rank {rank} ({publish} publish): {mismatch} bytes differ"
+            assert rtt_min > 0
+            assert stats["rejected"] == 0 and stats["writes"] == 2 * len(CHANNELS) * K, (publish, stats)

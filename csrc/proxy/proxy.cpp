@@ -32,6 +32,7 @@ ProxyConfig ProxyConfig::from_env(int rank, int world, int gpu) {
   c.timeout_s = env_double("UCCL_EP_TIMEOUT_S", 60.0);
   c.fault = env_str("UCCL_EP_FAULT");
   c.provider = env_str("FI_PROVIDER");
+  c.ring_publish = env_str("UCCL_EP_RING_PUBLISH");
   return c;
 }
 
@@ -108,7 +109,7 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   const ProxyConfig& cfg = owner->cfg_;
   {
     AffinityScope near_gpu(owner->near_cpus_);  // the ring's pages on the GPU's NUMA node (see Proxy::Proxy)
-    ring_.reset(new RingBuffer(cfg.ring_capacity, cfg.gpu));
+    ring_.reset(new RingBuffer(cfg.ring_capacity, cfg.gpu, ring_publish_parse(cfg.ring_publish)));
   }
   consumer_ = RingConsumer(ring_->host_desc());
   echo_ = ring_->host_desc().echo;
@@ -336,9 +337,10 @@ void ProxyThread::check_timeouts() {
              << " phase 'completion' (" << inflight_total_ << " operations in flight, no completion; is the peer alive?)");
 }
 
-// One iteration of the pickup loop: no syscall, no locked instruction, no sleep. The ring's next header is
-// read with a plain acquire load (x86: an ordinary load that hits the cache until the GPU's write
-// invalidates the line); credits are returned with one release store per batch, not per command.
+// One iteration of the pickup loop: no syscall, no locked instruction, no sleep. The ring's next slot is
+// read with one 16-byte load (vector rings) or its header with a plain acquire load (fence rings); on x86
+// either is an ordinary load that hits the cache until the GPU's write invalidates the line. Credits are
+// returned with one release store per batch, not per command.
 bool ProxyThread::step() {
   constexpr uint32_t kBatch = 32;
   bool work = false;
@@ -374,6 +376,7 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
   if (cfg.num_threads < 1 || cfg.num_threads > kMaxChannels)
     UCCL_THROW("proxy: UCCL_EP_PROXY_THREADS=" << cfg.num_threads << " must be in [1, " << kMaxChannels << "]");
   if (cfg.max_inflight < 1) UCCL_THROW("proxy: in-flight limit must be >= 1, got " << cfg.max_inflight);
+  cfg_.ring_publish = ring_publish_name(ring_publish_parse(cfg.ring_publish));  // resolved: "fence" | "vector"
   try {
     fault_ = FaultSpec::parse(cfg.fault);
   } catch (const std::invalid_argument& e) {

@@ -72,6 +72,7 @@ struct ProxyConfig {
   double timeout_s = 60.0;      // UCCL_EP_TIMEOUT_S
   std::string fault;            // UCCL_EP_FAULT
   std::string job;              // unique per job (ipc shared-memory names)
+  std::string ring_publish;     // UCCL_EP_RING_PUBLISH: "fence" | "vector" | "" (default: ring_publish_default)
 
   static ProxyConfig from_env(int rank, int world, int gpu);
 };

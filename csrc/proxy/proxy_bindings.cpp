@@ -2,7 +2,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <atomic>
 #include <chrono>
+#include <cstdlib>
+#include <thread>
 
 #include "bindings.h"
 #include "common/check.h"
@@ -25,6 +28,7 @@ py::dict ring_dict(const RingDesc& d) {
   r["flushed"] = reinterpret_cast<uintptr_t>(d.flushed);
   r["echo"] = reinterpret_cast<uintptr_t>(d.echo);
   r["capacity"] = d.capacity;
+  r["publish"] = std::string(ring_publish_name(d.publish));
   return r;
 }
 
@@ -101,6 +105,52 @@ void register_proxy(py::module_& m) {
     return d;
   });
   m.def("cpus_near_gpu", &cpus_near_gpu, py::arg("gpu"));
+  m.def("ring_vector_publish_supported", &ring_vector_publish_supported,
+        "Whether this host guarantees 16-byte single-copy atomic loads/stores (x86-64 AVX, aarch64 LSE2).");
+  m.def("ring_publish_default", []() { return std::string(ring_publish_name(ring_publish_default())); },
+        "The ring publish mode used when UCCL_EP_RING_PUBLISH is unset: 'vector' or 'fence'.");
+  m.def("ring_tear_check",
+        [](long min_changes, double max_seconds) {
+          // One thread stores 16-byte slot images with ring_host_store16 (all four words equal, alternating
+          // between two values), this one reads the same slot with ring_host_load16 until it saw the value
+          // change `min_changes` times (or max_seconds passed): returns (reads, torn reads, changes seen).
+          // Zero torn reads is what the vector publish needs.
+          long reads = 0, torn = 0, changes = 0;
+          {
+            py::gil_scoped_release nogil;
+            void* mem = nullptr;
+            if (posix_memalign(&mem, 64, 64) != 0) UCCL_THROW("ring_tear_check: out of memory");
+            uint32_t* slot = static_cast<uint32_t*>(mem);
+            for (int i = 0; i < 16; ++i) slot[i] = 0;
+            std::atomic<bool> stop{false};
+            std::thread writer([&] {
+              uint32_t k = 1;
+              while (!stop.load(std::memory_order_relaxed)) {
+                const uint32_t w[4] = {k, k, k, k};
+                ring_host_store16(slot, w);
+                k = (k == 0x55555555u) ? 0xaaaaaaaau : 0x55555555u;
+              }
+            });
+            const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(max_seconds);
+            uint32_t prev = 0;
+            while (changes < min_changes) {
+              for (int i = 0; i < 4096; ++i) {
+                uint32_t w[4];
+                ring_host_load16(slot, w);
+                if (w[0] != w[1] || w[0] != w[2] || w[0] != w[3]) ++torn;
+                if (w[0] != prev) ++changes;
+                prev = w[0];
+              }
+              reads += 4096;
+              if (std::chrono::steady_clock::now() > deadline) break;
+            }
+            stop.store(true);
+            writer.join();
+            std::free(mem);
+          }
+          return py::make_tuple(reads, torn, changes);
+        },
+        py::arg("min_changes") = 100000, py::arg("max_seconds") = 5.0);
   m.def("cpu_pickup_latency",
         [](Proxy& p, int ring, int iters) {
           // CPU stand-in for the GPU probe: push OP_NOP(cookie), spin until the proxy echoes it (ns).
@@ -130,7 +180,7 @@ void register_proxy(py::module_& m) {
       .def(py::init([](int rank, int world, int gpu, const std::string& transport, py::object num_threads,
                        uint32_t ring_capacity, py::object provider, bool low_latency, py::object max_inflight,
                        py::object max_inflight_bytes, py::object adaptive_sleep, py::object timeout_s, py::object fault,
-                       py::object pin_threads, const std::string& job) {
+                       py::object pin_threads, const std::string& job, py::object ring_publish) {
              ProxyConfig c = ProxyConfig::from_env(rank, world, gpu);
              c.transport = transport;
              c.ring_capacity = ring_capacity;
@@ -145,6 +195,7 @@ void register_proxy(py::module_& m) {
              if (!timeout_s.is_none()) c.timeout_s = timeout_s.cast<double>();
              if (!fault.is_none()) c.fault = fault.cast<std::string>();
              if (!pin_threads.is_none()) c.pin_threads = pin_threads.cast<bool>();
+             if (!ring_publish.is_none()) c.ring_publish = ring_publish.cast<std::string>();
              return new Proxy(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("gpu") = -1, py::arg("transport") = "fabric",
@@ -152,7 +203,7 @@ void register_proxy(py::module_& m) {
            py::arg("low_latency") = false, py::arg("max_inflight") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("adaptive_sleep") = py::none(),
            py::arg("timeout_s") = py::none(), py::arg("fault") = py::none(), py::arg("pin_threads") = py::none(),
-           py::arg("job") = "")
+           py::arg("job") = "", py::arg("ring_publish") = py::none())
       .def("register_region", &Proxy::register_region, py::arg("id"), py::arg("ptr"), py::arg("size"),
            py::arg("device") = false)
       .def("local_blob", [](Proxy& p, int t) { return py::bytes(p.local_blob(t)); })
@@ -189,6 +240,7 @@ void register_proxy(py::module_& m) {
              d["adaptive_sleep"] = c.adaptive_sleep;
              d["timeout_s"] = c.timeout_s;
              d["fault"] = p.fault_spec();
+             d["ring_publish"] = c.ring_publish;
              return d;
            })
       .def("push",

@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -67,7 +68,8 @@ struct PickupStamps {
 };
 
 PickupStamps pickup_stamps(Proxy& p, int ring, int iters, int mode) {
-  if (mode < 0 || mode >= kPickupModes) throw py::value_error("gpu_pickup_latency: mode must be in [0, 4)");
+  if (mode < 0 || mode >= kPickupModes)
+    throw py::value_error("gpu_pickup_latency: mode must be in [0, " + std::to_string(kPickupModes) + ")");
   if (ring < 0 || ring >= p.num_threads()) throw py::value_error("gpu_pickup_latency: ring out of range");
   if (iters < 1) throw py::value_error("gpu_pickup_latency: iters must be >= 1");
   if (!p.running()) throw py::value_error("gpu_pickup_latency: the proxy is not running (the kernel would spin forever)");

@@ -1,15 +1,44 @@
 // The GPU→CPU command channel: one header shared by device code (CUDA/HIP) and host C++.
 //
 // A ring lives in pinned, GPU-mapped host memory. Producers (GPU warps, or CPU threads in tests) claim
-// slots with one atomic on a claim counter, write the 12-byte command body, then store the 4-byte header
-// word that carries the opcode and the lap parity bit with system-scope release semantics: that store
-// publishes the slot (on NVIDIA sm_70+ one `st.release.sys`, i.e. MEMBAR.ALL.SYS + store, not the heavier
-// sequentially consistent fence of __threadfence_system). Each slot is published by the lane that filled
-// it, so no cross-lane fence is needed. The single consumer (one CPU proxy thread per ring) spins on
-// header words in slot order with acquire loads (plain loads on x86), copies commands out, and returns
-// credits by storing its tail with release semantics, in batches (RingConsumer::consume / publish).
-// Producers keep a cached copy of the tail next to the claim counter (GPU memory) and read the host tail
-// over PCIe only when the ring looks full.
+// slots with one atomic on a claim counter and publish each 16-byte command in one of two ways
+// (RingDesc::publish, chosen per ring by UCCL_EP_RING_PUBLISH=vector|fence):
+//
+//  vector (default where the host guarantees it, below): the producer writes the WHOLE command, header
+//    with the lap bit included, with ONE 16-byte aligned store (CUDA: st.relaxed.sys.global.v4.b32,
+//    i.e. one STG.128 that leaves the GPU as one PCIe write; HIP: one dwordx4 store), and the consumer
+//    reads each slot with ONE 16-byte aligned load (ring_host_load16) and tests the lap bit from that
+//    same load. Body and header arrive together, so no ordering between them and no fence is needed:
+//    publishing costs one posted write instead of a system-scope release (~1.4 us on H200, which waits
+//    for the PCIe write of the body to be acknowledged before the header may go).
+//    What it relies on: 16-byte single-copy atomicity on both ends.
+//    - host loads: x86 processors that enumerate AVX guarantee that aligned 16-byte MOVDQA/MOVAPS/
+//      VMOVDQA (VEX.128) accesses are atomic (Intel SDM vol. 3A, "Guaranteed Atomic Operations",
+//      §9.1.1 in current editions, §8.1.1 in older ones; AMD's APM vol. 2, "Access Atomicity", likewise
+//      for processors with AVX); aarch64 with FEAT_LSE2 (HWCAP_USCAT) makes an aligned LDP/STP of 16
+//      bytes single-copy atomic. Checked at run time (ring_vector_publish_supported, ring_buffer.h):
+//      elsewhere the default is `fence` and asking for `vector` is an error.
+//    - GPU stores: an aligned 16-byte store to system memory travels as one PCIe memory write (a slot
+//      never crosses a 64-byte line), and the root complex updates a cache line as a unit. This is how
+//      the hardware behaves, not a PTX/HIP memory-model promise (PTX calls a .v4 access four scalar
+//      accesses); the fenced path stays selectable for that reason.
+//    Data: a vector publish orders NOTHING before it. A command that makes the proxy read data the GPU
+//    wrote (OP_WRITE's payload, ...) needs that data visible first: call ring_release_data() (one
+//    fence.acq_rel.sys) ONCE per batch, after the payload stores and before publishing the batch's
+//    commands (after a __syncwarp/__syncthreads when other threads wrote the payload: PTX fences are
+//    cumulative). Pure signalling (OP_NOP, the pickup probe) needs none.
+//
+//  fence: the producer writes the 12-byte body, then stores the 4-byte header word with system-scope
+//    release semantics: that store publishes the slot (on NVIDIA sm_70+ one `st.release.sys`, i.e.
+//    MEMBAR.ALL.SYS + store, not the heavier sequentially consistent fence of __threadfence_system).
+//    Each slot is published by the lane that filled it, so no cross-lane fence is needed. The consumer
+//    reads the header with an acquire load (plain load on x86), then the body. The release also orders
+//    the publishing lane's own earlier stores (payload) before the command.
+//
+// The single consumer (one CPU proxy thread per ring) spins on slots in slot order, copies commands out,
+// and returns credits by storing its tail with release semantics, in batches (RingConsumer::consume /
+// publish). Producers keep a cached copy of the tail next to the claim counter (GPU memory) and read the
+// host tail over PCIe only when the ring looks full.
 //
 // Slot validity needs no consumer write-back: a slot at index i is ready when its opcode is non-zero and
 // its lap bit equals (i / capacity) & 1, so stale commands from the previous lap never look ready.
@@ -38,6 +67,12 @@ constexpr uint8_t kOpcodeMask = 0x3f;
 constexpr uint8_t kLapBit = 0x80;
 constexpr int kMaxChannels = 64;  // channel field < 64; a channel always maps to ring (channel % num_rings)
 
+// How producers publish a slot (RingDesc::publish; UCCL_EP_RING_PUBLISH, see the top of this file).
+enum RingPublish : uint32_t {
+  kRingPublishFence = 0,   // body, then the header with a system-scope release store
+  kRingPublishVector = 1,  // the whole command in one 16-byte store; consumer reads it with one 16-byte load
+};
+
 // 16 bytes, naturally aligned. Word 0 is the header (published last).
 struct alignas(16) Command {
   uint8_t op;          // Opcode | lap bit (bit 7); bits 6..5 reserved
@@ -65,6 +100,7 @@ struct RingDesc {
   unsigned long long* echo;        // [0]: last OP_NOP cookie picked up, [1]: its pickup time (latency probe)
   uint32_t capacity;               // power of two
   uint32_t mask;
+  uint32_t publish;                // RingPublish: how producers publish and the consumer reads slots
 };
 
 // ---------------------------------------------------------------------------------------------------
@@ -163,6 +199,98 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_body(Command* slot, const Comm
 #endif
 }
 
+// Data release before publishing commands that reference GPU-written data (vector publish orders nothing):
+// one system-scope release fence, ONCE per batch of commands, after the payload stores (device sm_70+:
+// fence.acq_rel.sys = MEMBAR.ALL.SYS; HIP: __threadfence_system; host: a release fence).
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_release_data() {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("fence.acq_rel.sys;" ::: "memory");
+#elif UCCL_DEVICE_CODE
+  __threadfence_system();
+#else
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+#endif
+}
+
+#if !UCCL_DEVICE_CODE
+// Host 16-byte accesses of one slot, each ONE instruction (the single-copy atomicity the vector publish
+// relies on; see the top of this file). The load has acquire semantics, the store release semantics.
+//   x86-64:  (v)movdqa (aligned SSE/VEX.128 access: atomic on CPUs with AVX; loads/stores are ordered
+//            by TSO, the asm's "memory" clobber keeps the compiler from moving accesses across it)
+//   aarch64: ldp + dmb ishld / dmb ish + stp (single-copy atomic with FEAT_LSE2)
+//   other:   header acquire + body loads / body + header release store (the fenced protocol's accesses;
+//            ring_vector_publish_supported() is false there, so the vector mode is never selected)
+#if defined(__x86_64__)
+#define UCCL_RING_HOST_VEC16 1
+typedef long long uccl_ring_v16 __attribute__((vector_size(16), aligned(16)));
+static inline void ring_host_load16(const void* slot, void* out) {
+  uccl_ring_v16 v;
+#if defined(__AVX__)
+  asm volatile("vmovdqa %1, %0" : "=x"(v) : "m"(*static_cast<const uccl_ring_v16*>(slot)) : "memory");
+#else
+  asm volatile("movdqa %1, %0" : "=x"(v) : "m"(*static_cast<const uccl_ring_v16*>(slot)) : "memory");
+#endif
+  __builtin_memcpy(out, &v, 16);
+}
+static inline void ring_host_store16(void* slot, const void* in) {
+  uccl_ring_v16 v;
+  __builtin_memcpy(&v, in, 16);
+#if defined(__AVX__)
+  asm volatile("vmovdqa %1, %0" : "=m"(*static_cast<uccl_ring_v16*>(slot)) : "x"(v) : "memory");
+#else
+  asm volatile("movdqa %1, %0" : "=m"(*static_cast<uccl_ring_v16*>(slot)) : "x"(v) : "memory");
+#endif
+}
+#elif defined(__aarch64__)
+#define UCCL_RING_HOST_VEC16 1
+static inline void ring_host_load16(const void* slot, void* out) {
+  uint64_t lo, hi;
+  asm volatile("ldp %0, %1, [%2]\n\tdmb ishld" : "=&r"(lo), "=&r"(hi) : "r"(slot) : "memory");
+  uint64_t w[2] = {lo, hi};
+  __builtin_memcpy(out, w, 16);
+}
+static inline void ring_host_store16(void* slot, const void* in) {
+  uint64_t w[2];
+  __builtin_memcpy(w, in, 16);
+  asm volatile("dmb ish\n\tstp %1, %2, [%0]" : : "r"(slot), "r"(w[0]), "r"(w[1]) : "memory");
+}
+#else
+#define UCCL_RING_HOST_VEC16 0
+static inline void ring_host_load16(const void* slot, void* out) {
+  uint32_t w[4];
+  const uint32_t* p = static_cast<const uint32_t*>(slot);
+  w[0] = __atomic_load_n(p, __ATOMIC_ACQUIRE);
+  for (int i = 1; i < 4; ++i) w[i] = __atomic_load_n(p + i, __ATOMIC_RELAXED);
+  __builtin_memcpy(out, w, 16);
+}
+static inline void ring_host_store16(void* slot, const void* in) {
+  uint32_t w[4];
+  __builtin_memcpy(w, in, 16);
+  uint32_t* p = static_cast<uint32_t*>(slot);
+  for (int i = 1; i < 4; ++i) __atomic_store_n(p + i, w[i], __ATOMIC_RELAXED);
+  __atomic_store_n(p, w[0], __ATOMIC_RELEASE);
+}
+#endif
+#endif  // !UCCL_DEVICE_CODE
+
+// The whole command (header with lap bit + body) in ONE 16-byte aligned store: the vector publish.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_command16(Command* slot, uint32_t header, const Command& c) {
+#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  asm volatile("st.relaxed.sys.global.v4.b32 [%0], {%1, %2, %3, %4};"
+               : : "l"(slot), "r"(header), "r"(c.length), "r"(c.local_off), "r"(c.remote_off) : "memory");
+#elif UCCL_DEVICE_CODE && defined(__CUDA_ARCH__)
+  asm volatile("st.volatile.global.v4.b32 [%0], {%1, %2, %3, %4};"
+               : : "l"(slot), "r"(header), "r"(c.length), "r"(c.local_off), "r"(c.remote_off) : "memory");
+#elif UCCL_DEVICE_CODE
+  typedef unsigned int uccl_v4u __attribute__((ext_vector_type(4)));  // 16-byte aligned: one dwordx4 store
+  uccl_v4u v = {header, c.length, c.local_off, c.remote_off};
+  *reinterpret_cast<volatile uccl_v4u*>(slot) = v;
+#else
+  const uint32_t w[4] = {header, c.length, c.local_off, c.remote_off};
+  ring_host_store16(slot, w);
+#endif
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Producer side.
 
@@ -218,13 +346,35 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish_release(const RingDesc& r, u
   ring_store_header_release(&r.slots[idx & r.mask], ring_header_for(r, idx, c));
 }
 
-// Single-thread push of n commands: claim, bodies, then one release store (n == 1) or one release fence
-// and relaxed header stores (n > 1).
+// Vector publish of claimed slot idx: the whole command, lap bit included, in one 16-byte store. Orders
+// nothing before it: call ring_release_data() first when the command references data written just before.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_publish_vector(const RingDesc& r, unsigned long long idx, const Command& c) {
+  ring_store_command16(&r.slots[idx & r.mask], ring_header_for(r, idx, c), c);
+}
+
+// Fills and publishes claimed slot idx the way the ring is configured (r.publish).
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_write_slot(const RingDesc& r, unsigned long long idx, const Command& c) {
+  if (r.publish == kRingPublishVector) {
+    ring_publish_vector(r, idx, c);
+  } else {
+    ring_fill(r, idx, c);
+    ring_publish_release(r, idx, c);
+  }
+}
+
+// Single-thread push of n commands: claim, then per command one 16-byte store (vector rings), or the
+// bodies and one release store (n == 1) / one release fence and relaxed header stores (n > 1) (fence
+// rings). Vector rings: call ring_release_data() first when the commands reference data written just
+// before (the fenced path orders this thread's earlier stores itself).
 UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, uint32_t n,
                                        unsigned long long spin_limit = 0) {
   if (n == 0) return true;
   const unsigned long long first = ring_claim(r, n, spin_limit);
   if (first == ~0ull) return false;
+  if (r.publish == kRingPublishVector) {
+    for (uint32_t i = 0; i < n; ++i) ring_publish_vector(r, first + i, cmds[i]);
+    return true;
+  }
   for (uint32_t i = 0; i < n; ++i) ring_fill(r, first + i, cmds[i]);
   if (n == 1) {
     ring_publish_release(r, first, cmds[0]);
@@ -237,7 +387,9 @@ UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, u
 
 #if defined(__HIPCC__) && defined(__HIP_PLATFORM_AMD__)
 // Wavefront-cooperative push (AMD, 64 lanes): every active lane contributes one command when has_cmd.
-// One claim atomic and one system fence per wavefront. Must be called by all active lanes.
+// One claim atomic per wavefront; vector rings: one 16-byte store per lane, no fence (call
+// ring_release_data() before when the commands reference data just written); fence rings: bodies, one
+// system fence per wavefront, headers. Must be called by all active lanes.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd) {
   const unsigned lane = __lane_id();
   const unsigned long long vote = __ballot(has_cmd);
@@ -248,15 +400,20 @@ __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool 
   if (int(lane) == leader) first = ring_claim(r, n);
   first = __shfl(first, leader);
   const unsigned rank_in_vote = __popcll(vote & ((lane == 0) ? 0ull : (~0ull >> (64 - lane))));
+  if (r.publish == kRingPublishVector) {
+    if (has_cmd) ring_publish_vector(r, first + rank_in_vote, c);
+    return;
+  }
   if (has_cmd) ring_fill(r, first + rank_in_vote, c);
   __threadfence_system();
   if (has_cmd) ring_publish(r, first + rank_in_vote, c);
 }
 #elif defined(__CUDACC__) || defined(__HIPCC__)
 // Warp-cooperative push: every active lane of `mask` contributes one command (lanes with has_cmd=false
-// contribute nothing). One claim atomic per warp; each lane publishes its own slot with one release
-// store (a slot's header covers only that lane's body, so no warp-wide fence). Must be called by all
-// lanes in mask.
+// contribute nothing). One claim atomic per warp; each lane publishes its own slot: vector rings with one
+// 16-byte store and no fence (call ring_release_data() before when the commands reference data just
+// written), fence rings with body stores and one release store of the header (a slot's header covers only
+// that lane's body, so no warp-wide fence). Must be called by all lanes in mask.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {
   const unsigned lane = threadIdx.x & 31u;
   const unsigned vote = __ballot_sync(mask, has_cmd);
@@ -267,10 +424,7 @@ __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool 
   if (lane == leader) first = ring_claim(r, n);
   first = __shfl_sync(mask, first, leader);
   const unsigned rank_in_vote = __popc(vote & ((1u << lane) - 1u));
-  if (has_cmd) {
-    ring_fill(r, first + rank_in_vote, c);
-    ring_publish_release(r, first + rank_in_vote, c);
-  }
+  if (has_cmd) ring_write_slot(r, first + rank_in_vote, c);
 }
 #endif
 
@@ -284,8 +438,21 @@ class RingConsumer {
 
   // Copies up to `max` ready commands (in slot order) into out; returns how many. Opcode bits are
   // returned with the lap bit cleared. Does not return credits: call release() after using them.
+  // Vector rings: one 16-byte load per slot, the lap bit tested from that same load.
   uint32_t peek(Command* out, uint32_t max) {
     uint32_t n = 0;
+    if (d_.publish == kRingPublishVector) {
+      while (n < max) {
+        const unsigned long long idx = tail_ + n;
+        Command c;
+        ring_host_load16(&d_.slots[idx & d_.mask], &c);
+        const uint8_t lap = ((idx / d_.capacity) & 1ull) ? kLapBit : 0;
+        if ((c.op & kOpcodeMask) == 0 || (c.op & kLapBit) != lap) break;
+        c.op &= kOpcodeMask;
+        out[n++] = c;
+      }
+      return n;
+    }
     while (n < max) {
       const unsigned long long idx = tail_ + n;
       Command* slot = &d_.slots[idx & d_.mask];

@@ -2,11 +2,51 @@
 
 #include <cstdlib>
 #include <cstring>
+#if defined(__aarch64__) && defined(__linux__)
+#include <sys/auxv.h>
+#endif
 
 #include "common/check.h"
 #include "common/raii.h"
 
 namespace uccl {
+
+bool ring_vector_publish_supported() {
+#if defined(__x86_64__)
+  // Intel SDM vol. 3A "Guaranteed Atomic Operations": aligned 16-byte (V)MOVDQA is atomic on CPUs that
+  // enumerate AVX (AMD's APM documents the same).
+  return __builtin_cpu_supports("avx");
+#elif defined(__aarch64__) && defined(__linux__)
+#ifndef HWCAP_USCAT
+#define HWCAP_USCAT (1 << 25)
+#endif
+  return (getauxval(AT_HWCAP) & HWCAP_USCAT) != 0;  // FEAT_LSE2: aligned 16-byte LDP/STP single-copy atomic
+#else
+  return false;
+#endif
+}
+
+RingPublish ring_publish_default() {
+#if defined(UCCL_EP_WITH_HIP)
+  return kRingPublishFence;
+#else
+  return ring_vector_publish_supported() ? kRingPublishVector : kRingPublishFence;
+#endif
+}
+
+RingPublish ring_publish_parse(const std::string& s) {
+  if (s.empty() || s == "default" || s == "auto") return ring_publish_default();
+  if (s == "fence") return kRingPublishFence;
+  if (s == "vector") {
+    if (!ring_vector_publish_supported())
+      UCCL_THROW("UCCL_EP_RING_PUBLISH=vector needs 16-byte single-copy atomic host loads (x86-64 with AVX, or "
+                 "aarch64 with LSE2); this host has neither: use 'fence'");
+    return kRingPublishVector;
+  }
+  UCCL_THROW("UCCL_EP_RING_PUBLISH must be 'fence' or 'vector', got '" << s << "'");
+}
+
+const char* ring_publish_name(uint32_t mode) { return mode == kRingPublishVector ? "vector" : "fence"; }
 
 HostMemory::HostMemory(size_t bytes, int gpu) : bytes_(bytes) {
   if (gpu >= 0) {
@@ -64,7 +104,7 @@ namespace {
 constexpr size_t kHeader = 512;  // tail @0, flushed @64, echo @128, claim @192, tail_cache @256
 }
 
-RingBuffer::RingBuffer(uint32_t capacity, int gpu) : gpu_(gpu) {
+RingBuffer::RingBuffer(uint32_t capacity, int gpu, RingPublish publish) : gpu_(gpu) {
   if (capacity < 2 || (capacity & (capacity - 1)))
     UCCL_THROW("ring capacity must be a power of two >= 2, got " << capacity);
   mem_ = HostMemory(kHeader + size_t(capacity) * sizeof(Command), gpu);
@@ -77,6 +117,7 @@ RingBuffer::RingBuffer(uint32_t capacity, int gpu) : gpu_(gpu) {
     d.slots = reinterpret_cast<Command*>(base + kHeader);
     d.capacity = capacity;
     d.mask = capacity - 1;
+    d.publish = publish;
   };
   fill(host_, mem_.host());
   fill(dev_, mem_.device());

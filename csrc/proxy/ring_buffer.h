@@ -1,11 +1,23 @@
 // RingBuffer: owns the memory behind one RingDesc (host: pinned and GPU-mapped when a GPU is used).
 #pragma once
 
+#include <string>
 #include <utility>
 
 #include "proxy/ring.h"
 
 namespace uccl {
+
+// Whether this host guarantees the 16-byte single-copy atomicity the vector publish needs (ring.h):
+// x86-64 with AVX, aarch64 with FEAT_LSE2 (HWCAP_USCAT); false elsewhere.
+bool ring_vector_publish_supported();
+// The default publish mode: vector where supported (CUDA and CPU-only builds), fence otherwise and on HIP
+// builds (the AMD path is compile-checked only, not yet measured).
+RingPublish ring_publish_default();
+// "" (default), "fence" or "vector" (UCCL_EP_RING_PUBLISH); throws on anything else, and on "vector"
+// where ring_vector_publish_supported() is false.
+RingPublish ring_publish_parse(const std::string& s);
+const char* ring_publish_name(uint32_t mode);
 
 // Host memory that the GPU can read and write (cudaHostAlloc mapped) when gpu >= 0, plain aligned memory
 // otherwise. Zero-initialised.
@@ -32,7 +44,7 @@ class HostMemory {
 
 class RingBuffer {
  public:
-  RingBuffer(uint32_t capacity, int gpu);
+  RingBuffer(uint32_t capacity, int gpu, RingPublish publish = ring_publish_default());
   ~RingBuffer();
   RingBuffer(const RingBuffer&) = delete;
   RingBuffer& operator=(const RingBuffer&) = delete;

@@ -1,5 +1,6 @@
-// GPU-side producers: warps claim ring slots, write 16-byte commands and publish each with a system-scope
-// release store (proxy/ring.h). Used by the GPU tests and `uccl-ep-train bench proxy`.
+// GPU-side producers: warps claim ring slots and publish each 16-byte command the way the ring says
+// (RingDesc::publish: one 16-byte store, or body + system-scope release store of the header; proxy/ring.h).
+// Used by the GPU tests and `uccl-ep-train bench proxy`.
 #include "common/check.h"
 #include "proxy/ring_gpu.h"
 
@@ -27,6 +28,11 @@ __global__ void push_commands_kernel(const RingDesc* rings, const Command* cmds,
   const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
   const RingDesc ring = rings[r];
   const int begin = offsets[r], end = offsets[r + 1];
+  // The commands reference region data: make it visible to the proxy (and its copy engine / NIC) before
+  // any command is published, once per thread for the whole batch (vector rings order nothing themselves).
+  // Here the payload was written before the launch; a kernel that writes it itself does the same after
+  // its payload stores (and a __syncwarp/__syncthreads when other threads wrote it).
+  ring_release_data();
   // Warp w takes batches w, w + W, w + 2W, ... of kWarp commands.
   for (int base = begin + warp * kWarp; base < end; base += warps_per_ring * kWarp) {
     const int i = base + lane;
@@ -54,7 +60,8 @@ __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_w
 // start time (local_off = low, remote_off = high 32 bits of the globaltimer) and spins until the proxy
 // echoes the cookie. Stamps per iteration (out[4 i + k]):
 //   k=0 start    globaltimer before the claim (the pickup latency counts from here)
-//   k=1 publish  globaltimer after the body and the release fence, right before the header store
+//   k=1 publish  globaltimer after the body and the release fence, right before the header store (mode 4:
+//                right before the one 16-byte store)
 //   k=2 seen     globaltimer when the echo was seen (before any acquire fence)
 //   k=3 pickup   the proxy's clock (ticks) when it picked the command up (echo[1], read after the acquire)
 // [publish, seen] is the ping-pong used to calibrate the proxy's clock against the globaltimer: the
@@ -62,8 +69,10 @@ __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_w
 // mode 0: claim, fill, fence.acq_rel.sys, relaxed header store; poll with ld.acquire.sys
 // mode 1: as 0, poll with ld.relaxed.sys and one acquire fence after the echo was seen
 // mode 2: as 1 with the slot claimed before the start stamp (claim cost excluded)
-// mode 3: claim, fill, st.release.sys header (ring_push's single-command path; the fence is inside the
-//         store, so [publish, seen] carries it); poll with ld.acquire.sys
+// mode 3: claim, fill, st.release.sys header (the fenced ring_push's single-command path; the fence is
+//         inside the store, so [publish, seen] carries it); poll with ld.acquire.sys
+// mode 4: claim, the whole command (header with lap bit + body) in ONE 16-byte st.relaxed.sys.v4 store,
+//         no fence (the vector publish, ring_push's path on vector rings); poll with ld.acquire.sys
 __global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_base, unsigned long long* out, int mode) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
   for (int i = 0; i < iters; ++i) {
@@ -77,17 +86,21 @@ __global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_
     c.length = cookie;
     c.local_off = uint32_t(t0);
     c.remote_off = uint32_t(t0 >> 32);
-    ring_fill(ring, idx, c);
     unsigned long long tp;
-    if (mode == 3) {
+    if (mode == 4) {
+      tp = now_ns();
+      ring_publish_vector(ring, idx, c);
+    } else if (mode == 3) {
+      ring_fill(ring, idx, c);
       tp = now_ns();
       ring_publish_release(ring, idx, c);
     } else {
+      ring_fill(ring, idx, c);
       ring_fence_sys();
       tp = now_ns();
       ring_publish(ring, idx, c);
     }
-    if (mode == 0 || mode == 3) {
+    if (mode == 0 || mode == 3 || mode == 4) {
       while (ring_load_acquire_sys(ring.echo) != (unsigned long long)cookie) {
       }
     } else {
@@ -125,6 +138,7 @@ __global__ void timer_resolution_kernel(int reads, unsigned long long* out) {
 __global__ void visibility_latency_kernel(RingDesc ring, Command cmd, const unsigned long long* counter, int iters,
                                           unsigned long long* out) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  ring_release_data();  // the write's payload (written before the launch) visible before the first command
   unsigned long long seen = ring_load_acquire_sys(counter);
   for (int i = 0; i < iters; ++i) {
     const unsigned long long t0 = now_ns();

@@ -140,9 +140,11 @@ def _gpu_single(args, device):
             rate = total / sec
             recs.append(dict(bench="proxy", op="nop_push", ranks=1, gbps=rate * 16 / 1e9, us=sec / total * 1e6,
                              device=device, sms=0, threads=threads, warps_per_ring=args.warps_per_ring,
+                             ring_publish=g.config().get("ring_publish"),
                              commands=total, commands_per_s=rate, commands_per_s_per_thread=rate / threads,
                              cpus=g.thread_cpus()))
-            print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring}: {rate / 1e6:.2f} M cmd/s per GPU, "
+            print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring} publish="
+                  f"{g.config().get('ring_publish')}: {rate / 1e6:.2f} M cmd/s per GPU, "
                   f"{rate / threads / 1e6:.2f} M/s per proxy thread", flush=True)
             if threads == max(args.threads):
                 recs += _pickup(args, g, device, threads)
@@ -158,7 +160,11 @@ def _gpu_single(args, device):
     return recs
 
 
-PICKUP_VARIANTS = {0: "fence+store/acquire-poll", 1: "relaxed-poll", 2: "preclaimed", 3: "release-store"}
+# pickup_latency_kernel's modes (csrc/proxy/ring_gpu.cu): 0-3 publish body + header behind a system-scope
+# release (fence, then a relaxed header; or st.release.sys), 4 the whole command in one 16-byte store with
+# no fence (the vector publish, UCCL_EP_RING_PUBLISH=vector).
+PICKUP_VARIANTS = {0: "fence+store/acquire-poll", 1: "relaxed-poll", 2: "preclaimed", 3: "release-store",
+                   4: "vector-store"}
 
 
 def _pickup(args, g, device, threads):
@@ -176,7 +182,8 @@ def _pickup(args, g, device, threads):
         rtt = ((seen - start) / 1e3)[10:].tolist()
         med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
         common = dict(ranks=1, gbps=0.0, device=device, sms=0, threads=threads, variant=name, mode=mode,
-                      idle_sleeps=sleeps, globaltimer_step_ns=step_ns, globaltimer_mean_step_ns=timer_ns)
+                      idle_sleeps=sleeps, globaltimer_step_ns=step_ns, globaltimer_mean_step_ns=timer_ns,
+                      ring_publish=g.config().get("ring_publish"))
         recs.append(dict(bench="proxy", op="pickup_rtt", us=med, median_us=med, p99_us=p99, min_us=min(rtt),
                          one_way_median_us=med / 2, iters=len(rtt), **common))
         ow = one_way_pickup(st["start_ns"], st["publish_ns"], st["seen_ns"], st["pickup_ns"], skip=10)
@@ -232,7 +239,8 @@ def _ipc_worker(rank, world, port, args, threads, q):
                                  device=torch.cuda.get_device_name(dev), sms=0, threads=threads, chunk_bytes=chunk,
                                  commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
                                  commands_per_s=n / sec, transport="ipc", both_directions=True,
-                                 max_inflight=g.config()["max_inflight"]))
+                                 max_inflight=g.config()["max_inflight"],
+                                 ring_publish=g.config().get("ring_publish")))
                 dist.barrier()
             g.check()
         dist.destroy_process_group()
