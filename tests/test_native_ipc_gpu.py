@@ -100,8 +100,8 @@ def _worker(rank, world, port, q):
                         expect[slot(s, c, k): slot(s, c, k) + n] = src_pattern[so: so + n]
             got = region[half:]
             mismatch = int((got != expect).sum())
-            # every pickup probe variant (4: the one-store vector publish) round-trips on this ring
-            rtt = [min(_native.gpu_pickup_latency(g._native, 0, 50, mode)) for mode in range(5)]
+            # every pickup probe variant (4: the one-store vector publish, 5: an owned ring) round-trips here
+            rtt = [min(_native.gpu_pickup_latency(g._native, 0, 50, mode)) for mode in range(6)]
             stats = g.stats()
             dist.barrier()
             g.close()

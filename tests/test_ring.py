@@ -75,6 +75,35 @@ def test_wraparound_many_laps_every_write_lands_once():
     np.testing.assert_array_equal(buf[n * chunk:].reshape(n, chunk), src)
 
 
+def test_owned_ring_producer_wraps_and_continues_after_claiming_producers():
+    """RingProducer (the owned-ring path): many laps with back-pressure, then claiming pushes continue
+    from where it closed, and owned pushes again after those: every write lands exactly once, in order."""
+    cap, n, chunk = 8, 600, 16
+    buf = np.zeros(2 * n * chunk, np.uint8)
+    src = buf[: n * chunk].reshape(n, chunk)
+    src[:] = (np.arange(n)[:, None] * 5 + np.arange(chunk)[None, :]) % 249 + 1
+    with make_group({0: buf}, ring_capacity=cap) as g:
+        cmds = P.make_commands((P.OP_WRITE_IMM, 0, 0, 0, chunk, i * chunk, (n + i) * chunk) for i in range(n))
+        g.push(0, cmds[:250], owned=True)
+        g.push(0, cmds[250:400])
+        g.push(0, cmds[400:], owned=True)
+        g.wait_seq(0, 0, n, timeout_s=30, phase="owned ring")
+        g.check()
+        assert g.imm_count(0, 0) == n and g.stats()["commands"] == n
+        assert g._native.ring_tail(0) == n
+    np.testing.assert_array_equal(buf[n * chunk:].reshape(n, chunk), src)
+
+
+def test_owned_ring_producer_times_out_on_a_stopped_proxy():
+    g = make_group({0: np.zeros(64, np.uint8)}, ring_capacity=4, start=False, timeout_s=1.0)
+    try:
+        g.push(0, P.make_commands([(P.OP_NOP, 0, 0, 0, i + 1, 0, 0) for i in range(4)]), owned=True)
+        with pytest.raises(RuntimeError, match="ring full"):
+            g.push(0, P.make_commands([(P.OP_NOP, 0, 0, 0, 9, 0, 0)]), owned=True)
+    finally:
+        g.close()
+
+
 def test_full_ring_back_pressure_then_drains():
     buf = np.zeros(4096, np.uint8)
     g = make_group({0: buf}, ring_capacity=4, start=False, timeout_s=2.0)

@@ -179,12 +179,14 @@ class ProxyGroup:
     def ring_for_channel(self, channel: int) -> int:
         return channel % self.num_threads
 
-    def push(self, ring: int, commands: np.ndarray) -> None:
-        """CPU producer: pushes a COMMAND_DTYPE array into `ring` (waits on a full ring, with timeout)."""
+    def push(self, ring: int, commands: np.ndarray, owned: bool = False) -> None:
+        """CPU producer: pushes a COMMAND_DTYPE array into `ring` (waits on a full ring, with timeout).
+        `owned`: the caller is the ring's only producer for this call (the RingProducer path GPU warps
+        with a ring of their own take: no claim atomic); otherwise slots are claimed (many producers)."""
         arr = np.ascontiguousarray(commands)
         if arr.dtype != COMMAND_DTYPE:
             raise TypeError(f"push: commands must have COMMAND_DTYPE, got {arr.dtype}")
-        self._native.push(ring, arr.view(np.uint8))
+        self._native.push(ring, arr.view(np.uint8), owned)
 
     def wait_seq(self, src: int, channel: int, target: int, timeout_s: Optional[float] = None,
                  phase: str = "arrival") -> None:

@@ -495,10 +495,29 @@ void Proxy::stop() {
     if (t->transport_) t->transport_->close();
 }
 
-void Proxy::push(int t, const Command* cmds, size_t n) {
+void Proxy::push(int t, const Command* cmds, size_t n, bool owned) {
   if (t < 0 || t >= num_threads()) UCCL_THROW("push: ring " << t << " out of range");
   if (cfg_.gpu >= 0) UCCL_THROW("push: ring " << t << " belongs to GPU producers (claim counter in GPU memory)");
   const RingDesc& d = ring_host(t);
+  if (owned) {  // the RingProducer path: this thread is the ring's only producer until close()
+    RingProducer p;
+    p.open(d);
+    for (size_t i = 0; i < n; ++i) {
+      const auto deadline = Clock::now() + std::chrono::duration<double>(cfg_.timeout_s);
+      while (!p.push(cmds[i], 1024)) {
+        std::string e = error();
+        if (!e.empty() || !running_ || Clock::now() > deadline) {
+          p.close();  // hand back what was published
+          if (!e.empty()) UCCL_THROW(e);
+          UCCL_THROW("rank " << cfg_.rank << ": timeout after " << cfg_.timeout_s << " s in phase 'ring full' on ring "
+                     << t << (running_ ? " (proxy thread not draining)" : " (the proxy is not running)"));
+        }
+        std::this_thread::yield();
+      }
+    }
+    p.close();
+    return;
+  }
   size_t done = 0;
   while (done < n) {
     const uint32_t batch = uint32_t(std::min<size_t>(n - done, std::min<uint32_t>(32, d.capacity)));

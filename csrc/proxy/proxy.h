@@ -163,7 +163,8 @@ class Proxy {
   const SignalBlock& signals_device() const { return sig_dev_; }
 
   // CPU producer: pushes commands into thread t's ring (blocks on a full ring up to the timeout).
-  void push(int t, const Command* cmds, size_t n);
+  // CPU producer; owned: as the ring's only producer (RingProducer: no claim atomic), else claiming slots.
+  void push(int t, const Command* cmds, size_t n, bool owned = false);
   // Waits until seq_tail[src][ch] >= target; throws a timeout error naming rank, peer, channel, phase.
   void wait_seq(int src, int ch, uint64_t target, double timeout_s, const std::string& phase);
   void wait_flushed(int t, uint64_t target, double timeout_s);

@@ -244,15 +244,15 @@ void register_proxy(py::module_& m) {
              return d;
            })
       .def("push",
-           [](Proxy& p, int t, py::buffer buf) {
+           [](Proxy& p, int t, py::buffer buf, bool owned) {
              py::buffer_info info = buf.request();
              const size_t bytes = size_t(info.size) * size_t(info.itemsize);
              if (bytes % sizeof(Command)) throw py::value_error("push: buffer size must be a multiple of 16 bytes");
              const Command* c = static_cast<const Command*>(info.ptr);
              py::gil_scoped_release nogil;
-             p.push(t, c, bytes / sizeof(Command));
+             p.push(t, c, bytes / sizeof(Command), owned);
            },
-           py::arg("ring"), py::arg("commands"))
+           py::arg("ring"), py::arg("commands"), py::arg("owned") = false)
       .def("wait_seq", &Proxy::wait_seq, py::arg("src"), py::arg("channel"), py::arg("target"), py::arg("timeout_s"),
            py::arg("phase") = "arrival", py::call_guard<py::gil_scoped_release>())
       .def("wait_flushed", &Proxy::wait_flushed, py::arg("ring"), py::arg("target"), py::arg("timeout_s"),

@@ -385,6 +385,55 @@ UCCL_HOST_DEVICE inline bool ring_push(const RingDesc& r, const Command* cmds, u
   return true;
 }
 
+// A producer that owns its ring for a while (one thread pushes, and no other producer until close()):
+// head and cached tail live in registers, so a push is one slot write (vector rings: one 16-byte store)
+// with no claim atomic; the host tail is read (one PCIe read) only when the ring looks full. This is the
+// latency path for a warp or block that has a ring of its own (e.g. one ring per sending warp). open()
+// continues from the ring's claim counter; close() hands the position back, so later producers (another
+// kernel, ring_push) continue after it. Vector rings order nothing before the store: ring_release_data()
+// first when a command references data written just before.
+struct RingProducer {
+  RingDesc r;
+  unsigned long long head, tail;
+
+  UCCL_HOST_DEVICE UCCL_FORCEINLINE void open(const RingDesc& d) {
+    r = d;
+#if UCCL_DEVICE_CODE
+    head = *reinterpret_cast<volatile unsigned long long*>(d.claim);
+    tail = *reinterpret_cast<volatile unsigned long long*>(d.tail_cache);
+#else
+    head = __atomic_load_n(d.claim, __ATOMIC_RELAXED);
+    tail = __atomic_load_n(d.tail_cache, __ATOMIC_RELAXED);
+#endif
+  }
+
+  // Publishes c; false if `spin_limit` polls of the host tail passed without room (0 = wait forever).
+  UCCL_HOST_DEVICE UCCL_FORCEINLINE bool push(const Command& c, unsigned long long spin_limit = 0) {
+    if (head + 1 > tail + r.capacity) {
+      for (unsigned long long spins = 0;;) {
+        tail = ring_load_acquire_sys(r.tail);
+        if (head + 1 <= tail + r.capacity) break;
+        if (spin_limit && ++spins > spin_limit) return false;
+#if !UCCL_DEVICE_CODE
+        uccl_cpu_relax();
+#endif
+      }
+    }
+    ring_write_slot(r, head, c);
+    ++head;
+    return true;
+  }
+
+  UCCL_HOST_DEVICE UCCL_FORCEINLINE void close() {
+#if UCCL_DEVICE_CODE
+    *reinterpret_cast<volatile unsigned long long*>(r.claim) = head;
+#else
+    __atomic_store_n(r.claim, head, __ATOMIC_RELAXED);
+#endif
+    ring_fetch_max(r.tail_cache, tail);
+  }
+};
+
 #if defined(__HIPCC__) && defined(__HIP_PLATFORM_AMD__)
 // Wavefront-cooperative push (AMD, 64 lanes): every active lane contributes one command when has_cmd.
 // One claim atomic per wavefront; vector rings: one 16-byte store per lane, no fence (call

@@ -73,21 +73,28 @@ __global__ void push_nops_kernel(const RingDesc* rings, int num_rings, int num_w
 //         inside the store, so [publish, seen] carries it); poll with ld.acquire.sys
 // mode 4: claim, the whole command (header with lap bit + body) in ONE 16-byte st.relaxed.sys.v4 store,
 //         no fence (the vector publish, ring_push's path on vector rings); poll with ld.acquire.sys
+// mode 5: a RingProducer that owns the ring for the whole probe: no claim atomic (head in a register),
+//         the slot written as the ring is configured (vector: one 16-byte store); poll with ld.acquire.sys
 __global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_base, unsigned long long* out, int mode) {
   if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  RingProducer owner;
+  if (mode == 5) owner.open(ring);
   for (int i = 0; i < iters; ++i) {
     const unsigned cookie = cookie_base + unsigned(i);
     unsigned long long idx = 0;
     if (mode == 2) idx = ring_claim(ring, 1);
     const unsigned long long t0 = now_ns();
-    if (mode != 2) idx = ring_claim(ring, 1);
+    if (mode != 2 && mode != 5) idx = ring_claim(ring, 1);
     Command c{};
     c.op = OP_NOP;
     c.length = cookie;
     c.local_off = uint32_t(t0);
     c.remote_off = uint32_t(t0 >> 32);
     unsigned long long tp;
-    if (mode == 4) {
+    if (mode == 5) {
+      tp = now_ns();
+      owner.push(c);
+    } else if (mode == 4) {
       tp = now_ns();
       ring_publish_vector(ring, idx, c);
     } else if (mode == 3) {
@@ -100,7 +107,7 @@ __global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_
       tp = now_ns();
       ring_publish(ring, idx, c);
     }
-    if (mode == 0 || mode == 3 || mode == 4) {
+    if (mode == 0 || mode >= 3) {
       while (ring_load_acquire_sys(ring.echo) != (unsigned long long)cookie) {
       }
     } else {
@@ -115,6 +122,7 @@ __global__ void pickup_latency_kernel(RingDesc ring, int iters, unsigned cookie_
     out[4 * i + 2] = ts;
     out[4 * i + 3] = cpu;
   }
+  if (mode == 5) owner.close();
 }
 
 // globaltimer granularity: out[0] smallest non-zero step, out[1] number of steps, out[2] span (ns).

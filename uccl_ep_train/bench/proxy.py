@@ -162,9 +162,10 @@ def _gpu_single(args, device):
 
 # pickup_latency_kernel's modes (csrc/proxy/ring_gpu.cu): 0-3 publish body + header behind a system-scope
 # release (fence, then a relaxed header; or st.release.sys), 4 the whole command in one 16-byte store with
-# no fence (the vector publish, UCCL_EP_RING_PUBLISH=vector).
+# no fence (the vector publish, UCCL_EP_RING_PUBLISH=vector), 5 a producer that owns the ring (RingProducer:
+# no claim atomic, head in a register; published as the ring is configured, i.e. vector by default).
 PICKUP_VARIANTS = {0: "fence+store/acquire-poll", 1: "relaxed-poll", 2: "preclaimed", 3: "release-store",
-                   4: "vector-store"}
+                   4: "vector-store", 5: "owned-ring"}
 
 
 def _pickup(args, g, device, threads):
