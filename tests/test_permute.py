@@ -91,3 +91,18 @@ def test_native_kernels_match_torch_path(dtype, n, k, experts, hidden):
     # odd offsets: the kernels fall back from 16-byte vectors
     xs = torch.randn(n, hidden + 1).to(dtype).cuda()[:, 1:]
     assert torch.equal(permute.expand_rows(xs.contiguous(), dst, m).cpu(), permute.expand_rows(xs.cpu(), dst_cpu, m))
+    # no local rows at all (the backward of an expand whose rows all went elsewhere): zeros, not garbage
+    none = torch.full((3, k), -1, dtype=torch.int32, device="cuda")
+    assert torch.all(permute.reduce_rows(torch.empty(0, hidden, dtype=dtype, device="cuda"), none, 3) == 0)
+
+
+def test_counts_must_be_exact_and_zero_row_inputs_reduce_to_zeros():
+    idx, counts = _routing(16, 3, 4, seed=3)
+    with pytest.raises(ValueError, match="tokens_per_expert"):
+        permute.expert_major_map(idx, [c + (e == 1) for e, c in enumerate(counts)])  # padded: rejected
+    dst = permute.expert_major_map(idx, counts)
+    with pytest.raises(ValueError, match="dst"):
+        permute.reduce_rows(torch.zeros(sum(counts), 4), dst.long())
+    none = torch.full((5, 2), -1, dtype=torch.int32)  # rows that selected no local expert
+    out = permute.reduce_rows(torch.zeros(0, 4), none, 5)
+    assert out.shape == (5, 4) and torch.all(out == 0)

@@ -15,6 +15,7 @@ the same values, so CPU tests check the semantics the GPU kernels implement.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -38,10 +39,17 @@ def _use_native(t: torch.Tensor) -> bool:
 def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """int32 [n, k]: the expert-major row of each (received row, top-k slot), -1 for slots of no local expert.
 
-    `topk_idx` holds local expert ids (>= num_local_experts or < 0 mean "not here"); `tokens_per_expert`
-    the number of rows per local expert (as the dispatch returns it). Rows of one expert keep their order."""
+    `topk_idx` holds local expert ids (>= num_local_experts or < 0 mean "not here"; the ids of one row are
+    distinct, as a router's top-k are); `tokens_per_expert` the exact number of slots per local expert (as
+    the dispatch returns it with expert_alignment=1: the expert-major rows are then all named, and
+    expand_rows / its gradients write every row). Rows of one expert keep their order."""
     if topk_idx.dim() != 2:
         raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
+    if not topk_idx.is_cuda:  # free on CPU; on GPUs it would cost a host sync
+        got = [int((topk_idx == e).sum()) for e in range(len(tokens_per_expert))]
+        if got != [int(c) for c in tokens_per_expert]:
+            raise ValueError(f"tokens_per_expert: {list(map(int, tokens_per_expert))} disagrees with topk_idx, "
+                             f"which selects {got} (pass exact counts, no alignment padding)")
     if _use_native(topk_idx):
         counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32)
         counts = (counts.pin_memory() if not counts.is_cuda else counts).to(topk_idx.device, non_blocking=True)
@@ -49,8 +57,9 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
         dst = torch.full(idx.shape, -1, dtype=torch.int32, device=idx.device)
         if idx.numel() == 0:
             return dst
-        _native().expert_major_map(idx.data_ptr(), idx.size(0), idx.size(1), counts.numel(), counts.data_ptr(),
-                                   dst.data_ptr(), torch.cuda.current_stream(idx.device).cuda_stream)
+        with torch.cuda.device(idx.device):
+            _native().expert_major_map(idx.data_ptr(), idx.size(0), idx.size(1), counts.numel(), counts.data_ptr(),
+                                       dst.data_ptr(), torch.cuda.current_stream(idx.device).cuda_stream)
         return dst
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(topk_idx.device, non_blocking=True)
     num_experts = counts.numel()
@@ -65,12 +74,13 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
 
 
 def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
-    out = x.new_empty((num_out,) + tuple(x.shape[1:]))
+    out = x.new_empty((num_out,) + tuple(x.shape[1:]))  # every row is named (exact counts: see the map)
     if _use_native(x):
         x = x.contiguous()
-        _native().expand_rows(x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
-                              x[0].numel() * x.element_size() if x.size(0) else 0,
-                              torch.cuda.current_stream(x.device).cuda_stream)
+        with torch.cuda.device(x.device):
+            _native().expand_rows(x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
+                                  _row_elems(x) * x.element_size(), num_out,
+                                  torch.cuda.current_stream(x.device).cuda_stream)
         return out
     flat = dst.reshape(-1).long()
     keep = flat >= 0
@@ -79,13 +89,18 @@ def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
     return out
 
 
+def _row_elems(t: torch.Tensor) -> int:
+    return math.prod(t.shape[1:])
+
+
 def _reduce(y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
     if _use_native(y) and y.dtype in _DTYPES:
         y = y.contiguous()
         out = y.new_empty((num_rows,) + tuple(y.shape[1:]))
-        _native().reduce_rows(y.data_ptr(), dst.data_ptr(), out.data_ptr(), num_rows, dst.size(1),
-                              y[0].numel() if y.size(0) else 0, _DTYPES[y.dtype],
-                              torch.cuda.current_stream(y.device).cuda_stream)
+        with torch.cuda.device(y.device):
+            _native().reduce_rows(y.data_ptr(), dst.data_ptr(), out.data_ptr(), num_rows, dst.size(1),
+                                  _row_elems(y), y.size(0), _DTYPES[y.dtype],
+                                  torch.cuda.current_stream(y.device).cuda_stream)
         return out
     acc = torch.promote_types(y.dtype, torch.float32) if y.is_floating_point() else y.dtype
     out = torch.zeros((num_rows,) + tuple(y.shape[1:]), dtype=acc, device=y.device)
@@ -121,6 +136,7 @@ def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tenso
 
 def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
     """[m, ...] -> [n, ...]: row i is the sum of the expert-major rows dst[i, :] names (autograd-aware)."""
+    _check_map(dst)
     n = dst.size(0) if num_rows is None else int(num_rows)
     if n != dst.size(0):
         raise ValueError(f"num_rows: {n} != dst rows {dst.size(0)}")
@@ -131,6 +147,7 @@ def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = No
 
 def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
     """[n, k] -> [num_out]: the top-k weight of each expert-major row (autograd-aware; a scatter)."""
+    _check_map(dst)
     if weights.shape != dst.shape:
         raise ValueError(f"weights: shape {tuple(weights.shape)} != dst shape {tuple(dst.shape)}")
     index = torch.where(dst >= 0, dst, num_out).reshape(-1).long()  # slot num_out collects the rest
@@ -138,9 +155,13 @@ def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torc
     return out.scatter(0, index, weights.reshape(-1))[:num_out]
 
 
-def _check(x: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+def _check_map(dst: torch.Tensor) -> None:
     if dst.dtype != torch.int32 or dst.dim() != 2 or not dst.is_contiguous():
         raise ValueError(f"dst: expected a contiguous int32 [rows, k] map, got {dst.dtype} {tuple(dst.shape)}")
+
+
+def _check(x: torch.Tensor, dst: torch.Tensor, name: str) -> None:
+    _check_map(dst)
     if x.dim() < 1 or x.size(0) != dst.size(0) or x.device != dst.device:
         raise ValueError(f"{name}: expected {dst.size(0)} rows on {dst.device}, got shape {tuple(x.shape)} "
                          f"on {x.device}")

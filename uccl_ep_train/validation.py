@@ -103,7 +103,7 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
 def check_expert_range(topk_idx: torch.Tensor, num_experts: int, idx_arg: str = "topk_idx") -> None:
     """Every id in [-1, num_experts): reads values, so it syncs a GPU (see value_checks)."""
     if topk_idx.numel() and value_checks(topk_idx):
-        lo, hi = (int(v) for v in torch.aminmax(topk_idx))  # one host sync for both
+        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host sync for both
         if lo < -1 or hi >= num_experts:
             raise ValueError(f"{idx_arg}: expert ids must be in [-1, {num_experts}), got range [{lo}, {hi}]")
 

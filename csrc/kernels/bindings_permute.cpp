@@ -27,23 +27,23 @@ void register_permute(py::module_& m) {
   m.def(
       "expand_rows",
       [](uintptr_t x, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t row_bytes,
-         uintptr_t stream) {
+         int64_t num_out, uintptr_t stream) {
         launch_expand_rows(reinterpret_cast<const void*>(x), reinterpret_cast<const int*>(dst),
-                           reinterpret_cast<void*>(out), num_rows, num_topk, row_bytes,
+                           reinterpret_cast<void*>(out), num_rows, num_topk, row_bytes, num_out,
                            reinterpret_cast<gpuStream_t>(stream));
       },
       py::arg("x"), py::arg("dst"), py::arg("out"), py::arg("num_rows"), py::arg("num_topk"), py::arg("row_bytes"),
-      py::arg("stream"), "out[dst[i, j]] = x[i] for every valid (>= 0) int32 destination");
+      py::arg("num_out"), py::arg("stream"), "out[dst[i, j]] = x[i] for every valid (>= 0) int32 destination");
   m.def(
       "reduce_rows",
-      [](uintptr_t y, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t hidden, int dtype,
-         uintptr_t stream) {
+      [](uintptr_t y, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t hidden, int64_t num_in,
+         int dtype, uintptr_t stream) {
         launch_reduce_rows(reinterpret_cast<const void*>(y), reinterpret_cast<const int*>(dst),
-                           reinterpret_cast<void*>(out), num_rows, num_topk, hidden, dtype,
+                           reinterpret_cast<void*>(out), num_rows, num_topk, hidden, num_in, dtype,
                            reinterpret_cast<gpuStream_t>(stream));
       },
       py::arg("y"), py::arg("dst"), py::arg("out"), py::arg("num_rows"), py::arg("num_topk"), py::arg("hidden"),
-      py::arg("dtype"), py::arg("stream"),
+      py::arg("num_in"), py::arg("dtype"), py::arg("stream"),
       "out[i] = sum_j y[dst[i, j]] (float32 accumulation; dtype bf16=0, fp16=1, fp32=2)");
 #else
   (void)m;

@@ -21,13 +21,16 @@ using intranode::bf16_to_float;
 using intranode::float_to_bf16;
 using intranode::ld_nc_v4;
 
-// Loads this row's destinations into shared memory, compacted (valid ones only); returns their count.
-__device__ __forceinline__ int load_dsts(const int* dst, int64_t row, int num_topk, int* s_dst, int* s_n) {
+// Loads this row's destinations into shared memory, compacted (those in [0, limit) only: -1 means "none",
+// and a map that names rows past the other side's end is skipped rather than written or read out of
+// bounds); returns their count.
+__device__ __forceinline__ int load_dsts(const int* dst, int64_t row, int num_topk, int64_t limit, int* s_dst,
+                                         int* s_n) {
   if (threadIdx.x == 0) {
     int n = 0;
     for (int j = 0; j < num_topk; ++j) {
       const int d = dst[row * num_topk + j];
-      if (d >= 0) s_dst[n++] = d;
+      if (d >= 0 && d < limit) s_dst[n++] = d;
     }
     *s_n = n;
   }
@@ -37,11 +40,11 @@ __device__ __forceinline__ int load_dsts(const int* dst, int64_t row, int num_to
 
 template <typename V>
 __global__ void __launch_bounds__(kThreads) expand_rows_kernel(const V* x, const int* dst, V* out, int64_t num_rows,
-                                                               int num_topk, int64_t row_vecs) {
+                                                               int num_topk, int64_t row_vecs, int64_t num_out) {
   __shared__ int s_dst[kMaxTopk];
   __shared__ int s_n;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
-    const int n = load_dsts(dst, row, num_topk, s_dst, &s_n);
+    const int n = load_dsts(dst, row, num_topk, num_out, s_dst, &s_n);
     const V* src = x + row * row_vecs;
     for (int64_t v = threadIdx.x; v < row_vecs; v += kThreads) {
       V val;
@@ -82,14 +85,15 @@ struct Fp32 {
 // kVec: true when rows are 16-byte aligned: each thread then sums 16-byte vectors (16 / size elements).
 template <typename T, bool kVec>
 __global__ void __launch_bounds__(kThreads) reduce_rows_kernel(const char* y, const int* dst, char* out,
-                                                               int64_t num_rows, int num_topk, int64_t hidden) {
+                                                               int64_t num_rows, int num_topk, int64_t hidden,
+                                                               int64_t num_in) {
   constexpr int kPer = kVec ? 16 / T::kSize : 1;
   __shared__ int s_dst[kMaxTopk];
   __shared__ int s_n;
   const int64_t row_bytes = hidden * T::kSize;
   const int64_t units = hidden / kPer;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
-    const int n = load_dsts(dst, row, num_topk, s_dst, &s_n);
+    const int n = load_dsts(dst, row, num_topk, num_in, s_dst, &s_n);
     char* o = out + row * row_bytes;
     for (int64_t u = threadIdx.x; u < units; u += kThreads) {
       float acc[kPer];
@@ -141,7 +145,7 @@ __global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int
     int slot = -1;
     if (row < num_rows)
       for (int j = 0; j < num_topk; ++j)
-        if (topk_idx[row * num_topk + j] == e) slot = j;
+        if (slot < 0 && topk_idx[row * num_topk + j] == e) slot = j;  // ids of a row are distinct
 #if defined(UCCL_EP_WITH_HIP)
     const uint64_t hits = __ballot(slot >= 0);
     const int before = __popcll(hits & ((1ull << lane) - 1ull));
@@ -184,44 +188,44 @@ static bool aligned16(const void* a, const void* b, int64_t bytes) {
 }
 
 void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t row_bytes,
-                        gpuStream_t stream) {
+                        int64_t num_out, gpuStream_t stream) {
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
   UCCL_CHECK(row_bytes >= 0, "row_bytes " << row_bytes);
   if (num_rows == 0 || row_bytes == 0) return;
   const int grid = grid_for(num_rows);
   if (aligned16(x, out, row_bytes)) {
     expand_rows_kernel<int4><<<grid, kThreads, 0, stream>>>(static_cast<const int4*>(x), dst, static_cast<int4*>(out),
-                                                            num_rows, num_topk, row_bytes / 16);
+                                                            num_rows, num_topk, row_bytes / 16, num_out);
   } else if (((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) | (uintptr_t)row_bytes) & 3u) == 0) {
     expand_rows_kernel<int><<<grid, kThreads, 0, stream>>>(static_cast<const int*>(x), dst, static_cast<int*>(out),
-                                                           num_rows, num_topk, row_bytes / 4);
+                                                           num_rows, num_topk, row_bytes / 4, num_out);
   } else {
     expand_rows_kernel<char><<<grid, kThreads, 0, stream>>>(static_cast<const char*>(x), dst, static_cast<char*>(out),
-                                                            num_rows, num_topk, row_bytes);
+                                                            num_rows, num_topk, row_bytes, num_out);
   }
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 
 template <typename T>
 static void reduce_as(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
-                      gpuStream_t stream) {
+                      int64_t num_in, gpuStream_t stream) {
   const int grid = grid_for(num_rows);
   const char* yc = static_cast<const char*>(y);
   char* oc = static_cast<char*>(out);
   if (aligned16(y, out, hidden * T::kSize))
-    reduce_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden);
+    reduce_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden, num_in);
   else
-    reduce_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden);
+    reduce_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden, num_in);
 }
 
 void launch_reduce_rows(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
-                        int dtype, gpuStream_t stream) {
+                        int64_t num_in, int dtype, gpuStream_t stream) {
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
   if (num_rows == 0 || hidden == 0) return;
   switch (dtype) {
-    case kBf16: reduce_as<Bf16>(y, dst, out, num_rows, num_topk, hidden, stream); break;
-    case kFp16: reduce_as<Fp16>(y, dst, out, num_rows, num_topk, hidden, stream); break;
-    case kFp32: reduce_as<Fp32>(y, dst, out, num_rows, num_topk, hidden, stream); break;
+    case kBf16: reduce_as<Bf16>(y, dst, out, num_rows, num_topk, hidden, num_in, stream); break;
+    case kFp16: reduce_as<Fp16>(y, dst, out, num_rows, num_topk, hidden, num_in, stream); break;
+    case kFp32: reduce_as<Fp32>(y, dst, out, num_rows, num_topk, hidden, num_in, stream); break;
     default: UCCL_THROW("reduce_rows: unsupported dtype code " << dtype << " (bf16=0, fp16=1, fp32=2)");
   }
   UCCL_CHECK_GPU(gpuGetLastError());

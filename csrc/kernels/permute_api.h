@@ -17,15 +17,16 @@ namespace uccl_ep::permute {
 enum Dtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
 // dst[i, j] for every received row i and top-k slot j: rows of expert e start at the sum of counts[0..e)
-// and keep row order; slots naming no local expert (< 0 or >= num_experts) get -1. counts: int32 device
+// and keep row order (the ids of a row are distinct; should one repeat, its first slot is mapped); slots naming no local expert (< 0 or >= num_experts) get -1. counts: int32 device
 // array of num_experts (rows per local expert, as the dispatch returned them).
 void launch_expert_major_map(const int64_t* topk_idx, int64_t num_rows, int num_topk, int num_experts,
                              const int* counts, int* dst, gpuStream_t stream);
-// Copies row i of `x` (row_bytes each) to every valid destination row of `out`.
+// Copies row i of `x` (row_bytes each) to every destination row of `out` (num_out rows) that dst names.
 void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_rows, int num_topk,
-                        int64_t row_bytes, gpuStream_t stream);
-// Sums, per row i, the rows of `y` named by dst[i, :] (zeros when none) into out[i]; float32 accumulation.
+                        int64_t row_bytes, int64_t num_out, gpuStream_t stream);
+// Sums, per row i, the rows of `y` (num_in rows) named by dst[i, :] (zeros when none) into out[i]; float32
+// accumulation. Destinations outside [0, num_out) / [0, num_in) are skipped, never accessed.
 void launch_reduce_rows(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
-                        int dtype, gpuStream_t stream);
+                        int64_t num_in, int dtype, gpuStream_t stream);
 
 }  // namespace uccl_ep::permute

@@ -462,7 +462,9 @@ __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool 
 // contribute nothing). One claim atomic per warp; each lane publishes its own slot: vector rings with one
 // 16-byte store and no fence (call ring_release_data() before when the commands reference data just
 // written), fence rings with body stores and one release store of the header (a slot's header covers only
-// that lane's body, so no warp-wide fence). Must be called by all lanes in mask.
+// that lane's body, so no warp-wide fence). A lane's release orders only its own earlier stores: when
+// commands reference payload other lanes wrote, __syncwarp() then ring_release_data() first, on either
+// kind of ring. Must be called by all lanes in mask.
 __device__ inline void ring_push_warp(const RingDesc& r, const Command& c, bool has_cmd, unsigned mask = 0xffffffffu) {
   const unsigned lane = threadIdx.x & 31u;
   const unsigned vote = __ballot_sync(mask, has_cmd);

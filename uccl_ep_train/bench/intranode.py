@@ -135,6 +135,9 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
              for pw in ([int(p) for p in args.push_warps.split(",") if p] or [0])
              for fb in ([int(f) for f in args.flag_batch.split(",") if f] or [0])
              for ck in ([int(c) for c in args.combine_kernel.split(",") if c] or [-1])]
+    knob_vars = ("UCCL_EP_DISPATCH_PUSH_WARPS", "UCCL_EP_COMBINE_PUSH_WARPS", "UCCL_EP_FLAG_BATCH",
+                 "UCCL_EP_COMBINE_FLAG_BATCH", "UCCL_EP_COMBINE_KERNEL")
+    saved = {v: os.environ.get(v) for v in knob_vars}  # restored after the sweep
     for sms, pw, fb, ck in sweep:
         if pw:
             os.environ["UCCL_EP_DISPATCH_PUSH_WARPS"] = os.environ["UCCL_EP_COMBINE_PUSH_WARPS"] = str(pw)
@@ -162,6 +165,11 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
         if not args.no_api:
             rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2, group), bf16_bytes, sms, "api",
                 knobs)
+    for v, val in saved.items():
+        if val is None:
+            os.environ.pop(v, None)
+        else:
+            os.environ[v] = val
 
     if not args.no_nccl:
         # the same bytes through NCCL: every rank sends num_recv rows' worth, split evenly over ranks
