@@ -202,15 +202,8 @@ UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_store_body(Command* slot, const Comm
 // Data release before publishing commands that reference GPU-written data (vector publish orders nothing):
 // one system-scope release fence, ONCE per batch of commands, after the payload stores (device sm_70+:
 // fence.acq_rel.sys = MEMBAR.ALL.SYS; HIP: __threadfence_system; host: a release fence).
-UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_release_data() {
-#if UCCL_DEVICE_CODE && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-#elif UCCL_DEVICE_CODE
-  __threadfence_system();
-#else
-  __atomic_thread_fence(__ATOMIC_RELEASE);
-#endif
-}
+// The same fence as ring_fence_sys(); the name says what it is for at the call site.
+UCCL_HOST_DEVICE UCCL_FORCEINLINE void ring_release_data() { ring_fence_sys(); }
 
 #if !UCCL_DEVICE_CODE
 // Host 16-byte accesses of one slot, each ONE instruction (the single-copy atomicity the vector publish
