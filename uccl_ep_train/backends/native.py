@@ -211,7 +211,7 @@ class NativeBackend(Backend):
         self._check()
         R, me = self.num_ranks, self.rank
         dev = x.device
-        x = x.contiguous()
+        x = _aligned(x)
         n, hidden = x.shape
         x_bytes = hidden * x.element_size()
         if x_scales is not None:
@@ -293,7 +293,7 @@ class NativeBackend(Backend):
     def cached_dispatch(self, x, x_scales, handle, config):
         self._check()
         st = self._state(handle)
-        x = x.contiguous()
+        x = _aligned(x)
         n, hidden = x.shape
         x_bytes = hidden * x.element_size()
         if x_scales is not None:
@@ -317,13 +317,13 @@ class NativeBackend(Backend):
         st = self._state(handle)
         if x.dtype not in _COMBINE_DTYPES:
             raise TypeError(f"x: the native backend combines bfloat16, float16 or float32 rows, got {x.dtype}")
-        x = x.contiguous()
+        x = _aligned(x)
         hidden = x.size(1)
         num_topk = 0 if topk_weights is None else topk_weights.size(1)
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32).contiguous()
         self._ensure(st.max_send_rows, hidden * x.element_size(), 0, num_topk, False)
-        biases = [None if b is None else b.to(x.dtype).contiguous() for b in (bias_0, bias_1)]
+        biases = [None if b is None else _aligned(b.to(x.dtype)) for b in (bias_0, bias_1)]
         n = handle.num_tokens
         out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         out_w = None if topk_weights is None else torch.empty((n, num_topk), dtype=torch.float32, device=x.device)
@@ -350,6 +350,13 @@ def _env_int(var: str, default: int) -> int:
     if v < 1:
         raise ValueError(f"{var} must be >= 1, got {v}")
     return v
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous and 16-byte aligned: the kernels move rows in 16-byte vectors whenever the row size
+    allows, so a view starting mid-allocation (e.g. `x[1:]` of a 1-D-offset storage) is copied first."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
