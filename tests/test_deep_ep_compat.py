@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
 from uccl_ep_train.compat import deep_ep_path
 
@@ -57,3 +58,16 @@ def test_install_refuses_to_shadow_an_imported_deep_ep(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", fake)
     with pytest.raises(RuntimeError, match="another deep_ep is already imported"):
         install_deep_ep(patch_megatron=False)
+
+
+def test_one_channel_handle_derives_deepeps_channel_matrices():
+    from uccl_ep_train.handles import IntranodeHandle
+
+    prefix = torch.tensor([[2, 1, 0], [5, 1, 4], [6, 3, 4]], dtype=torch.int32)  # cumsum over source ranks
+    sent = torch.tensor([2, 1, 0], dtype=torch.int32)  # this rank (1) sends 2 / 1 / 0 rows to ranks 0 / 1 / 2
+    h = IntranodeHandle.with_one_channel(prefix, sent, 1, torch.zeros(3, dtype=torch.int32),
+                                         torch.ones(3, 3, dtype=torch.bool), torch.zeros(3, 3, dtype=torch.int32),
+                                         num_recv_tokens=3, num_tokens=3, owner=7)
+    assert h.channel_prefix_matrix.tolist() == [[2], [1], [0]]
+    assert h.recv_channel_prefix_matrix.tolist() == [[0], [1], [1]]  # where sources 0, 1, 2 start on rank 1
+    assert h.rank_prefix_matrix is prefix and h.owner == 7 and h.private is None

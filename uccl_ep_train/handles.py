@@ -29,6 +29,18 @@ class IntranodeHandle(NamedTuple):
     owner: int  # id of the Buffer that made it
     private: Any = None  # backend-private state (native: device-side layout)
 
+    @classmethod
+    def with_one_channel(cls, rank_prefix_matrix: torch.Tensor, num_tokens_per_rank: torch.Tensor, rank: int,
+                         recv_src_idx: torch.Tensor, is_token_in_rank: torch.Tensor, send_head: torch.Tensor,
+                         num_recv_tokens: int, num_tokens: int, owner: int, private: Any = None) -> "IntranodeHandle":
+        """A handle whose rows move as one channel per rank pair (both backends): DeepEP's channel matrices
+        are then the rows sent to each rank, and where each source rank's rows start on this rank."""
+        R = rank_prefix_matrix.size(0)
+        starts = torch.cat([rank_prefix_matrix.new_zeros(1, R), rank_prefix_matrix[:-1]])
+        return cls(rank_prefix_matrix, num_tokens_per_rank.reshape(R, 1).clone(),
+                   starts[:, rank].reshape(R, 1).contiguous(), recv_src_idx, is_token_in_rank, send_head,
+                   num_recv_tokens, num_tokens, owner, private)
+
 
 class LowLatencyHandle(NamedTuple):
     src_info: torch.Tensor

@@ -269,19 +269,10 @@ class NativeBackend(Backend):
             self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
             _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), stream)
 
-        starts = torch.cat([rank_prefix.new_zeros(1, R), rank_prefix[:-1]])
-        handle = IntranodeHandle(
-            rank_prefix_matrix=rank_prefix,
-            channel_prefix_matrix=per_rank.view(R, 1).clone(),
-            recv_channel_prefix_matrix=starts[:, me].reshape(R, 1).contiguous(),
-            recv_src_idx=recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
-            send_head=send_pos,
-            num_recv_tokens=out_rows,
-            num_tokens=n,
-            owner=self.owner,
-            private=NativeHandleState(out_rows, max_recv, max_send, bool(num_worst_tokens)),
-        )
+        handle = IntranodeHandle.with_one_channel(
+            rank_prefix, per_rank, me, recv_src_idx, is_token_in_rank, send_pos, num_recv_tokens=out_rows,
+            num_tokens=n, owner=self.owner,
+            private=NativeHandleState(out_rows, max_recv, max_send, bool(num_worst_tokens)))
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     def _state(self, handle: IntranodeHandle) -> NativeHandleState:

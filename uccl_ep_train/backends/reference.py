@@ -119,18 +119,9 @@ class ReferenceBackend(Backend):
             per_expert_list = []
 
         prefix = prefix_matrix_from_counts(counts).to(x.device)
-        starts = torch.cat([prefix.new_zeros(1, R), prefix[:-1]])
-        handle = IntranodeHandle(
-            rank_prefix_matrix=prefix,
-            channel_prefix_matrix=num_tokens_per_rank.view(R, 1).clone(),
-            recv_channel_prefix_matrix=starts[:, me].view(R, 1).contiguous(),
-            recv_src_idx=recv_src_idx,
-            is_token_in_rank=is_token_in_rank,
-            send_head=send_head,
-            num_recv_tokens=num_worst_tokens or num_recv,
-            num_tokens=x.size(0),
-            owner=self.owner,
-        )
+        handle = IntranodeHandle.with_one_channel(
+            prefix, num_tokens_per_rank, me, recv_src_idx, is_token_in_rank, send_head,
+            num_recv_tokens=num_worst_tokens or num_recv, num_tokens=x.size(0), owner=self.owner)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
     @staticmethod
