@@ -1,11 +1,16 @@
 """UCCLTokenDispatcher: megatron-core's token-dispatcher contract on uccl_ep_train's Buffer.
 
 Each token crosses the EP group once per destination rank (not once per expert, as the alltoall
-dispatcher sends it), through the autograd Dispatch/Combine pair. On the receiving rank the rows are
-expanded into expert-major order — for each local expert, rows by source rank, then source token index,
-exactly the order the alltoall dispatcher hands its experts — so SequentialMLP, GroupedMLP and TE experts
-work unchanged and see bit-identical inputs. combine_preprocess folds the expert outputs back to one row
-per received token (a local sum over this rank's experts) and the combine sums across ranks.
+dispatcher sends it), through the autograd expert-major pair (uccl_ep_train.autograd.dispatch_expert_major
+/ combine_expert_major). The dispatch delivers its rows already expanded into expert-major order — for
+each local expert, rows by source rank, then source token index, exactly the order the alltoall
+dispatcher hands its experts — so SequentialMLP, GroupedMLP and TE experts work unchanged and see
+bit-identical inputs. The combine takes the expert outputs in that same order: it folds them back to one
+row per received token (a local sum over this rank's experts) and sums across ranks.
+The expansion and the fold-back live inside the communication calls rather than in separate permute
+passes around them, so a backend can fuse them into its kernels (the native backend copies received rows
+straight to their expert rows and folds while it combines); the reference backend composes dispatch +
+permute.expand_rows and permute.reduce_rows + combine, with the same values.
 Routing probabilities travel as the dispatch's top-k weights and are applied by the experts, as with
 alltoall; their gradient flows back through the combine of the weight gradients.
 """
@@ -93,7 +98,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.topk_idx = None
         self.handle = None
         self.expert_map = None
-        self.num_recv = 0
+        self.tokens_per_expert_list = None
 
     # ---- dispatch --------------------------------------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
@@ -115,39 +120,41 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         return hidden_states, weights
 
     def token_dispatch(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """One dispatch through the autograd pair: each token once per destination rank."""
+        """One dispatch through the autograd pair: each token once per destination rank, received rows
+        landing directly in expert-major order."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         buffer = get_buffer(self.ep_group, hidden_states.size(1) * hidden_states.element_size())
         with validation.trusted_values():  # top-k ids come from dispatch_preprocess: no value-reading syncs
-            recv_x, recv_idx, recv_w, counts, handle = ep_autograd.dispatch(
+            x_em, _, recv_w, counts, em_map, handle = ep_autograd.dispatch_expert_major(
                 buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts)
-        self.buffer, self.handle, self.recv_idx, self.tokens_per_expert_list = buffer, handle, recv_idx, counts
+        self.buffer, self.handle, self.expert_map, self.tokens_per_expert_list = buffer, handle, em_map, counts
         if self.shared_experts is not None:
-            self.shared_experts.linear_fc1_forward_and_act(recv_x)
-        return recv_x, recv_w
+            self.shared_experts.linear_fc1_forward_and_act(x_em)
+        return x_em, recv_w
 
     def dispatch_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
-        """Expand received rows into expert-major order: (rows, tokens_per_expert, probs per row).
+        """(expert-major rows, tokens_per_expert on the host, the probability of each row).
 
-        One pass over the received rows (uccl_ep_train.permute: a native kernel on GPUs, no sort, no
-        atomics, no extra host sync: the row counts came with the dispatch)."""
-        self.num_recv = hidden_states.size(0)
-        self.expert_map = permute.expert_major_map(self.recv_idx, self.tokens_per_expert_list)
+        The rows are already expert-major (the dispatch placed them); only the per-slot probabilities
+        are spread to their rows (a scatter; no host sync: the counts came with the dispatch)."""
         num_rows = sum(self.tokens_per_expert_list)
         tokens_per_expert = torch.tensor(self.tokens_per_expert_list, dtype=torch.int64)
         permuted_probs = permute.expand_probs(probs, self.expert_map, num_rows).to(self.probs_dtype)
-        return permute.expand_rows(hidden_states, self.expert_map, num_rows), tokens_per_expert, permuted_probs
+        return hidden_states, tokens_per_expert, permuted_probs
 
     # ---- combine ---------------------------------------------------------------------------------------
     def combine_preprocess(self, hidden_states: torch.Tensor):
-        """Fold expert-major outputs back to one row per received token (sum over local experts)."""
-        return permute.reduce_rows(hidden_states, self.expert_map, self.num_recv)
+        """Nothing to do: the rows stay expert-major; token_combine folds them back as it combines."""
+        return hidden_states
 
     def token_combine(self, hidden_states: torch.Tensor):
+        """One combine through the autograd pair: fold each received token's expert rows, sum across ranks."""
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
-        out = ep_autograd.combine(self.buffer, hidden_states.contiguous(), self.handle)
+        with validation.trusted_values():  # the map is the one our dispatch returned: no value-reading syncs
+            out = ep_autograd.combine_expert_major(self.buffer, hidden_states.contiguous(), self.handle,
+                                                   self.expert_map)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

@@ -3,6 +3,10 @@
 The gradient of a dispatch is a combine of the received gradients with the same handle; the gradient of
 a combine is a dispatch of the output gradient with the cached handle. Neither recomputes the layout or
 exchanges counts again: the handle carries everything.
+
+DispatchExpertMajor/CombineExpertMajor are the same pairing for the expert-major calls (rows grouped per
+local expert): the backward of the dispatch is an expert-major combine (fold + combine), the backward of
+the combine an expert-major cached dispatch (dispatch + expand), both with the forward's handle and map.
 """
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from typing import Any, Optional
 
 import torch
 
+from . import validation
 from .buffer import Buffer
 from .handles import IntranodeHandle
 
@@ -69,3 +74,60 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
 def combine(buffer: Buffer, x: torch.Tensor, handle: IntranodeHandle, bias: Optional[torch.Tensor] = None):
     """Differentiable combine: returns combined_x `[num_tokens, hidden]`."""
     return Combine.apply(buffer, x, handle, bias)
+
+
+class DispatchExpertMajor(torch.autograd.Function):
+    """(x, topk_weights) -> (x_em, recv_topk_idx, recv_topk_weights, tokens_per_expert, em_map, handle)."""
+
+    @staticmethod
+    def forward(ctx: Any, buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                topk_weights: Optional[torch.Tensor], num_experts: int):
+        x_em, recv_idx, recv_w, counts, em_map, handle, _ = buffer.dispatch_expert_major(
+            x, topk_idx, topk_weights, num_experts)
+        ctx.buffer, ctx.handle, ctx.has_w = buffer, handle, topk_weights is not None
+        ctx.save_for_backward(recv_idx, em_map)
+        ctx.mark_non_differentiable(recv_idx, em_map)
+        return x_em, recv_idx, recv_w, counts, em_map, handle
+
+    @staticmethod
+    def backward(ctx: Any, grad_x_em, _grad_idx, grad_recv_w, *_rest):
+        recv_idx, em_map = ctx.saved_tensors
+        grad_w = None
+        if ctx.has_w and grad_recv_w is not None:
+            # weights of experts that live elsewhere are constant zeros here: no gradient flows from them
+            grad_w = torch.where(recv_idx >= 0, grad_recv_w, 0.0).float().contiguous()
+        with validation.trusted_values():  # em_map and handle come from the forward: no value-reading syncs
+            grad_x, grad_topk_w, _ = ctx.buffer.combine_expert_major(grad_x_em.contiguous(), ctx.handle, em_map,
+                                                                     topk_weights=grad_w)
+        return None, grad_x, None, grad_topk_w, None
+
+
+class CombineExpertMajor(torch.autograd.Function):
+    """y_em (expert-major rows) -> combined_x on the tokens' home ranks."""
+
+    @staticmethod
+    def forward(ctx: Any, buffer: Buffer, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor):
+        combined, _, _ = buffer.combine_expert_major(y_em, handle, em_map)
+        ctx.buffer, ctx.handle, ctx.rows = buffer, handle, y_em.size(0)
+        ctx.save_for_backward(em_map)
+        return combined
+
+    @staticmethod
+    def backward(ctx: Any, grad_combined: torch.Tensor):
+        (em_map,) = ctx.saved_tensors
+        with validation.trusted_values():  # em_map was checked (or trusted) by the forward
+            grad_em, _ = ctx.buffer.dispatch_expert_major_cached(grad_combined.contiguous(), ctx.handle, em_map,
+                                                                 num_rows=ctx.rows)
+        return None, grad_em, None, None
+
+
+def dispatch_expert_major(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor,
+                          topk_weights: Optional[torch.Tensor], num_experts: int):
+    """Differentiable expert-major dispatch: returns (x_em, recv_topk_idx, recv_topk_weights,
+    tokens_per_expert_list, em_map, handle); see Buffer.dispatch_expert_major."""
+    return DispatchExpertMajor.apply(buffer, x, topk_idx, topk_weights, num_experts)
+
+
+def combine_expert_major(buffer: Buffer, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor):
+    """Differentiable expert-major combine: returns combined_x `[num_tokens, hidden]`."""
+    return CombineExpertMajor.apply(buffer, y_em, handle, em_map)

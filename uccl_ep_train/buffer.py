@@ -3,6 +3,8 @@
 Code written for `deep_ep.Buffer` runs unchanged on this class. It validates every argument before any
 communication, runs the backend on a communication stream (CUDA) with DeepEP's event semantics
 (`previous_event`, `async_finish`, `allocate_on_comm_stream`), and returns DeepEP's tuples.
+Ours on top: the expert-major pair (`dispatch_expert_major`, `dispatch_expert_major_cached`,
+`combine_expert_major`), which moves rows straight into/out of the order experts consume.
 Backend choice: `native` when the native module, its kernels and GPUs are present, `reference`
 (torch.distributed) otherwise; `UCCL_EP_BACKEND=reference|native` forces one. `Buffer.backend_name` says
 which one is in use.
@@ -309,9 +311,7 @@ class Buffer:
         """
         data, scales = V.split_x(x)
         V.check_device(data, "x", self.device)
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")
-        config = config or self.get_dispatch_config(self.group_size)
+        config = self._config(config, self.get_dispatch_config)
         if num_tokens_per_rdma_rank is not None:
             raise NotImplementedError("dispatch: num_tokens_per_rdma_rank (internode layout) is not supported yet")
         backend = self.backend
@@ -392,9 +392,7 @@ class Buffer:
             V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
             if topk_weights.size(0) != x.size(0):
                 raise ValueError(f"topk_weights: has {topk_weights.size(0)} rows, x has {x.size(0)}")
-        if config is not None and not isinstance(config, Config):
-            raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")
-        config = config or self.get_combine_config(self.group_size)
+        config = self._config(config, self.get_combine_config)
         biases = _unpack_bias(bias)
         for i, b in enumerate(biases):
             if b is not None:
@@ -406,6 +404,131 @@ class Buffer:
             lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
             (x, topk_weights) + biases, previous_event, async_finish, allocate_on_comm_stream)
         return combined, combined_w, event
+
+    # ---- high throughput, expert-major (ours: not in DeepEP) --------------------------------------------
+    def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                              num_experts: int, config: Optional[Config] = None,
+                              previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                              allocate_on_comm_stream: bool = False):
+        """Dispatch tokens straight into expert-major order: one row per (received token, local expert),
+        grouped by local expert, within an expert by source rank, then source token index (the order
+        `dispatch` + `permute.expert_major_map` + `permute.expand_rows` give, bit for bit). The layout is
+        computed here (no get_dispatch_layout call needed); counts are exact (expert_alignment=1, no
+        num_worst_tokens).
+
+        Arguments:
+            x: `[num_tokens, hidden]` bf16/fp16/fp32 (no FP8 pairs).
+            topk_idx: `[num_tokens, num_topk]` int64 (int32 accepted) expert ids, -1 for none.
+            topk_weights: same shape, float32, or None.
+            num_experts: all experts (divisible by the number of ranks).
+            config, previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
+
+        Returns:
+            x_em: `[sum(tokens_per_expert), hidden]` rows in expert-major order.
+            recv_topk_idx: `[num_recv, num_topk]` int64 local expert ids in receive order (source rank, then
+                token), -1 where the expert is elsewhere. recv_topk_weights: same shape, float32, 0 there.
+            tokens_per_expert: Python list of exact per-local-expert row counts.
+            em_map: `[num_recv, num_topk]` int32: the expert-major row of each (received row, slot), -1 for
+                slots of no local expert (= permute.expert_major_map(recv_topk_idx, tokens_per_expert)).
+            handle: for combine_expert_major / dispatch_expert_major_cached (and combine / cached dispatch).
+            event: the event after the kernels.
+        """
+        _check_unquantized(x, "dispatch_expert_major")
+        V.check_device(x, "x", self.device)
+        V.check_num_experts(num_experts, self.group_size)
+        V.check_topk(topk_idx, topk_weights, x.size(0))
+        V.check_device(topk_idx, "topk_idx", self.device)
+        V.check_device(topk_weights, "topk_weights", self.device)
+        config = self._config(config, self.get_dispatch_config)
+        backend = self.backend
+
+        def run():
+            idx = topk_idx.to(torch.int64)
+            per_rank, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
+            return backend.dispatch_expert_major(x, idx, topk_weights, per_rank, in_rank, per_expert, config)
+
+        (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
+            run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
+            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+        return x_em, recv_idx, recv_w, counts, em_map, handle, event
+
+    def dispatch_expert_major_cached(self, x: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+                                     num_rows: int, config: Optional[Config] = None,
+                                     previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                                     allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, EventOverlap]:
+        """Cached expert-major dispatch: `x` moves with the layout of `handle` (no layout, no counts
+        exchange) and each received row lands at the expert-major rows `em_map` names. It is the backward
+        of `combine_expert_major` (autograd.combine_expert_major).
+
+        Arguments:
+            x: `[handle.num_tokens, hidden]` bf16/fp16/fp32 (no FP8 pairs).
+            handle: from `dispatch_expert_major` (or `dispatch`) on this Buffer.
+            em_map: `[handle.num_recv_tokens, num_topk]` int32, naming each of rows 0..num_rows-1 exactly
+                once (-1 elsewhere), e.g. the one dispatch_expert_major returned.
+            num_rows: rows of the result (sum of the per-expert counts).
+
+        Returns:
+            x_em `[num_rows, hidden]`, event.
+        """
+        handle = check_intranode_handle(handle, self.id)
+        _check_unquantized(x, "dispatch_expert_major_cached")
+        V.check_device(x, "x", self.device)
+        if x.size(0) != handle.num_tokens:
+            raise ValueError(f"x: has {x.size(0)} tokens, the handle was made for {handle.num_tokens}")
+        V.check_non_negative_int(num_rows, "num_rows")
+        V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows", values=False)
+        V.check_device(em_map, "em_map", self.device)
+        config = self._config(config, self.get_dispatch_config)
+        backend = self.backend
+        x_em, event = self._run(
+            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config), (x, em_map),
+            previous_event, async_finish, allocate_on_comm_stream,
+            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows"))
+        return x_em, event
+
+    def combine_expert_major(self, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+                             topk_weights: Optional[torch.Tensor] = None, config: Optional[Config] = None,
+                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                             allocate_on_comm_stream: bool = False
+                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
+        """Combine expert-major rows: each received row's expert rows are summed (float32, slot order) and
+        the sums are combined as `combine` does (float32, rank order). Equals `permute.reduce_rows` +
+        `combine` (within float32-reduction tolerance on backends that fuse the two sums).
+
+        Arguments:
+            y_em: `[num_rows, hidden]` bf16/fp16/fp32 expert outputs in expert-major order.
+            handle: from `dispatch_expert_major` (or `dispatch`) on this Buffer.
+            em_map: `[handle.num_recv_tokens, num_topk]` int32 naming each row of y_em exactly once.
+            topk_weights: `[handle.num_recv_tokens, num_topk]` float32 in receive order (not
+                expert-major), reduced as in `combine`; or None.
+
+        Returns:
+            combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
+        """
+        handle = check_intranode_handle(handle, self.id)
+        V.check_tensor(y_em, "y_em", V.FLOAT_DTYPES, 2)
+        V.check_device(y_em, "y_em", self.device)
+        rows = y_em.size(0)
+        V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em", values=False)
+        V.check_device(em_map, "em_map", self.device)
+        if topk_weights is not None:
+            V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
+            V.check_device(topk_weights, "topk_weights", self.device)
+            if topk_weights.shape != em_map.shape:
+                raise ValueError(f"topk_weights: shape {list(topk_weights.shape)} != em_map shape "
+                                 f"{list(em_map.shape)} (one weight per received row and slot, receive order)")
+        config = self._config(config, self.get_combine_config)
+        backend = self.backend
+        (combined, combined_w), event = self._run(
+            lambda: backend.combine_expert_major(y_em, handle, em_map, topk_weights, config),
+            (y_em, em_map, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
+            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em"))
+        return combined, combined_w, event
+
+    def _config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
+        if config is not None and not isinstance(config, Config):
+            raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")
+        return config or default(self.group_size)
 
     # ---- low latency -----------------------------------------------------------------------------------
     def _check_low_latency(self, what: str) -> None:
@@ -572,6 +695,15 @@ class Buffer:
             raise ValueError(f"num_rdma_bytes: this Buffer has {self.num_rdma_bytes} bytes, low-latency mode with "
                              f"{num_max_dispatch_tokens_per_rank} tokens x hidden {hidden} x {num_experts} experts "
                              f"needs {need} (Buffer.get_low_latency_rdma_size_hint)")
+
+
+def _check_unquantized(x: Any, what: str) -> None:
+    """x of an expert-major call: a bf16/fp16/fp32 tensor (the fused copy-out has no FP8 scales path)."""
+    if isinstance(x, (tuple, list)) or (isinstance(x, torch.Tensor) and x.dtype in V.FP8_DTYPES):
+        raise TypeError(f"x: {what} takes bf16/fp16/fp32 tokens; FP8 input (an (e4m3, scales) pair or an e4m3 "
+                        f"tensor) is not supported here: use dispatch() with expert_alignment=1 and "
+                        f"permute.expand_rows")
+    V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
 
 
 def _unpack_bias(bias) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:

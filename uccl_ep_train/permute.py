@@ -9,6 +9,10 @@ dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major
     reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
     expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
 
+expand_rows / reduce_rows are autograd-aware (each is the other's backward); expand_rows_raw /
+reduce_rows_raw are the same operations outside autograd, for code that does its own differentiation
+(the backends' expert-major dispatch/combine, whose autograd pair lives in uccl_ep_train.autograd).
+
 On CUDA/HIP tensors the map, expand and reduce are single native kernels (one read of each source row, float32 sums in
 slot order, no atomics, no sort, no host sync); elsewhere the same maps drive torch index ops. Both give
 the same values, so CPU tests check the semantics the GPU kernels implement.
@@ -136,13 +140,18 @@ def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tenso
 
 def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
     """[m, ...] -> [n, ...]: row i is the sum of the expert-major rows dst[i, :] names (autograd-aware)."""
-    _check_map(dst)
-    n = dst.size(0) if num_rows is None else int(num_rows)
-    if n != dst.size(0):
-        raise ValueError(f"num_rows: {n} != dst rows {dst.size(0)}")
-    if y.dim() < 1 or y.device != dst.device:
-        raise ValueError(f"y: expected [rows, ...] on {dst.device}, got shape {tuple(y.shape)} on {y.device}")
-    return _Permute.apply(y, dst, n, False)
+    return _Permute.apply(y, dst, _check_reduce(y, dst, num_rows), False)
+
+
+def expand_rows_raw(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+    """expand_rows outside autograd: the same values, no graph."""
+    _check(x, dst, "x")
+    return _expand(x, dst, int(num_out))
+
+
+def reduce_rows_raw(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
+    """reduce_rows outside autograd: the same values (float32 sums in slot order), no graph."""
+    return _reduce(y, dst, _check_reduce(y, dst, num_rows))
 
 
 def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -158,6 +167,16 @@ def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torc
 def _check_map(dst: torch.Tensor) -> None:
     if dst.dtype != torch.int32 or dst.dim() != 2 or not dst.is_contiguous():
         raise ValueError(f"dst: expected a contiguous int32 [rows, k] map, got {dst.dtype} {tuple(dst.shape)}")
+
+
+def _check_reduce(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int]) -> int:
+    _check_map(dst)
+    n = dst.size(0) if num_rows is None else int(num_rows)
+    if n != dst.size(0):
+        raise ValueError(f"num_rows: {n} != dst rows {dst.size(0)}")
+    if y.dim() < 1 or y.device != dst.device:
+        raise ValueError(f"y: expected [rows, ...] on {dst.device}, got shape {tuple(y.shape)} on {y.device}")
+    return n
 
 
 def _check(x: torch.Tensor, dst: torch.Tensor, name: str) -> None:

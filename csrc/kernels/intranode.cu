@@ -43,7 +43,9 @@ __device__ __forceinline__ int4 load_stream<int4>(const int4* p) {
 // the row is read once, stored ndst times. U vectors per lane in flight; full rounds carry no per-vector
 // predicates (a predicate per vector splits a round into two load waits once the 7 predicate registers
 // run out), and the tail goes 4 vectors at a time.
-template <typename V, int U = (sizeof(V) == 16 ? 8 : 4)>
+// kNc: read through the non-coherent path (sources nobody writes during the kernel); false for rows that
+// peers pushed into this rank's buffer during the kernel.
+template <typename V, int U = (sizeof(V) == 16 ? 8 : 4), bool kNc = true>
 __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, char* const* dsts, int ndst,
                                               int lane) {
   const int n = (int)(nbytes / (int64_t)sizeof(V));
@@ -52,7 +54,7 @@ __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, c
   for (; i + (U - 1) * kWarpSize < n; i += kWarpSize * U) {
     V v[U];
 #pragma unroll
-    for (int u = 0; u < U; ++u) v[u] = load_stream<V>(s + i + u * kWarpSize);
+    for (int u = 0; u < U; ++u) v[u] = kNc ? load_stream<V>(s + i + u * kWarpSize) : s[i + u * kWarpSize];
     for (int j = 0; j < ndst; ++j) {
       V* d = reinterpret_cast<V*>(dsts[j]);
 #pragma unroll
@@ -63,7 +65,7 @@ __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, c
     V v[4];
 #pragma unroll
     for (int u = 0; u < 4; ++u)
-      if (i + u * kWarpSize < n) v[u] = load_stream<V>(s + i + u * kWarpSize);
+      if (i + u * kWarpSize < n) v[u] = kNc ? load_stream<V>(s + i + u * kWarpSize) : s[i + u * kWarpSize];
     for (int j = 0; j < ndst; ++j) {
       V* d = reinterpret_cast<V*>(dsts[j]);
 #pragma unroll
@@ -74,6 +76,38 @@ __device__ __forceinline__ void warp_push_row(const char* src, int64_t nbytes, c
 }
 
 // ------------------------------------------------------------------------------------------------ notify
+// Exclusive prefix sums, in place, of rows 0..rows-1 of s_scan (kNotifyThreads values each; rows <= warps
+// of the block): warp w sums row w lane by lane, one thread per row scans the lane sums, warp w writes back.
+__device__ __forceinline__ void exclusive_scan_rows(int (*s_scan)[kNotifyThreads], int (*s_lane)[kWarpSize],
+                                                    int rows) {
+  constexpr int kPerLane = kNotifyThreads / kWarpSize;
+  const int tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
+  if (w < rows) {
+    int s = 0;
+    for (int i = 0; i < kPerLane; ++i) s += s_scan[w][lane * kPerLane + i];
+    s_lane[w][lane] = s;
+  }
+  __syncthreads();
+  if (tid < rows) {
+    int acc = 0;
+    for (int l = 0; l < kWarpSize; ++l) {
+      const int v = s_lane[tid][l];
+      s_lane[tid][l] = acc;
+      acc += v;
+    }
+  }
+  __syncthreads();
+  if (w < rows) {
+    int acc = s_lane[w][lane];
+    for (int i = 0; i < kPerLane; ++i) {
+      const int v = s_scan[w][lane * kPerLane + i];
+      s_scan[w][lane * kPerLane + i] = acc;
+      acc += v;
+    }
+  }
+  __syncthreads();
+}
+
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, N = a.num_tokens;
   const int epr = a.num_experts / R;
@@ -109,34 +143,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   for (int r = 0; r < kMaxRanks; ++r)
     if (r < R) s_scan[r][tid] = run[r];
   __syncthreads();
-  {
-    constexpr int kPerLane = kNotifyThreads / kWarpSize;
-    const int w = tid / kWarpSize, lane = tid % kWarpSize;
-    if (w < R) {
-      int s = 0;
-      for (int i = 0; i < kPerLane; ++i) s += s_scan[w][lane * kPerLane + i];
-      s_lane[w][lane] = s;
-    }
-    __syncthreads();
-    if (tid < R) {
-      int acc = 0;
-      for (int l = 0; l < kWarpSize; ++l) {
-        const int v = s_lane[tid][l];
-        s_lane[tid][l] = acc;
-        acc += v;
-      }
-    }
-    __syncthreads();
-    if (w < R) {
-      int acc = s_lane[w][lane];
-      for (int i = 0; i < kPerLane; ++i) {
-        const int v = s_scan[w][lane * kPerLane + i];
-        s_scan[w][lane * kPerLane + i] = acc;
-        acc += v;
-      }
-    }
-    __syncthreads();
-  }
+  exclusive_scan_rows(s_scan, s_lane, R);
 #pragma unroll
   for (int r = 0; r < kMaxRanks; ++r)
     if (r < R) run[r] = s_scan[r][tid];
@@ -171,6 +178,27 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
     int acc = 0;
     for (int s = 0; s < R; ++s) acc += slots[(int64_t)s * kCountsSlotInts + R + e];
     a.info[R * R + e] = acc;
+  }
+  __syncthreads();
+  // Expert-major base row of each (source s, local expert e) block: experts in order, then source ranks.
+  {
+    const int echunk = (epr + (int)blockDim.x - 1) / (int)blockDim.x;
+    const int e0 = min(epr, tid * echunk), e1 = min(epr, e0 + echunk);
+    int esum = 0;
+    for (int e = e0; e < e1; ++e) esum += a.info[R * R + e];
+    s_scan[0][tid] = esum;
+    __syncthreads();
+    exclusive_scan_rows(s_scan, s_lane, 1);
+    int base = s_scan[0][tid];
+    int* em_base = a.info + R * R + epr;
+    for (int e = e0; e < e1; ++e) {
+      int acc = base;
+      for (int s = 0; s < R; ++s) {
+        em_base[s * epr + e] = acc;
+        acc += slots[(int64_t)s * kCountsSlotInts + R + e];
+      }
+      base += a.info[R * R + e];
+    }
   }
   __syncthreads();
   if (tid == 0)
@@ -219,8 +247,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   __shared__ int s_P[kMaxRanks * kMaxRanks];
   __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_dstlo[kMaxRanks], s_nrows[kMaxRanks];
   __shared__ int s_skip, s_next;
-  __shared__ char* s_dx[kWarps][kMaxRanks];
-  __shared__ int s_dr[kWarps][kMaxRanks], s_ds[kWarps][kMaxRanks], s_nd[kWarps];
+  __shared__ char* s_dx[kWarps][kMaxRanks + kMaxExpertMajorTopk];  // row destinations of a warp's token
+  __shared__ int s_dr[kWarps][kMaxRanks], s_ds[kWarps][kMaxRanks], s_nd[kWarps], s_nm[kWarps], s_own[kWarps];
+  const bool em = a.em_x != nullptr;
 
   if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
   __syncthreads();
@@ -256,29 +285,51 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const int stride = gridDim.x * push_warps;
     for (int t = blockIdx.x * push_warps + w; t < a.num_tokens; t += stride) {
       if (lane == 0) {
-        int nd = 0;
+        int nd = 0, nm = 0, own = -1;
         for (int r = 0; r < R; ++r) {
           const int pos = a.send_pos[(int64_t)t * R + r];
           if (pos < 0) continue;
           const int64_t slot = s_dstlo[r] + pos;
-          char* dx;
           if (r == me) {
             if (slot >= a.out_rows) continue;
-            dx = a.recv_x + slot * a.x_bytes;
+            if (em)
+              own = (int)slot;  // expert-major rows: found by the whole warp below
+            else
+              s_dx[w][nd++] = a.recv_x + slot * a.x_bytes;
           } else {
-            dx = a.peers.p[r] + kHeaderBytes + a.lay.off_x + slot * a.x_bytes;
+            s_dx[w][nd++] = a.peers.p[r] + kHeaderBytes + a.lay.off_x + slot * a.x_bytes;
           }
-          s_dx[w][nd] = dx;
-          s_dr[w][nd] = r;
-          s_ds[w][nd] = (int)slot;
-          ++nd;
+          s_dr[w][nm] = r;
+          s_ds[w][nm] = (int)slot;
+          ++nm;
         }
         s_nd[w] = nd;
+        s_nm[w] = nm;
+        s_own[w] = own;
       }
       warp_sync();
-      const int nd = s_nd[w];
+      int nd = s_nd[w];
+      const int nm = s_nm[w];
+      if (em) {  // this rank's own copies of the token go straight to its expert-major rows
+        const int own = s_own[w];
+        int d = -1;
+        if (own >= 0 && lane < a.em_k) {
+          if (a.with_topk) {
+            const int64_t e = a.topk_idx[(int64_t)t * K + lane] - (int64_t)me * epr;
+            if (e >= 0 && e < epr) d = a.em_base[me * epr + (int)e] + a.topk_pos[(int64_t)t * K + lane];
+          } else {
+            d = a.em_map[(int64_t)own * a.em_k + lane];
+          }
+          if (d < 0 || d >= a.em_rows) d = -1;
+          if (a.with_topk) a.em_map[(int64_t)own * K + lane] = d;
+        }
+        const uint64_t hit = warp_ballot(d >= 0);
+        if (d >= 0) s_dx[w][nd + __popcll(hit & ((1ull << lane) - 1ull))] = a.em_x + (int64_t)d * a.x_bytes;
+        nd += __popcll(hit);
+        warp_sync();
+      }
       warp_push_row<V>(a.x + (int64_t)t * a.x_bytes, a.x_bytes, s_dx[w], nd, lane);
-      for (int j = 0; j < nd; ++j) {
+      for (int j = 0; j < nm; ++j) {
         const int r = s_dr[w][j];
         const int64_t slot = s_ds[w][j];
         char* pdata = a.peers.p[r] + kHeaderBytes;
@@ -292,7 +343,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
           for (int k = lane; k < K; k += kWarpSize) {
             const int64_t e = a.topk_idx[(int64_t)t * K + k];
             const int64_t local = (e >= (int64_t)r * epr && e < (int64_t)(r + 1) * epr) ? e - (int64_t)r * epr : -1;
-            di[slot * K + k] = local;
+            // expert-major: a peer's id word carries the row's position in its (source, expert) block too
+            const bool packed = em && r != me && local >= 0;
+            di[slot * K + k] = packed ? (local | ((int64_t)a.topk_pos[(int64_t)t * K + k] << 32)) : local;
             dw[slot * K + k] = (local >= 0 && a.with_weights) ? a.topk_w[(int64_t)t * K + k] : 0.f;
           }
         }
@@ -331,25 +384,49 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       }
       if (s >= R) break;
       const int64_t i = s_lo[s] + blockIdx.x + (int64_t)k * gridDim.x;
+      // cached expert-major: the row's destinations are an input, loaded while the row is still landing
+      const int cached_d = (em && !a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
       int ok = 1;
       if (lane == 0)  // acquire by lane 0, then the warp barrier orders every lane's reads after it
         ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, s, kPhaseDispatch, (int)i);
       ok = warp_shfl(ok, 0);
       warp_sync();
       if (!ok) break;
-      warp_copy_row<V>(a.recv_x + i * a.x_bytes, data + a.lay.off_x + i * a.x_bytes, a.x_bytes, lane);
-      if (has_scales)
-        warp_copy_words(a.recv_scales + i * a.scale_bytes, data + a.lay.off_scales + i * a.scale_bytes, a.scale_bytes, lane);
-      if (a.with_topk) {
-        warp_copy_words(a.recv_idx + i * K, data + a.lay.off_topk_idx + i * K * 8, K * 8, lane);
-        warp_copy_words(a.recv_w + i * K, data + a.lay.off_topk_w + i * K * 4, K * 4, lane);
+      if (em) {  // one read of the landed row, one store per local expert (expert-major rows)
+        int d = -1;
+        if (lane < a.em_k) {
+          if (a.with_topk) {
+            const int64_t v = reinterpret_cast<const int64_t*>(data + a.lay.off_topk_idx)[i * K + lane];
+            const int local = v < 0 ? -1 : (int)(v & 0xffffffffll);
+            if (local >= 0 && local < epr) d = a.em_base[s * epr + local] + (int)(v >> 32);
+            a.recv_idx[i * K + lane] = local < epr ? local : -1;
+          } else {
+            d = cached_d;
+          }
+          if (d < 0 || d >= a.em_rows) d = -1;
+          if (a.with_topk) a.em_map[i * K + lane] = d;
+        }
+        const uint64_t hit = warp_ballot(d >= 0);
+        if (d >= 0) s_dx[w][__popcll(hit & ((1ull << lane) - 1ull))] = a.em_x + (int64_t)d * a.x_bytes;
+        warp_sync();
+        warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], __popcll(hit), lane);
+        warp_sync();  // s_dx[w] is rewritten for the next row
+        if (a.with_topk) warp_copy_words(a.recv_w + i * K, data + a.lay.off_topk_w + i * K * 4, K * 4, lane);
+      } else {
+        warp_copy_row<V>(a.recv_x + i * a.x_bytes, data + a.lay.off_x + i * a.x_bytes, a.x_bytes, lane);
+        if (has_scales)
+          warp_copy_words(a.recv_scales + i * a.scale_bytes, data + a.lay.off_scales + i * a.scale_bytes, a.scale_bytes, lane);
+        if (a.with_topk) {
+          warp_copy_words(a.recv_idx + i * K, data + a.lay.off_topk_idx + i * K * 8, K * 8, lane);
+          warp_copy_words(a.recv_w + i * K, data + a.lay.off_topk_w + i * K * 4, K * 4, lane);
+        }
       }
       if (a.with_src && lane == 0) a.recv_src[i] = reinterpret_cast<const int*>(data + a.lay.off_src)[i];
     }
     // Padding rows (num_worst_tokens): x and scales 0, top-k ids -1, weights 0, source index -1.
     const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)gridDim.x * blockDim.x;
     const int64_t total = s_P[(R - 1) * R + me];
-    if (total < a.out_rows) {
+    if (total < a.out_rows && !em) {
       const int64_t pad = a.out_rows - total;
       grid_zero_bytes(a.recv_x + total * a.x_bytes, pad * a.x_bytes, gtid, gthreads);
       if (has_scales) grid_zero_bytes(a.recv_scales + total * a.scale_bytes, pad * a.scale_bytes, gtid, gthreads);
@@ -505,6 +582,25 @@ struct CombineRow {
     }
   }
 
+  // out_row = sum of the m rows s_src[0..m) (m == 0: zeros), the register variant fitted to m.
+  __device__ __forceinline__ static void sum_rows(const T* const* s_src, int m, T* out_row, int nv, int lane) {
+    switch (m) {
+      case 0:
+        for (int i = lane; i < nv; i += kWarpSize) {
+          Vec o;
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(0.f);
+          reinterpret_cast<Vec*>(out_row)[i] = o;
+        }
+        break;
+      case 1: fixed<1, 12, 2>(s_src, out_row, nv, lane); break;
+      case 2: fixed<2, 7, 1>(s_src, out_row, nv, lane); break;
+      case 3: fixed<3, 4, 1>(s_src, out_row, nv, lane); break;
+      case 4: fixed<4, 3, 1>(s_src, out_row, nv, lane); break;
+      default: generic(s_src, m, out_row, nv, lane); break;
+    }
+  }
+
   // Any number of inputs: groups of 4 sources, float accumulators carried between groups.
   __device__ __forceinline__ static void generic(const T* const* s_src, int m, T* out_row, int nv, int lane) {
     constexpr int U = 2;
@@ -569,6 +665,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   __shared__ int s_skip, s_next;
   __shared__ const T* s_src[kWarps][kMaxRanks + 2];  // sources in rank order, then bias_0, bias_1
   __shared__ const float* s_wsrc[kWarps][kMaxRanks];
+  __shared__ const T* s_fold[kWarps][kMaxExpertMajorTopk];  // fold mode: expert-major rows of one row
+  const bool fold = a.fold_map != nullptr;
 
   if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
   __syncthreads();
@@ -603,7 +701,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   if (!s_skip && w < push_warps) {
     const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
     for (int s = 0; s < R; ++s) {
-      if (s == me) continue;
+      if (s == me && !fold) continue;  // fold mode: own rows are folded into the own buffer like any other
       char* pdata = a.peers.p[s] + kHeaderBytes;
       uint32_t* pflags = reinterpret_cast<uint32_t*>(a.peers.p[s] + kFlagsOffset);
       int batch = 0;
@@ -615,7 +713,25 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         const bool w_lane = a.with_weights && K <= kWarpSize && lane < K;
         if (w_lane) wv = a.topk_w[(int64_t)i * K + lane];
         char* dst = pdata + a.lay.off_x + slot * row_bytes;
-        warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
+        if (fold) {
+          // the row is the sum of its expert-major rows (slot order, float32, rounded once)
+          int d = -1;
+          if (lane < a.fold_k) {
+            d = a.fold_map[(int64_t)i * a.fold_k + lane];
+            if (d >= a.fold_rows) d = -1;
+          }
+          const uint64_t hit = warp_ballot(d >= 0);
+          if (d >= 0) s_fold[w][__popcll(hit & ((1ull << lane) - 1ull))] = x + (int64_t)d * H;
+          warp_sync();
+          const int m = __popcll(hit);
+          if (m == 1)
+            warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(s_fold[w][0]), row_bytes, &dst, 1, lane);
+          else
+            Row::sum_rows(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane);
+          warp_sync();  // s_fold[w] is rewritten for the next row
+        } else {
+          warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
+        }
         if (a.with_weights) {
           float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + slot * K;
           if (K <= kWarpSize) {
@@ -654,8 +770,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       const int pos_next = (lane < R && t_next < N) ? a.send_pos[t_next * R + lane] : -1;
       bool ok = true;
       int64_t row = 0;
+      const bool direct = lane == me && !fold;  // own rows are read in place (fold mode: from the buffer)
       if (pos >= 0) {
-        if (lane == me) {
+        if (direct) {
           row = s_lo[me] + pos;
         } else {
           row = s_recvbase[lane] + pos;
@@ -668,7 +785,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       const int n = __popcll(present);
       if (pos >= 0) {
         const int j = __popcll(present & ((1ull << lane) - 1ull));
-        if (lane == me) {
+        if (direct) {
           s_src[w][j] = x + row * H;
           s_wsrc[w][j] = a.topk_w + row * K;
         } else {
@@ -693,22 +810,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       const int m = n + nbias;
       T* out_row = reinterpret_cast<T*>(a.out) + t * H;
       if constexpr (kMode == 2) {
-        if (m > 0) Row::staged(s_src[w], m, out_row, nv, lane, s_stage + (int64_t)w * kStageSlots * kWarpSize);
-      } else switch (m) {
-        case 0: break;
-        case 1: Row::template fixed<1, 12, 2>(s_src[w], out_row, nv, lane); break;
-        case 2: Row::template fixed<2, 7, 1>(s_src[w], out_row, nv, lane); break;
-        case 3: Row::template fixed<3, 4, 1>(s_src[w], out_row, nv, lane); break;
-        case 4: Row::template fixed<4, 3, 1>(s_src[w], out_row, nv, lane); break;
-        default: Row::generic(s_src[w], m, out_row, nv, lane); break;
+        if (m > 0)
+          Row::staged(s_src[w], m, out_row, nv, lane, s_stage + (int64_t)w * kStageSlots * kWarpSize);
+        else
+          Row::sum_rows(s_src[w], 0, out_row, nv, lane);
+      } else {
+        Row::sum_rows(s_src[w], m, out_row, nv, lane);  // m == 0 (sent nowhere, no bias): zeros, as the reference
       }
-      if (m == 0)  // token sent nowhere (all experts masked) and no bias: zeros, as the reference
-        for (int i = lane; i < nv; i += kWarpSize) {
-          typename Row::Vec o;
-#pragma unroll
-          for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(0.f);
-          reinterpret_cast<typename Row::Vec*>(out_row)[i] = o;
-        }
       if (w_lane) {
         float acc = 0.f;
 #pragma unroll

@@ -13,6 +13,7 @@
 namespace uccl_ep::intranode {
 
 constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
+constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 
 // Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.
 struct RowLayout {
@@ -50,25 +51,34 @@ class IntranodeBuffer {
                        int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
 
   // Counts exchange. Writes send_pos [N, R] int32 (row of token t among rows sent to r, -1 if none) and
-  // info int32 [R*R + experts_per_rank]: the rank prefix matrix, then this rank's per-local-expert counts.
+  // info int32 [R*R + epr + R*epr] (epr = experts per rank): the rank prefix matrix, this rank's
+  // per-local-expert counts, then the expert-major base row of each (source rank, local expert) block
+  // (experts in order, within an expert source ranks in order: the order the alltoall dispatcher uses).
   void notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
               int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info, int num_worst_tokens,
               int64_t stream);
 
   // Push dispatch. flags: kWithTopk (topk_idx given: recv ids/weights written), kWithWeights,
   // kWithSrc (fresh dispatch: recv_src_idx written). Cached dispatch passes 0. Scales when scale_bytes > 0.
+  // Expert-major mode (em_x != 0): rows go to em_x [em_rows, x_bytes] instead of recv_x; a fresh dispatch
+  // takes topk_pos [N, num_topk] int32 and em_base (notify's info + R*R + epr) and writes em_map
+  // [out_rows, num_topk]; a cached one reads em_map [out_rows, em_k].
   static constexpr int kWithTopk = 1, kWithWeights = 2, kWithSrc = 4;
   void dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
                 int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens, int64_t send_pos,
                 int64_t rank_prefix, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
-                int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int num_sms, int push_warps,
+                int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int64_t em_x, int64_t em_map,
+                int64_t topk_pos, int64_t em_base, int em_k, int64_t em_rows, int num_sms, int push_warps,
                 int flag_batch, int64_t stream);
 
   // Push combine: rows (dtype 0 bf16, 1 fp16, 2 fp32) back to their sources, summed in float32 in rank
-  // order, then + bias_0 + bias_1 (same dtype as x), rounded once.
+  // order, then + bias_0 + bias_1 (same dtype as x), rounded once. Fold mode (fold_map != 0): x is
+  // expert-major [fold_rows, hidden] and each received row is first folded from x's rows fold_map[i][:]
+  // (float32 sum in slot order, rounded once: exactly permute.reduce_rows), own rows included.
   void combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens, int64_t send_pos,
                int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out, int64_t out_topk_weights,
-               int num_sms, int push_warps, int flag_batch, int64_t stream);
+               int64_t fold_map, int fold_k, int64_t fold_rows, int num_sms, int push_warps, int flag_batch,
+               int64_t stream);
 
   // Warps per block of the dispatch / combine kernels (push_warps may be 1..this).
   static int warps_per_block();

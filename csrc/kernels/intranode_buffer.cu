@@ -237,7 +237,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
                                int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens,
                                int64_t send_pos, int64_t rank_prefix, int64_t recv_x, int64_t recv_scales,
                                int64_t recv_topk_idx, int64_t recv_topk_weights, int64_t recv_src_idx,
-                               int64_t out_rows, int num_sms, int push_warps, int flag_batch,
+                               int64_t out_rows, int64_t em_x, int64_t em_map, int64_t topk_pos, int64_t em_base,
+                               int em_k, int64_t em_rows, int num_sms, int push_warps, int flag_batch,
                                int64_t stream) {
   check_open("dispatch");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
@@ -268,6 +269,23 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.recv_w = as_ptr<float>(recv_topk_weights);
   a.recv_src = as_ptr<int>(recv_src_idx);
   a.out_rows = out_rows;
+  a.em_x = as_ptr<char>(em_x);
+  if (a.em_x != nullptr) {
+    UCCL_CHECK(em_map != 0, "dispatch: expert-major mode needs em_map");
+    UCCL_CHECK(scale_bytes == 0, "dispatch: expert-major mode moves bf16/fp16/fp32 rows (no FP8 scales)");
+    UCCL_CHECK(em_rows >= 0, "dispatch: em_rows " << em_rows << " < 0");
+    if (a.with_topk) {
+      UCCL_CHECK(topk_pos != 0 && em_base != 0, "dispatch: a fresh expert-major dispatch needs topk_pos and em_base");
+      UCCL_CHECK(em_k == num_topk, "dispatch: em_k " << em_k << " != num_topk " << num_topk);
+    }
+    UCCL_CHECK(em_k >= 1 && em_k <= kMaxExpertMajorTopk,
+               "dispatch: expert-major mode takes 1.." << kMaxExpertMajorTopk << " top-k slots, got " << em_k);
+  }
+  a.em_map = as_ptr<int>(em_map);
+  a.topk_pos = as_ptr<const int>(topk_pos);
+  a.em_base = as_ptr<const int>(em_base);
+  a.em_k = em_k;
+  a.em_rows = em_rows;
   UCCL_CHECK(push_warps >= 1 && push_warps <= warps_per_block(),
              "dispatch: push_warps " << push_warps << " outside [1, " << warps_per_block() << "]");
   a.push_warps = push_warps;
@@ -281,8 +299,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
 
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
                               int64_t send_pos, int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out,
-                              int64_t out_topk_weights, int num_sms, int push_warps, int flag_batch,
-                              int64_t stream) {
+                              int64_t out_topk_weights, int64_t fold_map, int fold_k, int64_t fold_rows,
+                              int num_sms, int push_warps, int flag_batch, int64_t stream) {
   check_open("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
@@ -317,6 +335,13 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.bias1 = as_ptr<const void>(bias1);
   a.out = as_ptr<void>(out);
   a.out_w = as_ptr<float>(out_topk_weights);
+  a.fold_map = as_ptr<const int>(fold_map);
+  if (a.fold_map != nullptr)
+    UCCL_CHECK(fold_k >= 1 && fold_k <= kMaxExpertMajorTopk && fold_rows >= 0,
+               "combine: fold mode takes 1.." << kMaxExpertMajorTopk << " slots per row, got " << fold_k
+                                              << " (fold_rows " << fold_rows << ")");
+  a.fold_k = fold_k;
+  a.fold_rows = fold_rows;
   const int64_t elem = dtype == kDtypeFp32 ? 4 : 2;
   a.lay = make_row_layout(data_bytes(), (int64_t)hidden * elem, 0, a.num_topk, false);
   // combine uses off_x for rows and off_topk_w for weights: keep them where make_row_layout put them

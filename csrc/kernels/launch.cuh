@@ -58,6 +58,17 @@ struct DispatchArgs {
   bool with_topk;     // fresh dispatch with topk_idx: recv_idx / recv_w are written (w = 0 without weights)
   bool with_weights;  // topk_weights given
   bool with_src;      // fresh dispatch: recv_src is written
+  // Expert-major mode (em_x != null): rows land at their expert-major rows of em_x [em_rows, x_bytes]
+  // (one copy per local expert of the row) instead of recv_x. Fresh dispatch: the sender's topk_pos[t][k]
+  // (row of token t among this rank's tokens for expert topk_idx[t][k]) travels in the upper half of the
+  // id word, the receiver puts the row at em_base[source * experts_per_rank + local expert] + pos and
+  // writes em_map [out_rows, em_k] (em_k = num_topk). Cached dispatch: em_map is read.
+  char* em_x;
+  int* em_map;
+  const int* topk_pos;
+  const int* em_base;
+  int em_k;
+  int64_t em_rows;
   RowLayout lay;
   SignalArgs sig;
 };
@@ -79,6 +90,11 @@ struct CombineArgs {
   int push_warps;     // warps per block that push; the rest reduce from the start
   int flag_batch;     // rows a push warp sends between two system fences (then releases their flags)
   int variant;        // UCCL_EP_COMBINE_KERNEL: 1 = register reduce (default), 2 = staged reduce
+  // Fold mode (fold_map != null): x holds expert-major rows [fold_rows, hidden]; received row i is the sum
+  // (float32, slot order, rounded once) of rows fold_map[i][0..fold_k) (-1: none), formed while pushing.
+  const int* fold_map;
+  int fold_k;
+  int64_t fold_rows;
   RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
   SignalArgs sig;
 };

@@ -4,6 +4,11 @@
 `previous_event` and records the completion event; a backend only moves data, enqueuing its work on the
 current stream (CUDA) or running it (CPU). Every backend must give the same results as `reference`:
 bit-exact for dispatch (same rows, same order), within reduction tolerance for combine.
+
+The expert-major methods (`dispatch_expert_major`, `cached_dispatch_expert_major`, `combine_expert_major`)
+have default bodies composed of the abstract primitives and `uccl_ep_train.permute`'s non-autograd
+expand/reduce, so every backend has them; a backend overrides them to fuse the expansion into the
+dispatch's copy-out and the fold-back into the combine.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .. import permute
 from ..config import Config
 from ..handles import IntranodeHandle, LowLatencyHandle
 
@@ -50,6 +56,44 @@ class Backend(abc.ABC):
                 bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum, per original token, the rows it was sent as (+ biases) -> (combined_x, combined_topk_weights)."""
+
+    # ---- high throughput, expert-major (defaults: composed; backends may fuse) ----------------------------
+    def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
+                              num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
+                              num_tokens_per_expert: torch.Tensor, config: Config
+                              ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor,
+                                         IntranodeHandle]:
+        """Fresh dispatch straight into expert-major order -> (x_em [M, H], recv_topk_idx [n, K] int64 local
+        ids (-1 elsewhere), recv_topk_weights [n, K] float32 or None, tokens_per_expert list[int] (exact
+        counts, M = sum), em_map [n, K] int32, handle).
+
+        n = handle.num_recv_tokens (rows received, receive order: source rank, then token). em_map[i, j] is
+        the expert-major row of received row i's slot j, -1 for slots of no local expert: exactly
+        `permute.expert_major_map(recv_topk_idx, tokens_per_expert)`. x_em[em_map[i, j]] = received row i.
+        Default: `dispatch` (expert_alignment=1, num_worst_tokens=0), the map, a non-autograd expand."""
+        recv_x, _, recv_idx, recv_w, counts, handle = self.dispatch(
+            x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1, 0,
+            config)
+        em_map = permute.expert_major_map(recv_idx, counts)
+        return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
+
+    def cached_dispatch_expert_major(self, x: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+                                     num_rows: int, config: Config) -> torch.Tensor:
+        """Dispatch with the layout of `handle` (no counts exchange), each received row i landing at the
+        expert-major rows em_map[i, :] names -> x_em [num_rows, H]. em_map names every row once.
+        Default: `cached_dispatch` then a non-autograd expand."""
+        recv_x, _ = self.cached_dispatch(x, None, handle, config)
+        return permute.expand_rows_raw(recv_x, em_map, num_rows)
+
+    def combine_expert_major(self, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+                             topk_weights: Optional[torch.Tensor], config: Config
+                             ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Fold expert-major rows back per received row (row i = sum of y_em[em_map[i, :]], float32 in slot
+        order) and combine -> (combined_x [N, H], combined_topk_weights [N, K] or None). `topk_weights`
+        ([n, K] float32) are in receive order, not expert-major, and are combined as `combine` does.
+        Default: a non-autograd reduce to n rows, then `combine` (no biases)."""
+        y = permute.reduce_rows_raw(y_em, em_map, em_map.size(0))
+        return self.combine(y, handle, topk_weights, None, None, config)
 
     # ---- low latency -----------------------------------------------------------------------------------
     @abc.abstractmethod

@@ -25,12 +25,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
+from .. import permute
 from ..config import Config, env_number
 from ..handles import IntranodeHandle
 from .base import Backend
@@ -47,6 +48,14 @@ _COMBINE_PUSH_WARPS = 8
 _FLAG_BATCH = 4
 _COMBINE_FLAG_BATCH = 4
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+# Expert-major rows per received row (the fold width) up to which the expert-major calls expand / fold inside
+# the communication kernels; wider rows go through the separate full-GPU permute kernels, except that the
+# dispatches fuse from _FUSE_DISPATCH_MIN_SMS SMs on. `uccl-ep-train bench expert-major`, 2xH200, DeepSeek-V3
+# shape at EP=2 (width ~4), fused vs separate, us: fresh dispatch 682/615 at 20 SMs, 513/654 at 32; cached
+# 520/410 at 20, 341/393 at 32; combine 1674/425 at 20, 1147/405 at 32 (the fold's extra reads of ~4 rows per
+# row are latency-bound on a few SMs). At width ~1 (EP >= 8) fusing moves no extra bytes and saves the pass.
+_FUSE_MAX_WIDTH = 2.0
+_FUSE_DISPATCH_MIN_SMS = 32
 
 
 def _module():
@@ -106,6 +115,7 @@ class NativeBackend(Backend):
             raise NotImplementedError(f"native backend: ranks span several hosts ({sorted(set(hosts))}); "
                                       "only the intranode (one NVLink domain) path is implemented")
         self._timeout = _timeout_s()
+        self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._failed: Optional[str] = None
         self._buf = None
         self._open(max(int(num_nvl_bytes), self._min_bytes()))
@@ -206,10 +216,61 @@ class NativeBackend(Backend):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------
+    def _exchange_counts(self, n: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+                         num_worst_tokens: int) -> "_Counts":
+        """notify (per-rank / per-expert counts into every peer), then, unless num_worst_tokens bounds the
+        receive, the one host sync that sizes the outputs."""
+        R, me = self.num_ranks, self.rank
+        dev = is_token_in_rank.device
+        is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
+        per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
+        per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        num_experts = per_expert.numel()
+        epr = num_experts // R
+        send_pos = torch.empty((n, R), dtype=torch.int32, device=dev)
+        # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr]
+        info = torch.empty(R * R + epr + R * epr, dtype=torch.int32, device=dev)
+        self._buf.notify(per_rank.data_ptr(), per_expert.data_ptr(), is_token_in_rank.data_ptr(), n, num_experts,
+                         send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), self._stream())
+        c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr)
+        if num_worst_tokens:
+            c.out_rows = int(num_worst_tokens)
+            # Assumes every rank passes the same num_worst_tokens and token count (the kernels check the
+            # real counts against the buffer and report instead of overflowing).
+            c.max_recv, c.max_send = c.out_rows, min(n * R, R * c.out_rows)
+            return c
+        host = info[: R * R + epr].tolist()  # the one host sync: it sizes the outputs (plain ints from here on)
+        self._check()
+        last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
+        c.out_rows, c.max_recv = last[me], max(last)
+        # rows source s sends in all = row s of the prefix matrix minus row s - 1, summed over receivers
+        c.max_send = max(sum(host[s * R: (s + 1) * R]) - (sum(host[(s - 1) * R: s * R]) if s else 0)
+                         for s in range(R))
+        c.per_expert = host[R * R:]
+        return c
+
+    def _launch_dispatch(self, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, flags, num_topk, epr,
+                         send_pos, rank_prefix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
+                         out_rows, config, em_x=None, em_map=None, topk_pos=None, em_base=None, em_rows=0) -> None:
+        self._buf.dispatch(
+            x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx), _ptr(topk_weights), flags, num_topk,
+            epr, x.size(0), send_pos.data_ptr(), rank_prefix.data_ptr(), _ptr(recv_x), _ptr(recv_scales),
+            _ptr(recv_topk_idx), _ptr(recv_topk_weights), _ptr(recv_src_idx), out_rows, _ptr(em_x), _ptr(em_map),
+            _ptr(topk_pos), _ptr(em_base), 0 if em_map is None else em_map.size(1), int(em_rows),
+            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
+            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), self._stream())
+
+    def _handle(self, c: "_Counts", recv_src_idx, n: int, worst: bool) -> IntranodeHandle:
+        R = self.num_ranks
+        return IntranodeHandle.with_one_channel(
+            c.info[: R * R].view(R, R), c.per_rank, self.rank, recv_src_idx, c.is_token_in_rank, c.send_pos,
+            num_recv_tokens=c.out_rows, num_tokens=n, owner=self.owner,
+            private=NativeHandleState(c.out_rows, c.max_recv, c.max_send, worst))
+
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
         self._check()
-        R, me = self.num_ranks, self.rank
+        R = self.num_ranks
         dev = x.device
         x = _aligned(x)
         n, hidden = x.shape
@@ -217,44 +278,28 @@ class NativeBackend(Backend):
         if x_scales is not None:
             x_scales = x_scales.to(torch.float32).contiguous()
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
-        num_experts = num_tokens_per_expert.numel()
-        epr = num_experts // R
         num_topk = 0 if topk_idx is None else topk_idx.size(1)
         if topk_idx is not None:
             topk_idx = topk_idx.to(torch.int64).contiguous()
             if topk_weights is not None:
                 topk_weights = topk_weights.to(torch.float32).contiguous()
-        is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
-        per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
-        per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens)
+        per_expert_list = [_align_up(v, expert_alignment) for v in c.per_expert]
+        recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
+            x, x_scales, topk_idx, topk_weights, c, config)
+        handle = self._handle(c, recv_src_idx, n, bool(num_worst_tokens))
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
-        send_pos = torch.empty((n, R), dtype=torch.int32, device=dev)
-        info = torch.empty(R * R + epr, dtype=torch.int32, device=dev)
-        stream = self._stream()
-        self._buf.notify(per_rank.data_ptr(), per_expert.data_ptr(), is_token_in_rank.data_ptr(), n, num_experts,
-                         send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), stream)
-        rank_prefix = info[: R * R].view(R, R)
-
-        if num_worst_tokens:
-            out_rows = int(num_worst_tokens)
-            per_expert_list: list[int] = []
-            # Assumes every rank passes the same num_worst_tokens and token count (the kernels check the
-            # real counts against the buffer and report instead of overflowing).
-            max_recv, max_send = out_rows, min(n * R, R * out_rows)
-        else:
-            host = info.tolist()  # the one host sync: it sizes the outputs (plain ints from here on)
-            self._check()
-            last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
-            out_rows = last[me]
-            max_recv = max(last)
-            # rows source s sends in all = row s of the prefix matrix minus row s - 1, summed over receivers
-            max_send = max(sum(host[s * R: (s + 1) * R]) - (sum(host[(s - 1) * R: s * R]) if s else 0)
-                           for s in range(R))
-            per_expert_list = [_align_up(c, expert_alignment) for c in host[R * R:]]
+    def _dispatch_rows(self, x, x_scales, topk_idx, topk_weights, c: "_Counts", config):
+        """The dispatch kernel after notify, rows in receive order -> (recv_x, recv_scales, recv_topk_idx,
+        recv_topk_weights, recv_src_idx)."""
+        dev, (out_rows, hidden) = x.device, (c.out_rows, x.size(1))
+        x_bytes = hidden * x.element_size()
+        scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
         with_topk = topk_idx is not None
-        self._ensure(max_recv, x_bytes, scale_bytes, num_topk, True)
-        self._ensure(max_send, hidden * 4 if x.dtype == torch.float32 else hidden * 2, 0, num_topk, False)  # combine
-
+        num_topk = topk_idx.size(1) if with_topk else 0
+        self._ensure(c.max_recv, x_bytes, scale_bytes, num_topk, True)
+        self._ensure(c.max_send, hidden * 4 if x.dtype == torch.float32 else hidden * 2, 0, num_topk, False)  # combine
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
@@ -262,18 +307,11 @@ class NativeBackend(Backend):
         recv_topk_weights = torch.empty((out_rows, num_topk), dtype=torch.float32, device=dev) if with_topk else None
         recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
         flags = 4 | (1 if with_topk else 0) | (2 if topk_weights is not None else 0)
-        self._buf.dispatch(
-            x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx), _ptr(topk_weights), flags, num_topk,
-            epr, n, send_pos.data_ptr(), rank_prefix.data_ptr(), recv_x.data_ptr(), _ptr(recv_scales),
-            _ptr(recv_topk_idx), _ptr(recv_topk_weights), recv_src_idx.data_ptr(), out_rows,
-            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
-            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), stream)
-
-        handle = IntranodeHandle.with_one_channel(
-            rank_prefix, per_rank, me, recv_src_idx, is_token_in_rank, send_pos, num_recv_tokens=out_rows,
-            num_tokens=n, owner=self.owner,
-            private=NativeHandleState(out_rows, max_recv, max_send, bool(num_worst_tokens)))
-        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+        R = self.num_ranks
+        self._launch_dispatch(x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, flags, num_topk, c.epr,
+                              c.send_pos, c.info[: R * R], recv_x, recv_scales, recv_topk_idx, recv_topk_weights,
+                              recv_src_idx, out_rows, config)
+        return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx
 
     def _state(self, handle: IntranodeHandle) -> NativeHandleState:
         st = handle.private
@@ -285,25 +323,113 @@ class NativeBackend(Backend):
         self._check()
         st = self._state(handle)
         x = _aligned(x)
-        n, hidden = x.shape
+        hidden = x.size(1)
         x_bytes = hidden * x.element_size()
         if x_scales is not None:
             x_scales = x_scales.to(torch.float32).contiguous()
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
         self._ensure(st.max_recv_rows, x_bytes, scale_bytes, 0, False)
-        dev = x.device
-        recv_x = torch.empty((st.out_rows, hidden), dtype=x.dtype, device=dev)
+        recv_x = torch.empty((st.out_rows, hidden), dtype=x.dtype, device=x.device)
         recv_scales = None if x_scales is None else torch.empty((st.out_rows, x_scales.size(1)), dtype=torch.float32,
-                                                                device=dev)
-        self._buf.dispatch(
-            x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, 0, 0, 0, 0, 0, n, handle.send_head.data_ptr(),
-            handle.rank_prefix_matrix.data_ptr(), recv_x.data_ptr(), _ptr(recv_scales), 0, 0, 0, st.out_rows,
-            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
-            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), self._stream())
+                                                                device=x.device)
+        self._launch_dispatch(x, x_bytes, x_scales, scale_bytes, None, None, 0, 0, 0, handle.send_head,
+                              handle.rank_prefix_matrix, recv_x, recv_scales, None, None, None, st.out_rows, config)
         return recv_x, recv_scales
+
+    # ---- expert-major: the expansion inside the dispatch copy-out, the fold-back inside combine's push ----
+    def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert, config):
+        """Fused (see _fuse): each received row is read once from the buffer and stored at its expert-major
+        rows (one per local expert); this rank's own tokens go there straight from x. The sender ships each
+        top-k slot's position in its (rank, expert) block inside the id word; notify gives every block's
+        base row. Otherwise: the receive-order dispatch, then the map and expand kernels."""
+        self._check()
+        R = self.num_ranks
+        x = _aligned(x)
+        n, hidden = x.shape
+        x_bytes = hidden * x.element_size()
+        topk_idx = topk_idx.to(torch.int64).contiguous()
+        num_topk = topk_idx.size(1)
+        _check_em_topk(num_topk, "topk_idx")
+        if topk_weights is not None:
+            topk_weights = topk_weights.to(torch.float32).contiguous()
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
+        num_rows, out_rows = sum(c.per_expert), c.out_rows
+        if not self._fuse(num_rows, out_rows, dispatch=True, config=config):
+            recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
+                x, None, topk_idx, topk_weights, c, config)
+            em_map = permute.expert_major_map(recv_topk_idx, c.per_expert)
+            x_em = permute.expand_rows_raw(recv_x, em_map, num_rows)
+            return x_em, recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map, self._handle(c, recv_src_idx, n, False)
+        topk_pos = self._positions_in_expert(topk_idx, num_tokens_per_expert.numel())
+        self._ensure(c.max_recv, x_bytes, 0, num_topk, True)
+        self._ensure(c.max_send, hidden * x.element_size(), 0, num_topk, False)  # its combine
+        dev = x.device
+        # at least one row each: an empty tensor has no data pointer, and the kernels tell the expert-major
+        # mode by a non-null output
+        x_em = torch.empty((max(num_rows, 1), hidden), dtype=x.dtype, device=dev)
+        recv_topk_idx = torch.empty((out_rows, num_topk), dtype=torch.int64, device=dev)
+        recv_topk_weights = torch.empty((out_rows, num_topk), dtype=torch.float32, device=dev)
+        recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
+        em_map = torch.empty((max(out_rows, 1), num_topk), dtype=torch.int32, device=dev)
+        flags = 4 | 1 | (2 if topk_weights is not None else 0)
+        self._launch_dispatch(x, x_bytes, None, 0, topk_idx, topk_weights, flags, num_topk, c.epr, c.send_pos,
+                              c.info[: R * R], None, None, recv_topk_idx, recv_topk_weights, recv_src_idx, out_rows,
+                              config, em_x=x_em, em_map=em_map, topk_pos=topk_pos,
+                              em_base=c.info[R * R + c.epr:], em_rows=num_rows)
+        handle = self._handle(c, recv_src_idx, n, False)
+        return x_em[:num_rows], recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map[:out_rows], handle
+
+    def _positions_in_expert(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """int32 [n, k]: the row of each (token, slot) among this rank's tokens for that expert (the
+        expert-major map with every expert starting at 0), -1 for slots without an expert."""
+        key = (num_experts, topk_idx.device)
+        zeros = self._zero_counts.get(key)
+        if zeros is None:
+            zeros = self._zero_counts[key] = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        n, k = topk_idx.shape
+        pos = torch.full((max(n, 1), k), -1, dtype=torch.int32, device=topk_idx.device)  # never pointer-less
+        if n:
+            self._native.expert_major_map(topk_idx.data_ptr(), n, k, num_experts, zeros.data_ptr(), pos.data_ptr(),
+                                          self._stream())
+        return pos
+
+    def _fuse(self, num_rows: int, num_recv: int, dispatch: bool, config: Optional[Config]) -> bool:
+        """Expand / fold inside the communication kernel, else through the separate permute kernels (see
+        _FUSE_MAX_WIDTH). UCCL_EP_FUSE_MAX_WIDTH overrides the width limit for every op (0: never fuse, a
+        large value: always)."""
+        width = num_rows / max(num_recv, 1)
+        forced = env_number("UCCL_EP_FUSE_MAX_WIDTH", None, float)
+        if forced is not None:
+            return width <= forced
+        return width <= _FUSE_MAX_WIDTH or (dispatch and self._num_sms(config) >= _FUSE_DISPATCH_MIN_SMS)
+
+    def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
+        if not self._fuse(int(num_rows), em_map.size(0), dispatch=True, config=config):
+            return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config)
+        self._check()
+        st = self._state(handle)
+        x = _aligned(x)
+        hidden = x.size(1)
+        x_bytes = hidden * x.element_size()
+        em_map = _map_arg(em_map)
+        self._ensure(st.max_recv_rows, x_bytes, 0, 0, False)
+        x_em = torch.empty((max(int(num_rows), 1), hidden), dtype=x.dtype, device=x.device)  # (see above)
+        self._launch_dispatch(x, x_bytes, None, 0, None, None, 0, 0, 0, handle.send_head, handle.rank_prefix_matrix,
+                              None, None, None, None, None, st.out_rows, config, em_x=x_em, em_map=em_map,
+                              em_rows=num_rows)
+        return x_em[: int(num_rows)]
 
     # ---- combine -------------------------------------------------------------------------------------
     def combine(self, x, handle, topk_weights, bias_0, bias_1, config):
+        return self._combine(x, handle, topk_weights, (bias_0, bias_1), config, None)
+
+    def combine_expert_major(self, y_em, handle, em_map, topk_weights, config):
+        if not self._fuse(y_em.size(0), em_map.size(0), dispatch=False, config=config):
+            return super().combine_expert_major(y_em, handle, em_map, topk_weights, config)
+        return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
+
+    def _combine(self, x, handle, topk_weights, biases, config, fold_map):
         self._check()
         st = self._state(handle)
         if x.dtype not in _COMBINE_DTYPES:
@@ -314,13 +440,14 @@ class NativeBackend(Backend):
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32).contiguous()
         self._ensure(st.max_send_rows, hidden * x.element_size(), 0, num_topk, False)
-        biases = [None if b is None else _aligned(b.to(x.dtype)) for b in (bias_0, bias_1)]
+        biases = [None if b is None else _aligned(b.to(x.dtype)) for b in biases]
         n = handle.num_tokens
         out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         out_w = None if topk_weights is None else torch.empty((n, num_topk), dtype=torch.float32, device=x.device)
-        self._buf.combine(x.data_ptr(), _COMBINE_DTYPES[x.dtype], hidden, _ptr(topk_weights), topk_weights is not None, num_topk, n,
-                          handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(), _ptr(biases[0]),
-                          _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
+        self._buf.combine(x.data_ptr(), _COMBINE_DTYPES[x.dtype], hidden, _ptr(topk_weights), topk_weights is not None,
+                          num_topk, n, handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(),
+                          _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), _ptr(fold_map),
+                          0 if fold_map is None else fold_map.size(1), x.size(0), self._num_sms(config),
                           self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", _COMBINE_PUSH_WARPS),
                           _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w
@@ -334,6 +461,35 @@ class NativeBackend(Backend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         raise NotImplementedError("native backend: low-latency mode")
+
+
+@dataclass
+class _Counts:
+    """What notify (and the host sync after it) tells one dispatch."""
+
+    send_pos: torch.Tensor  # [N, R] int32: row of token t among the rows sent to r, -1 if none
+    info: torch.Tensor  # int32: rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr]
+    per_rank: torch.Tensor
+    is_token_in_rank: torch.Tensor
+    epr: int
+    out_rows: int = 0
+    max_recv: int = 0
+    max_send: int = 0
+    per_expert: list = field(default_factory=list)  # exact per-local-expert counts (empty with num_worst_tokens)
+
+
+def _map_arg(em_map: torch.Tensor) -> torch.Tensor:
+    """em_map as the kernels read it: contiguous int32, never pointer-less (an empty map becomes one row of
+    -1 that no row index reaches)."""
+    em_map = em_map.to(torch.int32).contiguous()
+    _check_em_topk(em_map.size(1), "em_map")
+    return em_map if em_map.numel() else torch.full((1, em_map.size(1)), -1, dtype=torch.int32, device=em_map.device)
+
+
+def _check_em_topk(k: int, arg: str) -> None:
+    limit = 32  # kMaxExpertMajorTopk: one warp lane per top-k slot
+    if not 1 <= k <= limit:
+        raise ValueError(f"{arg}: expert-major dispatch/combine take 1..{limit} top-k slots per row, got {k}")
 
 
 def _env_int(var: str, default: int) -> int:

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dispatchers", default="uccl,alltoall,flex")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the Buffer's, 20, DeepEP's default)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
@@ -125,6 +127,9 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                             timeout=timedelta(minutes=10))
     import megatron_patch
     megatron_patch.apply()
+    if args.num_sms is not None:
+        from megatron_patch import settings
+        settings.num_sms = args.num_sms
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(expert_model_parallel_size=world, create_gloo_process_groups=False)
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -183,7 +188,10 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.num_sms is not None and (args.num_sms <= 0 or args.num_sms % 2):
+        parser.error(f"--num-sms must be a positive even number, got {args.num_sms}")
     import torch.multiprocessing as mp
 
     from ..localhost import loopback_init_method

@@ -1,0 +1,300 @@
+"""Expert-major dispatch/combine (Buffer.dispatch_expert_major, dispatch_expert_major_cached,
+combine_expert_major and their autograd pair) against the composed path they replace.
+
+On CPU gloo ranks (reference backend): dispatch_expert_major equals dispatch + permute.expert_major_map +
+expand_rows bit for bit, the cached form equals cached dispatch + expand, combine_expert_major equals
+reduce_rows + combine, and gradients through the autograd pair equal those through the old
+Dispatch/expand/reduce/Combine chain. Bad arguments raise naming the argument, before any communication.
+On GPUs (marked, 2 ranks): the native backend's three methods against the reference backend's.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dist_utils import run_ranks
+from oracle import make_inputs
+from uccl_ep_train import Buffer, permute
+from uccl_ep_train import autograd as ep_autograd
+
+
+def _bits(t):
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else \
+        t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def _same(a, b, what):
+    assert (a is None) == (b is None), f"{what}: one side is None"
+    if a is not None:
+        assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.dtype} {tuple(a.shape)} != {b.dtype} " \
+                                                          f"{tuple(b.shape)}"
+        assert torch.equal(_bits(a), _bits(b)), f"{what}: differs"
+
+
+def _tokens(rank, world):
+    counts = [13 + 3 * r for r in range(world)]
+    if world > 2:
+        counts[1] = 0  # a rank that sends nothing
+    return counts[rank]
+
+
+def _calls_match_composed(rank, world, device):
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    checks = 0
+    for seed, (dtype, hidden, topk, experts, with_w, idx32) in enumerate(
+            [(torch.bfloat16, 96, 4, 8, True, False), (torch.float32, 70, 3, 4 * world, True, True),
+             (torch.float16, 33, 2, world, False, False)]):
+        me = make_inputs(rank, _tokens(rank, world), hidden, topk, experts, seed=seed + 11, dtype=dtype, mask_prob=0.3)
+        idx = me.topk_idx.to(torch.int32) if idx32 else me.topk_idx
+        w = me.topk_weights if with_w else None
+        # composed (today's path)
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)
+        recv_x, ridx, rw, counts, handle, _ = buf.dispatch(me.x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                           num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                           topk_weights=w)
+        em = permute.expert_major_map(ridx, counts)
+        m = sum(counts)
+        # expert-major
+        prev = buf.capture()
+        x_em, ridx2, rw2, counts2, em2, handle2, ev = buf.dispatch_expert_major(me.x, idx, w, experts,
+                                                                                previous_event=prev, async_finish=True)
+        ev.current_stream_wait()
+        tag = f"seed {seed} rank {rank}"
+        assert counts2 == counts, f"{tag}: counts {counts2} != {counts}"
+        _same(em2, em, f"{tag}: em_map")
+        _same(x_em, permute.expand_rows(recv_x, em, m), f"{tag}: x_em")
+        _same(ridx2, ridx, f"{tag}: recv_topk_idx")
+        _same(rw2, rw, f"{tag}: recv_topk_weights")
+        _same(handle2.rank_prefix_matrix, handle.rank_prefix_matrix, f"{tag}: rank_prefix_matrix")
+        assert handle2.num_recv_tokens == em2.size(0) == ridx2.size(0)
+
+        # cached: another tensor along the same layout
+        x2 = torch.randn(me.x.shape, generator=torch.Generator().manual_seed(rank + 100 * seed)).to(dtype)
+        cached, _ = buf.dispatch_expert_major_cached(x2, handle2, em2, m)
+        ref_cached, *_ = buf.dispatch(x2, handle=handle)
+        _same(cached, permute.expand_rows(ref_cached, em, m), f"{tag}: cached x_em")
+
+        # combine: expert outputs in expert-major order, weights in receive order
+        y_em = torch.randn((m, hidden), generator=torch.Generator().manual_seed(7 + rank)).to(dtype)
+        for tw in ((None, None) if rw is None else (None, (rw2, rw))):
+            got, got_w, _ = buf.combine_expert_major(y_em, handle2, em2, topk_weights=None if tw is None else tw[0])
+            ref, ref_w, _ = buf.combine(permute.reduce_rows(y_em, em, ridx.size(0)), handle,
+                                        topk_weights=None if tw is None else tw[1])
+            _same(got, ref, f"{tag}: combined x")
+            _same(got_w, ref_w, f"{tag}: combined topk_weights")
+            checks += 1
+    buf.destroy()
+    return checks
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_major_calls_equal_composed_path(world):
+    assert run_ranks(_calls_match_composed, world) == [6] * world
+
+
+def _grads(rank, world, device):
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    experts, hidden = 4 * world, 64
+    me = make_inputs(rank, _tokens(rank, world), hidden, 3, experts, seed=5, dtype=torch.float32, mask_prob=0.25)
+    scale = torch.linspace(0.5, 2.0, experts // world)  # a different "expert" per local expert
+    results = []
+    for new in (False, True):
+        x = me.x.clone().requires_grad_(True)
+        w = me.topk_weights.clone().requires_grad_(True)
+        if new:
+            x_em, _, recv_w, counts, em, handle = ep_autograd.dispatch_expert_major(buf, x, me.topk_idx, w, experts)
+        else:
+            recv_x, ridx, recv_w, counts, handle = ep_autograd.dispatch(buf, x, me.topk_idx, w, experts)
+            em = permute.expert_major_map(ridx, counts)
+            x_em = permute.expand_rows(recv_x, em, sum(counts))
+        m = sum(counts)
+        probs = permute.expand_probs(recv_w, em, m)
+        per_row = torch.repeat_interleave(scale, torch.tensor(counts))
+        y_em = torch.tanh(x_em) * (probs * per_row)[:, None]  # expert, probability applied as Megatron does
+        if new:
+            out = ep_autograd.combine_expert_major(buf, y_em, handle, em)
+        else:
+            out = ep_autograd.combine(buf, permute.reduce_rows(y_em, em, em.size(0)), handle)
+        g = torch.linspace(-1, 1, out.numel()).view_as(out)
+        (out * g).sum().backward()
+        results.append((out.detach(), x.grad, w.grad))
+    for (a, b, what) in zip(results[0], results[1], ("out", "x.grad", "topk_weights.grad")):
+        _same(b, a, f"rank {rank}: {what}")
+    assert results[1][1].abs().sum() > 0 or _tokens(rank, world) == 0
+    buf.destroy()
+    return 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_autograd_pair_matches_composed_gradients(world):
+    assert run_ranks(_grads, world) == [1] * world
+
+
+def _errors(rank, world, device):
+    """Every bad call raises on every rank before communicating (so nothing hangs); then a good call works."""
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    other = Buffer(group, int(1e6), 0)
+    experts = 2 * world
+    me = make_inputs(rank, 9, 128, 2, experts, seed=3, dtype=torch.bfloat16)
+    x, idx, w = me.x, me.topk_idx, me.topk_weights
+    x_em, ridx, rw, counts, em, handle, _ = buf.dispatch_expert_major(x, idx, w, experts)
+    m = sum(counts)
+    y_em = torch.zeros((m, 128), dtype=torch.bfloat16)
+    seen = []
+
+    def bad(kind, pattern, fn):
+        with pytest.raises(kind, match=pattern):
+            fn()
+        seen.append(pattern)
+
+    from uccl_ep_train.fp8 import per_token_cast_to_fp8
+    fp8 = per_token_cast_to_fp8(x.float())
+    bad(TypeError, "^x: .*FP8", lambda: buf.dispatch_expert_major(fp8, idx, w, experts))
+    bad(TypeError, "^x: .*FP8", lambda: buf.dispatch_expert_major(fp8[0], idx, w, experts))
+    bad(TypeError, "^x: .*FP8", lambda: buf.dispatch_expert_major_cached(fp8, handle, em, m))
+    bad(TypeError, "^x: dtype", lambda: buf.dispatch_expert_major(x.to(torch.int32), idx, w, experts))
+    bad(ValueError, "^topk_idx: expert ids", lambda: buf.dispatch_expert_major(x, idx + experts, w, experts))
+    bad(ValueError, "^topk_idx: has", lambda: buf.dispatch_expert_major(x, idx[1:], w, experts))
+    bad(ValueError, "^topk_weights: shape", lambda: buf.dispatch_expert_major(x, idx, w[:, :1].contiguous(), experts))
+    bad(TypeError, "^topk_weights: dtype", lambda: buf.dispatch_expert_major(x, idx, w.double(), experts))
+    bad(ValueError, "^num_experts", lambda: buf.dispatch_expert_major(x, idx, w, experts + 1))
+    bad(TypeError, "^config", lambda: buf.dispatch_expert_major(x, idx, w, experts, config=3))
+    # cached
+    bad(TypeError, "^em_map: dtype", lambda: buf.dispatch_expert_major_cached(x, handle, em.long(), m))
+    bad(ValueError, "^em_map: has", lambda: buf.dispatch_expert_major_cached(x, handle, em[1:].contiguous(), m))
+    bad(ValueError, "^em_map: expected 2", lambda: buf.dispatch_expert_major_cached(x, handle, em.view(-1), m))
+    bad(ValueError, "^num_rows: ", lambda: buf.dispatch_expert_major_cached(x, handle, em, m + 1))
+    bad(ValueError, "^num_rows: ", lambda: buf.dispatch_expert_major_cached(x, handle, em, -1))
+    bad(ValueError, "^x: has", lambda: buf.dispatch_expert_major_cached(x[1:], handle, em, m))
+    bad(TypeError, "^handle: ", lambda: buf.dispatch_expert_major_cached(x, None, em, m))
+    bad(ValueError, "^handle: .*another Buffer", lambda: other.dispatch_expert_major_cached(x, handle, em, m))
+    if m >= 2:
+        dup = em.clone()
+        dup[dup == 1] = 0  # row 0 named twice, row 1 never
+        bad(ValueError, "^em_map: must name each", lambda: buf.dispatch_expert_major_cached(x, handle, dup, m))
+    # combine
+    bad(ValueError, "^y_em: ", lambda: buf.combine_expert_major(torch.zeros((m + 1, 128), dtype=torch.bfloat16),
+                                                                handle, em))
+    bad(TypeError, "^y_em: dtype", lambda: buf.combine_expert_major(y_em.to(torch.int16), handle, em))
+    bad(TypeError, "^em_map: dtype", lambda: buf.combine_expert_major(y_em, handle, em.long()))
+    bad(ValueError, "^em_map: entries", lambda: buf.combine_expert_major(y_em, handle, em - 2))
+    bad(ValueError, "^topk_weights: shape", lambda: buf.combine_expert_major(y_em, handle, em, rw[:, :1].contiguous()))
+    bad(TypeError, "^topk_weights: dtype", lambda: buf.combine_expert_major(y_em, handle, em, rw.double()))
+    bad(TypeError, "^previous_event", lambda: buf.combine_expert_major(y_em, handle, em, previous_event=1))
+    # the Buffer still works on every rank: no rank went into a collective
+    combined, _, _ = buf.combine_expert_major(y_em, handle, em)
+    assert combined.shape == x.shape
+    buf.destroy()
+    other.destroy()
+    return len(seen)
+
+
+def test_bad_arguments_are_named_before_communication():
+    results = run_ranks(_errors, 2)
+    assert results[0] == results[1] and results[0] >= 26
+
+
+# ---- GPU: native against reference -------------------------------------------------------------------
+# (tokens of rank r, hidden, topk, experts per rank, mask prob, dtype)
+GPU_CASES = [
+    (lambda r: 300 + r, 7168, 8, 16, 0.2, torch.bfloat16),
+    (lambda r: 300 + r, 7168, 8, 16, 0.2, torch.float32),
+    (lambda r: 65, 1000, 6, 8, 0.3, torch.bfloat16),
+    (lambda r: 65, 1000, 6, 8, 0.3, torch.float32),
+    (lambda r: 0 if r == 1 else 96, 100, 4, 4, 0.5, torch.bfloat16),  # 200-byte rows; a rank sends nothing
+    (lambda r: 33, 1001, 3, 4, 0.0, torch.float32),  # hidden not a multiple of 8 elements
+    (lambda r: 1, 128, 2, 8, 1.0, torch.bfloat16),  # every slot dropped (-1): nothing moves
+]
+
+
+def _native_vs_reference(rank, world, device, fuse_max_width):
+    from test_native_intranode import _make_buffers
+
+    # the native backend expands / folds inside its kernels up to this fold width, else it runs the
+    # separate permute kernels: check both paths
+    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = fuse_max_width
+
+    group = dist.new_group(list(range(world)))
+    ref, nat = _make_buffers(group)
+    checks = 0
+    for ci, (ntok, hidden, topk, epr, mask_p, dtype) in enumerate(GPU_CASES):
+        experts = epr * world
+        n = ntok(rank)
+        g = torch.Generator().manual_seed(1000 * ci + rank)
+        idx = torch.topk(torch.rand((n, experts), generator=g), topk, dim=1).indices
+        idx = idx.masked_fill(torch.rand((n, topk), generator=g) < mask_p, -1).cuda()
+        w = torch.rand((n, topk), generator=g).cuda()
+        x = torch.randn((n, hidden), generator=g).to(dtype).cuda()
+        x2 = torch.randn((n, hidden), generator=g).to(dtype).cuda()
+        tag = f"case {ci} ({dtype}, hidden {hidden}) rank {rank}"
+        outs = {}
+        for name, buf in (("ref", ref), ("nat", nat)):
+            x_em, ridx, rw, counts, em, handle, _ = buf.dispatch_expert_major(x, idx, w, experts)
+            cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts))
+            outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
+        r_, n_ = outs["ref"], outs["nat"]
+        assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
+        for i, what in ((0, "x_em"), (1, "recv_topk_idx"), (2, "recv_topk_weights"), (4, "em_map"),
+                        (6, "cached x_em")):
+            _same(n_[i].cpu(), r_[i].cpu(), f"{tag}: {what}")
+        m = sum(r_[3])
+        y_em = torch.randn((m, hidden), generator=g).to(dtype).cuda()
+        for tw in (False, True):
+            ry, rwy, _ = ref.combine_expert_major(y_em, r_[5], r_[4], topk_weights=r_[2] if tw else None)
+            ny, nwy, _ = nat.combine_expert_major(y_em, n_[5], n_[4], topk_weights=n_[2] if tw else None)
+            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+            torch.testing.assert_close(ny.float(), ry.float(), rtol=tol, atol=tol, msg=f"{tag}: combine")
+            if tw:
+                torch.testing.assert_close(nwy, rwy, rtol=1e-5, atol=1e-5, msg=f"{tag}: combine weights")
+            else:
+                assert nwy is None and rwy is None
+            checks += 1
+        if rank == 0:
+            print(f"[native-expert-major] {tag} ok: {m} expert rows, combine exact="
+                  f"{bool(torch.equal(_bits(ny), _bits(ry)))}", flush=True)
+    ref.destroy()
+    nat.destroy()
+    return checks
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("fuse_max_width", ["1e9", "0"], ids=["fused", "separate-permute"])
+def test_native_expert_major_matches_reference(fuse_max_width):
+    from uccl_ep_train.backends.native import native_available
+
+    if not native_available():
+        pytest.skip("native module built without intranode kernels")
+    assert run_ranks(_native_vs_reference, 2, fuse_max_width, device="cuda", timeout=300) == [2 * len(GPU_CASES)] * 2
+
+
+# ---- the benchmark -----------------------------------------------------------------------------------
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_bench_expert_major_needs_gpus(capsys):
+    from uccl_ep_train.bench import expert_major
+
+    with pytest.raises(SystemExit):
+        expert_major.main(["--iters", "1"])
+    assert "needs CUDA" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_bench_expert_major_small_shape_runs_and_checks_exactness(tmp_path):
+    from uccl_ep_train.backends.native import native_available
+    from uccl_ep_train.bench import expert_major
+
+    if not native_available():
+        pytest.skip("native module built without intranode kernels")
+    out = tmp_path / "em.json"
+    expert_major.main(["--num-processes", "2", "--num-tokens", "256", "--hidden", "512", "--num-experts", "16",
+                       "--sms", "8", "--iters", "2", "--json", str(out)])
+    import json
+    recs = json.loads(out.read_text())
+    assert {r["op"] for r in recs} == {"fresh", "cached", "combine"} and all(r["fused_us"] > 0 for r in recs)

@@ -1,0 +1,163 @@
+"""`uccl-ep-train bench expert-major`: expert-major dispatch/combine, fused vs separate permute kernels.
+
+Per op, on the native backend over all visible GPUs (or `--num-processes`), mean µs per call (max over
+ranks, CUDA events around `--iters` back-to-back calls, as the Megatron dispatcher issues them):
+- fresh: `Buffer.dispatch_expert_major` (layout, notify, host sync, then the dispatch kernel straight into
+  expert-major rows when fused) against `dispatch` + `permute.expert_major_map` + `expand_rows`;
+- cached: `dispatch_expert_major_cached` with the copy-out expanding in the kernel (fused) and through the
+  separate expand kernel;
+- combine: `combine_expert_major` with the fold inside combine's push (fused) and through `reduce_rows`.
+The "auto" column is what the backend picks by fold width (UCCL_EP_FUSE_MAX_WIDTH, backends/native.py).
+Every fused result is first checked bit-exact against the separate path. JSON records with `--json PATH`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench expert-major", description=__doc__.split("\n")[0])
+    p.add_argument("--num-processes", type=int, default=None, help="default: visible GPUs")
+    p.add_argument("--num-tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--num-experts", type=int, default=256)
+    p.add_argument("--num-topk", type=int, default=8)
+    p.add_argument("--sms", default="20,32", help="comma-separated SM counts")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def _timer(iters: int) -> Callable[[Callable[[], object]], float]:
+    def timeit(fn: Callable[[], object]) -> float:
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        t = torch.tensor(start.elapsed_time(end) * 1e3 / iters, device="cuda")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t.item()
+    return timeit
+
+
+class _Width:
+    """UCCL_EP_FUSE_MAX_WIDTH for the duration of a call (always / never fuse)."""
+
+    def __init__(self, value: str) -> None:
+        self.value = value
+
+    def __call__(self, fn: Callable[[], object]) -> Callable[[], object]:
+        def run():
+            old = os.environ.get("UCCL_EP_FUSE_MAX_WIDTH")
+            os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = self.value
+            try:
+                return fn()
+            finally:
+                if old is None:
+                    os.environ.pop("UCCL_EP_FUSE_MAX_WIDTH")
+                else:
+                    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = old
+        return run
+
+
+FUSED, SEPARATE = _Width("1e9"), _Width("0")
+
+
+def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
+    os.environ.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", UCCL_EP_BACKEND="native",
+                      UCCL_EP_CHECK_VALUES="0")
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
+    from .. import Buffer, permute
+
+    T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.cuda()
+    w = torch.rand(T, K, generator=g).cuda()
+    x = torch.randn(T, H, generator=g).bfloat16().cuda()
+    buf = Buffer(dist.group.WORLD, int(1e9), 0)
+    st: dict = {}
+
+    def separate_fresh():
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        recv_x, recv_idx, _, counts, handle, _ = buf.dispatch(
+            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+            topk_idx=idx, topk_weights=w)
+        em = permute.expert_major_map(recv_idx, counts)
+        return permute.expand_rows_raw(recv_x, em, sum(counts)), em, handle, recv_x.size(0)
+
+    def fresh():
+        x_em, _, _, counts, em, handle, _ = buf.dispatch_expert_major(x, idx, w, E)
+        return x_em, em, handle
+
+    ref_em, ref_map, ref_handle, num_recv = separate_fresh()
+    x_em, em, handle = FUSED(fresh)()
+    rows = x_em.size(0)
+    y_em = torch.randn(rows, H, generator=g).bfloat16().cuda()
+    cached = lambda: buf.dispatch_expert_major_cached(x, handle, em, rows)[0]  # noqa: E731
+    combine = lambda: buf.combine_expert_major(y_em, handle, em)[0]  # noqa: E731
+    exact = {"fresh": _bits_equal(x_em, ref_em) and torch.equal(em, ref_map),
+             "cached": _bits_equal(FUSED(cached)(), SEPARATE(cached)()),
+             "combine": _bits_equal(FUSED(combine)(), SEPARATE(combine)())}
+    if not all(exact.values()):
+        raise RuntimeError(f"rank {rank}: fused expert-major results differ from the separate path: {exact}")
+
+    timeit = _timer(args.iters)
+    records = []
+    for sms in [int(s) for s in args.sms.split(",") if s]:
+        Buffer.set_num_sms(sms)
+        ops = {"fresh": {"separate": timeit(separate_fresh), "fused": timeit(FUSED(fresh)), "auto": timeit(fresh)},
+               "cached": {"separate": timeit(SEPARATE(cached)), "fused": timeit(FUSED(cached)),
+                          "auto": timeit(cached)},
+               "combine": {"separate": timeit(SEPARATE(combine)), "fused": timeit(FUSED(combine)),
+                           "auto": timeit(combine)}}
+        for op, t in ops.items():
+            rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms, "num_tokens": T, "hidden": H,
+                   "num_experts": E, "num_topk": K, "fold_width": rows / max(num_recv, 1),
+                   "device": torch.cuda.get_device_name(), **{f"{k}_us": v for k, v in t.items()}}
+            records.append(rec)
+            if rank == 0:
+                print(f"[expert-major] {op:<8} EP={world} sms={sms} width={rec['fold_width']:.2f}: "
+                      + "  ".join(f"{k} {v:.0f} us" for k, v in t.items()), flush=True)
+    if rank == 0 and out_path:
+        with open(out_path, "w") as f:
+            json.dump(records, f, indent=1)
+    buf.destroy()
+    dist.destroy_process_group()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs CUDA/HIP GPUs (the native backend)")
+    world = args.num_processes or torch.cuda.device_count()
+    if world < 2 or world > torch.cuda.device_count():
+        parser.error(f"--num-processes: need 2..{torch.cuda.device_count()} GPUs, got {world}")
+    import torch.multiprocessing as mp
+
+    from ..localhost import loopback_init_method
+    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
