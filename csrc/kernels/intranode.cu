@@ -206,6 +206,23 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
       if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
 }
 
+// Whether any rank's buffer must hold more rows than fit (data rows and row flags) in this op: rows_of(r)
+// is rank r's row count; block 0 reports the ranks over (one thread calls it).
+template <typename RowsOf>
+__device__ __forceinline__ int over_capacity(const RowLayout& lay, const SignalArgs& sig, int R, int me, int phase,
+                                             RowsOf rows_of) {
+  const int64_t cap = min(lay.cap_rows, kMaxFlagRows);
+  int over = 0;
+  for (int r = 0; r < R; ++r) {
+    const int total = rows_of(r);
+    if (total > cap) {
+      over = 1;
+      if (blockIdx.x == 0) report_error(sig.err, sig.claim, kErrCapacity, me, r, phase, total, (int)cap);
+    }
+  }
+  return over;
+}
+
 // ---------------------------------------------------------------------------------------------- dispatch
 // Warp roles per block: the first `push_warps` warps push tokens (each token once per destination rank;
 // every remote row is followed by a system-scope release of its "row landed" flag in the receiver's
@@ -262,16 +279,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     s_nrows[tid] = (tid == me || n <= 0) ? 0 : (n + (int)gridDim.x - 1) / (int)gridDim.x;
   }
   if (tid == 0) {
-    int skip = 0;
-    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
-    for (int r = 0; r < R; ++r) {
-      const int total = s_P[(R - 1) * R + r];
-      if (total > cap) {
-        skip = 1;
-        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, r, kPhaseDispatch, total, (int)cap);
-      }
-    }
-    s_skip = skip;
+    s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
   }
   if (tid < R && tid != me)
@@ -681,17 +689,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     s_recvbase[tid] = rb;
   }
   if (tid == 0) {
-    int skip = 0;
-    const int64_t cap = min(a.lay.cap_rows, kMaxFlagRows);
-    for (int s = 0; s < R; ++s) {
+    s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
       int total = 0;
       for (int r = 0; r < R; ++r) total += count(s, r);
-      if (total > cap) {
-        skip = 1;
-        if (blockIdx.x == 0) report_error(a.sig.err, a.sig.claim, kErrCapacity, me, s, kPhaseCombine, total, (int)cap);
-      }
-    }
-    s_skip = skip;
+      return total;
+    });
     s_next = 0;
   }
   if (tid < R && tid != me)

@@ -37,18 +37,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _timer(iters: int) -> Callable[[Callable[[], object]], float]:
+    """µs per call of back-to-back calls (intranode's API timing), the max over ranks."""
+    from .intranode import _api_us
+
     def timeit(fn: Callable[[], object]) -> float:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        dist.barrier()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        t = torch.tensor(start.elapsed_time(end) * 1e3 / iters, device="cuda")
+        t = torch.tensor(_api_us(fn, iters, 3, dist.group.WORLD), device="cuda")
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return t.item()
     return timeit
