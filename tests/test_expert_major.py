@@ -217,8 +217,12 @@ def _native_vs_reference(rank, world, device, fuse_max_width):
     from test_native_intranode import _make_buffers
 
     # the native backend expands / folds inside its kernels up to this fold width, else it runs the
-    # separate permute kernels: check both paths
-    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = fuse_max_width
+    # separate permute kernels: check both paths, and its own choice (ranks with different widths, e.g. a
+    # rank that receives nothing, must still agree on the fresh dispatch's wire format)
+    if fuse_max_width is None:
+        os.environ.pop("UCCL_EP_FUSE_MAX_WIDTH", None)
+    else:
+        os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = fuse_max_width
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
@@ -265,7 +269,7 @@ def _native_vs_reference(rank, world, device, fuse_max_width):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("fuse_max_width", ["1e9", "0"], ids=["fused", "separate-permute"])
+@pytest.mark.parametrize("fuse_max_width", ["1e9", "0", None], ids=["fused", "separate-permute", "auto"])
 def test_native_expert_major_matches_reference(fuse_max_width):
     from uccl_ep_train.backends.native import native_available
 

@@ -1,4 +1,5 @@
 """Host-side helpers of the native backend that need no GPU."""
+import pytest
 import torch
 
 from uccl_ep_train.backends.native import _aligned
@@ -12,3 +13,45 @@ def test_views_that_start_mid_allocation_are_copied_to_aligned_memory():
     assert _aligned(base) is base  # aligned and contiguous: no copy
     t = torch.arange(12.0).view(3, 4).t()  # non-contiguous
     assert torch.equal(_aligned(t), t) and _aligned(t).is_contiguous()
+
+
+def test_expected_width_is_the_uniform_routing_fold_width():
+    from math import comb
+
+    from uccl_ep_train.backends.native import _expected_width
+
+    for k, e, r in [(8, 256, 2), (8, 256, 8), (4, 16, 4), (1, 4, 2), (6, 6, 3)]:
+        epr = e // r
+        p_any = 1 - comb(e - epr, k) / comb(e, k)
+        assert abs(_expected_width(k, e, r) - (k / r) / p_any) < 1e-9
+    assert round(_expected_width(8, 256, 2), 2) == 4.01 and round(_expected_width(8, 256, 8), 2) == 1.51
+
+
+class _Sms:
+    """Stands in for a NativeBackend in _fuse (only the SM count is asked for)."""
+
+    def __init__(self, sms):
+        self.sms = sms
+
+    def _num_sms(self, config):
+        return self.sms
+
+
+def test_fuse_decision(monkeypatch):
+    from uccl_ep_train.backends.native import NativeBackend
+
+    fuse = NativeBackend._fuse
+    monkeypatch.delenv("UCCL_EP_FUSE_MAX_WIDTH", raising=False)
+    assert fuse(_Sms(20), 1.5, 8, dispatch=False, config=None)  # narrow rows: fold inside combine
+    assert not fuse(_Sms(20), 4.0, 8, dispatch=False, config=None)  # wide: separate reduce (measured faster)
+    assert not fuse(_Sms(20), 4.0, 8, dispatch=True, config=None)
+    assert fuse(_Sms(32), 4.0, 8, dispatch=True, config=None)  # dispatches fuse from 32 SMs on
+    assert not fuse(_Sms(32), 4.0, 8, dispatch=False, config=None)
+    assert not fuse(_Sms(32), 1.0, 33, dispatch=True, config=None)  # > 32 slots: one lane per slot
+    monkeypatch.setenv("UCCL_EP_FUSE_MAX_WIDTH", "0")
+    assert not fuse(_Sms(64), 1.0, 8, dispatch=True, config=None)
+    monkeypatch.setenv("UCCL_EP_FUSE_MAX_WIDTH", "1e9")
+    assert fuse(_Sms(8), 8.0, 8, dispatch=False, config=None)
+    monkeypatch.setenv("UCCL_EP_FUSE_MAX_WIDTH", "wide")
+    with pytest.raises(ValueError, match="UCCL_EP_FUSE_MAX_WIDTH"):
+        fuse(_Sms(8), 8.0, 8, dispatch=False, config=None)

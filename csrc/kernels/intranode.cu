@@ -324,7 +324,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         if (own >= 0 && lane < a.em_k) {
           if (a.with_topk) {
             const int64_t e = a.topk_idx[(int64_t)t * K + lane] - (int64_t)me * epr;
-            if (e >= 0 && e < epr) d = a.em_base[me * epr + (int)e] + a.topk_pos[(int64_t)t * K + lane];
+            const int pos = a.topk_pos[(int64_t)t * K + lane];  // -1: a repeated id of this token (no row)
+            if (e >= 0 && e < epr && pos >= 0) d = a.em_base[me * epr + (int)e] + pos;
           } else {
             d = a.em_map[(int64_t)own * a.em_k + lane];
           }

@@ -64,8 +64,8 @@ class Backend(abc.ABC):
                               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor,
                                          IntranodeHandle]:
         """Fresh dispatch straight into expert-major order -> (x_em [M, H], recv_topk_idx [n, K] int64 local
-        ids (-1 elsewhere), recv_topk_weights [n, K] float32 or None, tokens_per_expert list[int] (exact
-        counts, M = sum), em_map [n, K] int32, handle).
+        ids (-1 elsewhere), recv_topk_weights [n, K] float32 (zeros without weights), tokens_per_expert
+        list[int] (exact counts, M = sum), em_map [n, K] int32, handle).
 
         n = handle.num_recv_tokens (rows received, receive order: source rank, then token). em_map[i, j] is
         the expert-major row of received row i's slot j, -1 for slots of no local expert: exactly

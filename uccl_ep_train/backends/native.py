@@ -56,6 +56,7 @@ _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # row are latency-bound on a few SMs). At width ~1 (EP >= 8) fusing moves no extra bytes and saves the pass.
 _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
+_MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one warp lane per top-k slot
 
 
 def _module():
@@ -349,19 +350,21 @@ class NativeBackend(Backend):
         n, hidden = x.shape
         x_bytes = hidden * x.element_size()
         topk_idx = topk_idx.to(torch.int64).contiguous()
-        num_topk = topk_idx.size(1)
-        _check_em_topk(num_topk, "topk_idx")
+        num_topk, num_experts = topk_idx.size(1), num_tokens_per_expert.numel()
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32).contiguous()
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
         num_rows, out_rows = sum(c.per_expert), c.out_rows
-        if not self._fuse(num_rows, out_rows, dispatch=True, config=config):
+        # Sender and receiver must agree on the id words' format (fused senders pack positions into them), so
+        # every rank decides from the same inputs: the routing shape's expected width, not its own counts.
+        if not self._fuse(_expected_width(num_topk, num_experts, R), num_topk, dispatch=True, config=config):
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
             em_map = permute.expert_major_map(recv_topk_idx, c.per_expert)
             x_em = permute.expand_rows_raw(recv_x, em_map, num_rows)
-            return x_em, recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map, self._handle(c, recv_src_idx, n, False)
-        topk_pos = self._positions_in_expert(topk_idx, num_tokens_per_expert.numel())
+            handle = self._handle(c, recv_src_idx, n, False)
+            return x_em, recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map, handle
+        topk_pos = self._positions_in_expert(topk_idx, num_experts)
         self._ensure(c.max_recv, x_bytes, 0, num_topk, True)
         self._ensure(c.max_send, hidden * x.element_size(), 0, num_topk, False)  # its combine
         dev = x.device
@@ -394,18 +397,21 @@ class NativeBackend(Backend):
                                           self._stream())
         return pos
 
-    def _fuse(self, num_rows: int, num_recv: int, dispatch: bool, config: Optional[Config]) -> bool:
+    def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Optional[Config]) -> bool:
         """Expand / fold inside the communication kernel, else through the separate permute kernels (see
-        _FUSE_MAX_WIDTH). UCCL_EP_FUSE_MAX_WIDTH overrides the width limit for every op (0: never fuse, a
-        large value: always)."""
-        width = num_rows / max(num_recv, 1)
+        _FUSE_MAX_WIDTH); width = expert-major rows per received row. UCCL_EP_FUSE_MAX_WIDTH overrides the
+        width limit for every op (0: never fuse, a large value: always). More than kMaxExpertMajorTopk
+        slots per row never fuse (the kernels give each slot a lane)."""
+        if num_topk > _MAX_FUSED_TOPK:
+            return False
         forced = env_number("UCCL_EP_FUSE_MAX_WIDTH", None, float)
         if forced is not None:
             return width <= forced
         return width <= _FUSE_MAX_WIDTH or (dispatch and self._num_sms(config) >= _FUSE_DISPATCH_MIN_SMS)
 
     def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
-        if not self._fuse(int(num_rows), em_map.size(0), dispatch=True, config=config):
+        # the cached dispatch and the combine move receive-order rows either way: each rank may decide alone
+        if not self._fuse(int(num_rows) / max(em_map.size(0), 1), em_map.size(1), dispatch=True, config=config):
             return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config)
         self._check()
         st = self._state(handle)
@@ -425,7 +431,7 @@ class NativeBackend(Backend):
         return self._combine(x, handle, topk_weights, (bias_0, bias_1), config, None)
 
     def combine_expert_major(self, y_em, handle, em_map, topk_weights, config):
-        if not self._fuse(y_em.size(0), em_map.size(0), dispatch=False, config=config):
+        if not self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config):
             return super().combine_expert_major(y_em, handle, em_map, topk_weights, config)
         return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
 
@@ -482,14 +488,19 @@ def _map_arg(em_map: torch.Tensor) -> torch.Tensor:
     """em_map as the kernels read it: contiguous int32, never pointer-less (an empty map becomes one row of
     -1 that no row index reaches)."""
     em_map = em_map.to(torch.int32).contiguous()
-    _check_em_topk(em_map.size(1), "em_map")
     return em_map if em_map.numel() else torch.full((1, em_map.size(1)), -1, dtype=torch.int32, device=em_map.device)
 
 
-def _check_em_topk(k: int, arg: str) -> None:
-    limit = 32  # kMaxExpertMajorTopk: one warp lane per top-k slot
-    if not 1 <= k <= limit:
-        raise ValueError(f"{arg}: expert-major dispatch/combine take 1..{limit} top-k slots per row, got {k}")
+def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
+    """Expert-major rows per received row under uniform top-k routing: the k/R slots a rank gets per token,
+    over the chance that a token has any expert there (1 - C(E - E/R, k) / C(E, k)). The same on every
+    rank: EP=2 top-8 of 256 gives 4.0, EP=8 1.5."""
+    epr = num_experts // num_ranks
+    k = min(num_topk, num_experts)
+    p_none = 1.0
+    for i in range(k):  # C(E - epr, k) / C(E, k) as a product
+        p_none *= max(num_experts - epr - i, 0) / (num_experts - i)
+    return (k / num_ranks) / max(1.0 - p_none, 1e-9)
 
 
 def _env_int(var: str, default: int) -> int:
