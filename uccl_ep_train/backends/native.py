@@ -271,15 +271,10 @@ class NativeBackend(Backend):
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
         self._check()
-        R = self.num_ranks
-        dev = x.device
         x = _aligned(x)
-        n, hidden = x.shape
-        x_bytes = hidden * x.element_size()
+        n = x.size(0)
         if x_scales is not None:
             x_scales = x_scales.to(torch.float32).contiguous()
-        scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
-        num_topk = 0 if topk_idx is None else topk_idx.size(1)
         if topk_idx is not None:
             topk_idx = topk_idx.to(torch.int64).contiguous()
             if topk_weights is not None:

@@ -87,7 +87,6 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     w = torch.rand(T, K, generator=g).cuda()
     x = torch.randn(T, H, generator=g).bfloat16().cuda()
     buf = Buffer(dist.group.WORLD, int(1e9), 0)
-    st: dict = {}
 
     def separate_fresh():
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
@@ -98,10 +97,10 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
         return permute.expand_rows_raw(recv_x, em, sum(counts)), em, handle, recv_x.size(0)
 
     def fresh():
-        x_em, _, _, counts, em, handle, _ = buf.dispatch_expert_major(x, idx, w, E)
+        x_em, _, _, _, em, handle, _ = buf.dispatch_expert_major(x, idx, w, E)
         return x_em, em, handle
 
-    ref_em, ref_map, ref_handle, num_recv = separate_fresh()
+    ref_em, ref_map, _, num_recv = separate_fresh()
     x_em, em, handle = FUSED(fresh)()
     rows = x_em.size(0)
     y_em = torch.randn(rows, H, generator=g).bfloat16().cuda()
