@@ -105,16 +105,10 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         """Routing map + probs -> top-k ids (-1 for dropped slots) and float32 top-k weights. Local only."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
-        if routing_map.dtype != torch.bool or routing_map.dim() != 2:
-            raise ValueError("UCCLTokenDispatcher: routing_map must be a 2-D bool tensor [tokens, experts]")
         # The first k selected experts of each token, in expert order (a token dropped by a capacity
-        # factor has fewer than k: its remaining slots are -1).
-        order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices
-        idx = order[:, : self.router_topk]
-        selected = routing_map.gather(1, idx)
-        self.topk_idx = torch.where(selected, idx, -1).to(torch.int64).contiguous()
+        # factor has fewer than k: its remaining slots are -1, weight 0); one kernel on GPUs.
+        self.topk_idx, weights = permute.topk_from_routing_map(routing_map, probs, self.router_topk)
         self.probs_dtype = probs.dtype
-        weights = torch.where(selected, probs.gather(1, idx), 0).float().contiguous()
         if self.shared_experts is not None:
             self.shared_experts.pre_forward_comm(hidden_states.view(self.hidden_shape))
         return hidden_states, weights

@@ -47,6 +47,7 @@ def test_fuse_decision(monkeypatch):
     assert not fuse(_Sms(20), 4.0, 8, dispatch=True, config=None)
     assert fuse(_Sms(32), 4.0, 8, dispatch=True, config=None)  # dispatches fuse from 32 SMs on
     assert not fuse(_Sms(32), 4.0, 8, dispatch=False, config=None)
+    assert fuse(_Sms(64), 4.0, 8, dispatch=False, config=None)  # the fold fuses from 64 SMs on
     assert not fuse(_Sms(32), 1.0, 33, dispatch=True, config=None)  # > 32 slots: one lane per slot
     monkeypatch.setenv("UCCL_EP_FUSE_MAX_WIDTH", "0")
     assert not fuse(_Sms(64), 1.0, 8, dispatch=True, config=None)

@@ -106,3 +106,63 @@ def test_counts_must_be_exact_and_zero_row_inputs_reduce_to_zeros():
     none = torch.full((5, 2), -1, dtype=torch.int32)  # rows that selected no local expert
     out = permute.reduce_rows(torch.zeros(0, 4), none, 5)
     assert out.shape == (5, 4) and torch.all(out == 0)
+
+
+def _routing_map(n, experts, k, seed, drop_p=0.2):
+    """Megatron-style routing: k experts per token (some dropped, as by a capacity factor), softmax probs."""
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.rand(n, experts, generator=g)
+    top = scores.topk(k, dim=1).indices
+    rmap = torch.zeros(n, experts, dtype=torch.bool).scatter_(1, top, True)
+    rmap &= torch.rand(n, experts, generator=g) >= drop_p
+    probs = torch.zeros(n, experts).scatter_(1, top, torch.rand(n, k, generator=g))
+    return rmap, probs
+
+
+@pytest.mark.parametrize("n,experts,k", [(0, 4, 2), (1, 1, 1), (33, 64, 8), (20, 40, 40), (9, 70, 3)])
+def test_topk_from_routing_map_matches_oracle_and_gradient(n, experts, k):
+    rmap, probs = _routing_map(n, experts, k, seed=n + experts)
+    probs = probs.double().requires_grad_(True)
+    idx, w = permute.topk_from_routing_map(rmap, probs, k)
+    assert idx.dtype == torch.int64 and w.dtype == torch.float32 and idx.shape == w.shape == (n, k)
+    for t in range(n):
+        chosen = [e for e in range(experts) if rmap[t, e]][:k]
+        want = chosen + [-1] * (k - len(chosen))
+        assert idx[t].tolist() == want, "the first k selected experts in expert order, -1 after"
+        assert w[t].tolist() == [float(probs[t, e].float()) if e >= 0 else 0.0 for e in want]
+    g = torch.randn(n, k)
+    w.backward(g)
+    dense = torch.zeros(n, experts, dtype=torch.float64)
+    for t in range(n):
+        for j in range(k):
+            if idx[t, j] >= 0:
+                dense[t, idx[t, j]] += float(g[t, j])
+    assert torch.equal(probs.grad, dense), "the weights' gradient lands on the selected entries only"
+
+
+def test_topk_from_routing_map_names_bad_arguments():
+    rmap, probs = _routing_map(4, 8, 2, seed=0)
+    with pytest.raises(ValueError, match="routing_map"):
+        permute.topk_from_routing_map(rmap.int(), probs, 2)
+    with pytest.raises(ValueError, match="probs"):
+        permute.topk_from_routing_map(rmap, probs[:, :7], 2)
+    with pytest.raises(ValueError, match="num_topk"):
+        permute.topk_from_routing_map(rmap, probs, 9)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("n,experts,k", [(4096, 256, 8), (77, 33, 5), (5, 300, 40), (3, 2, 2)])
+def test_native_topk_from_routing_map_matches_torch_path(n, experts, k):
+    if permute._native() is None or not hasattr(permute._native(), "routing_topk"):
+        pytest.skip("native module built without the routing kernel")
+    rmap, probs = _routing_map(n, experts, k, seed=k)
+    ref_idx, ref_w = permute.topk_from_routing_map(rmap, probs, k)
+    p = probs.cuda().requires_grad_(True)
+    idx, w = permute.topk_from_routing_map(rmap.cuda(), p, k)
+    assert torch.equal(idx.cpu(), ref_idx) and torch.equal(w.detach().cpu(), ref_w)
+    g = torch.randn(n, k)
+    w.backward(g.cuda())
+    ref_p = probs.clone().requires_grad_(True)
+    permute.topk_from_routing_map(rmap, ref_p, k)[1].backward(g)
+    assert torch.equal(p.grad.cpu(), ref_p.grad)

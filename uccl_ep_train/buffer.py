@@ -216,7 +216,8 @@ class Buffer:
              async_finish: bool, allocate_on_comm_stream: bool,
              checks: Optional[Callable[[], None]] = None) -> tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work) and record an
-        event; unless `async_finish`, the current stream waits for it. `checks` (argument checks that read
+        event; unless `async_finish`, the current stream waits for it (a call with neither runs on the
+        current stream). `checks` (argument checks that read
         tensor values) run first, in the same stream order, so they see what `previous_event` produced.
 
         Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
@@ -225,7 +226,9 @@ class Buffer:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")
-        if self._comm_stream is None:
+        if self._comm_stream is None or (previous_event is None and not async_finish):
+            # Synchronous calls run on the current stream: the same order as comm stream + wait, without the
+            # stream switch, event and per-tensor record_stream that would sit on the host's critical path.
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
             if checks is not None:

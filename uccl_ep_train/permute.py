@@ -8,6 +8,7 @@ dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major
     expand_rows(x, dst, m)   -> [m, H]  out[dst[i, j]] = x[i]           (backward: reduce_rows)
     reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
     expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
+    topk_from_routing_map(routing_map, probs, k): Megatron's routing map + probs -> top-k ids and weights
 
 expand_rows / reduce_rows are autograd-aware (each is the other's backward); expand_rows_raw /
 reduce_rows_raw are the same operations outside autograd, for code that does its own differentiation
@@ -75,6 +76,55 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
     start = torch.cumsum(counts, 0) - counts
     base = torch.cat([start, start.new_zeros(1)])[key]
     return torch.where(valid, base + rank_in_expert, -1).to(torch.int32).contiguous()
+
+
+def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
+                          num_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Megatron's routing (bool [tokens, experts] map, probabilities of the same shape) in top-k form:
+    (topk_idx int64 [tokens, num_topk], topk_weights float32 [tokens, num_topk]) — each token's first num_topk
+    selected experts in expert order, -1 and weight 0 in the slots of a token with fewer (dropped by a
+    capacity factor). Differentiable in probs (the weights' gradient lands at the selected entries). On
+    GPUs the forward is one kernel, so the dispatcher's preprocess costs one launch."""
+    if routing_map.dtype != torch.bool or routing_map.dim() != 2:
+        raise ValueError(f"routing_map: expected a 2-D bool tensor [tokens, experts], got {routing_map.dtype} "
+                         f"{tuple(routing_map.shape)}")
+    if probs.shape != routing_map.shape or probs.device != routing_map.device:
+        raise ValueError(f"probs: expected shape {tuple(routing_map.shape)} on {routing_map.device}, got "
+                         f"{tuple(probs.shape)} on {probs.device}")
+    if not 1 <= num_topk <= routing_map.size(1):
+        raise ValueError(f"num_topk: {num_topk} outside [1, {routing_map.size(1)}]")
+    return _RoutingTopk.apply(routing_map, probs, int(num_topk))
+
+
+class _RoutingTopk(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, routing_map: torch.Tensor, probs: torch.Tensor, num_topk: int):
+        n, num_experts = routing_map.shape
+        if _use_native(routing_map) and hasattr(_native(), "routing_topk"):
+            rmap = routing_map.contiguous()
+            p = probs.to(torch.float32).contiguous()
+            idx = torch.empty((n, num_topk), dtype=torch.int64, device=rmap.device)
+            w = torch.empty((n, num_topk), dtype=torch.float32, device=rmap.device)
+            with torch.cuda.device(rmap.device):
+                _native().routing_topk(rmap.data_ptr(), p.data_ptr(), n, num_experts, num_topk, idx.data_ptr(),
+                                       w.data_ptr(), torch.cuda.current_stream(rmap.device).cuda_stream)
+        else:
+            order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :num_topk]
+            selected = routing_map.gather(1, order)
+            idx = torch.where(selected, order, -1).to(torch.int64).contiguous()
+            w = torch.where(selected, probs.gather(1, order), 0).float().contiguous()
+        ctx.save_for_backward(idx)
+        ctx.probs_shape, ctx.probs_dtype = probs.shape, probs.dtype
+        ctx.mark_non_differentiable(idx)
+        return idx, w
+
+    @staticmethod
+    def backward(ctx, _grad_idx, grad_w):
+        (idx,) = ctx.saved_tensors
+        grad = torch.zeros(ctx.probs_shape, dtype=torch.float32, device=idx.device)
+        # padded slots add 0 (scatter_add: a clamped -1 may share column 0 with a real selection)
+        grad.scatter_add_(1, idx.clamp(min=0), torch.where(idx >= 0, grad_w.float(), 0.0))
+        return None, grad.to(ctx.probs_dtype), None
 
 
 def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
@@ -155,13 +205,15 @@ def reduce_rows_raw(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] 
 
 
 def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
-    """[n, k] -> [num_out]: the top-k weight of each expert-major row (autograd-aware; a scatter)."""
+    """[n, k] -> [num_out]: the top-k weight of each expert-major row (autograd-aware).
+
+    Each (row, slot) is a one-element row with at most one destination, so this is expand_rows over the
+    flattened slots (one kernel on GPUs), and its backward, reduce_rows, gathers each slot's gradient (0 for
+    slots without a row). As with expand_rows, every one of the num_out rows must be named."""
     _check_map(dst)
     if weights.shape != dst.shape:
         raise ValueError(f"weights: shape {tuple(weights.shape)} != dst shape {tuple(dst.shape)}")
-    index = torch.where(dst >= 0, dst, num_out).reshape(-1).long()  # slot num_out collects the rest
-    out = weights.new_zeros(num_out + 1)
-    return out.scatter(0, index, weights.reshape(-1))[:num_out]
+    return _Permute.apply(weights.reshape(-1, 1), dst.reshape(-1, 1), int(num_out), True).reshape(-1)
 
 
 def _check_map(dst: torch.Tensor) -> None:

@@ -1,4 +1,5 @@
-// pybind11 face of the expert-major permutation kernels: `_native.expert_major_map`, `expand_rows`, `reduce_rows`.
+// pybind11 face of the expert-major permutation kernels: `_native.expert_major_map`, `expand_rows`, `reduce_rows`,
+// and `routing_topk` (Megatron's routing map to top-k form).
 // Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream), as for the intranode path.
 #include <pybind11/pybind11.h>
 
@@ -45,6 +46,17 @@ void register_permute(py::module_& m) {
       py::arg("y"), py::arg("dst"), py::arg("out"), py::arg("num_rows"), py::arg("num_topk"), py::arg("hidden"),
       py::arg("num_in"), py::arg("dtype"), py::arg("stream"),
       "out[i] = sum_j y[dst[i, j]] (float32 accumulation; dtype bf16=0, fp16=1, fp32=2)");
+  m.def(
+      "routing_topk",
+      [](uintptr_t routing_map, uintptr_t probs, int64_t num_tokens, int num_experts, int num_topk, uintptr_t topk_idx,
+         uintptr_t topk_weights, uintptr_t stream) {
+        launch_routing_topk(reinterpret_cast<const bool*>(routing_map), reinterpret_cast<const float*>(probs),
+                            num_tokens, num_experts, num_topk, reinterpret_cast<int64_t*>(topk_idx),
+                            reinterpret_cast<float*>(topk_weights), reinterpret_cast<gpuStream_t>(stream));
+      },
+      py::arg("routing_map"), py::arg("probs"), py::arg("num_tokens"), py::arg("num_experts"), py::arg("num_topk"),
+      py::arg("topk_idx"), py::arg("topk_weights"), py::arg("stream"),
+      "first num_topk selected experts per token in expert order (-1 pads) and their float32 probabilities");
 #else
   (void)m;
 #endif

@@ -727,10 +727,21 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
           if (d >= 0) s_fold[w][__popcll(hit & ((1ull << lane) - 1ull))] = x + (int64_t)d * H;
           warp_sync();
           const int m = __popcll(hit);
-          if (m == 1)
+          if (m == 1) {
             warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(s_fold[w][0]), row_bytes, &dst, 1, lane);
-          else
-            Row::sum_rows(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane);
+          } else {
+            // the fold reads m rows per pushed row: staged copies (kMode 2) keep kStageSlots vectors per
+            // lane in flight without holding registers (the register variant keeps 12 and waits per round)
+            bool done = false;
+            if constexpr (kMode == 2) {
+              if (m <= kStageSlots) {
+                Row::staged(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane,
+                            s_stage + (int64_t)w * kStageSlots * kWarpSize);
+                done = true;
+              }
+            }
+            if (!done) Row::sum_rows(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane);
+          }
           warp_sync();  // s_fold[w] is rewritten for the next row
         } else {
           warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);

@@ -317,11 +317,11 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.push_warps = push_warps;
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
-  // UCCL_EP_COMBINE_KERNEL: 1 (default) reduce through registers, 2 reduce staged through shared memory with
-  // cp.async (CUDA; HIP runs 1). 1 measured faster on 2xH200 at 8-24 SMs (433 vs 359 GB/s at 24); 2 keeps
-  // more bytes in flight per lane when a token has many sources (4-8 ranks). See intranode.cu.
+  // UCCL_EP_COMBINE_KERNEL: 1 reduce (and fold) through registers, 2 staged through shared memory with
+  // cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433
+  // vs 359 GB/s at 24), 2 in fold mode (each pushed row reads ~k/R expert rows: see intranode.cu).
   const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
-  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : 1;
+  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 ? 2 : 1);
   UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,

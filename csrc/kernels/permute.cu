@@ -170,6 +170,50 @@ __global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int
   }
 }
 
+constexpr int kTopkThreads = 256;
+using intranode::kWarpSize;
+
+__global__ void __launch_bounds__(kTopkThreads) routing_topk_kernel(const bool* routing_map, const float* probs,
+                                                                    int64_t num_tokens, int num_experts, int num_topk,
+                                                                    int64_t* topk_idx, float* topk_weights) {
+  constexpr int kWarpsPerBlock = kTopkThreads / kWarpSize;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t first = (int64_t)blockIdx.x * kWarpsPerBlock + threadIdx.x / kWarpSize;
+  for (int64_t t = first; t < num_tokens; t += (int64_t)gridDim.x * kWarpsPerBlock) {
+    const bool* row = routing_map + t * num_experts;
+    int found = 0;
+    for (int e0 = 0; e0 < num_experts && found < num_topk; e0 += kWarpSize) {
+      const int e = e0 + lane;
+      const bool sel = e < num_experts && row[e];
+      const uint64_t hits = intranode::warp_ballot(sel);
+      const int before = __popcll(hits & ((1ull << lane) - 1ull));
+      const int total = __popcll(hits);
+      const int slot = found + before;
+      if (sel && slot < num_topk) {
+        topk_idx[t * num_topk + slot] = e;
+        topk_weights[t * num_topk + slot] = probs[t * num_experts + e];
+      }
+      found += total;
+    }
+    for (int slot = found + lane; slot < num_topk; slot += kWarpSize) {
+      topk_idx[t * num_topk + slot] = -1;
+      topk_weights[t * num_topk + slot] = 0.f;
+    }
+  }
+}
+
+void launch_routing_topk(const bool* routing_map, const float* probs, int64_t num_tokens, int num_experts,
+                         int num_topk, int64_t* topk_idx, float* topk_weights, gpuStream_t stream) {
+  UCCL_CHECK(num_topk >= 1 && num_topk <= num_experts, "num_topk " << num_topk << " out of [1, num_experts="
+                                                                    << num_experts << "]");
+  if (num_tokens == 0) return;
+  constexpr int kWarpsPerBlock = kTopkThreads / kWarpSize;
+  const int64_t blocks = (num_tokens + kWarpsPerBlock - 1) / kWarpsPerBlock;
+  routing_topk_kernel<<<(int)(blocks < kMaxBlocks ? blocks : kMaxBlocks), kTopkThreads, 0, stream>>>(
+      routing_map, probs, num_tokens, num_experts, num_topk, topk_idx, topk_weights);
+  UCCL_CHECK_GPU(gpuGetLastError());
+}
+
 void launch_expert_major_map(const int64_t* topk_idx, int64_t num_rows, int num_topk, int num_experts,
                              const int* counts, int* dst, gpuStream_t stream) {
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");

@@ -29,4 +29,10 @@ void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_ro
 void launch_reduce_rows(const void* y, const int* dst, void* out, int64_t num_rows, int num_topk, int64_t hidden,
                         int64_t num_in, int dtype, gpuStream_t stream);
 
+// Megatron's routing (a bool map [num_tokens, num_experts] and probabilities of the same shape) to top-k form:
+// each token's first num_topk selected experts in expert order (topk_idx int64; -1 pads a token with fewer,
+// e.g. dropped by a capacity factor) and their float32 probabilities (0 in padded slots). One warp per token.
+void launch_routing_topk(const bool* routing_map, const float* probs, int64_t num_tokens, int num_experts,
+                         int num_topk, int64_t* topk_idx, float* topk_weights, gpuStream_t stream);
+
 }  // namespace uccl_ep::permute

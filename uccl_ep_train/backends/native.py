@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from .. import permute
 from ..config import Config, env_number
-from ..handles import IntranodeHandle
+from ..handles import IntranodeHandle, one_channel_matrices
 from .base import Backend
 
 log = logging.getLogger("uccl_ep_train")
@@ -43,6 +43,9 @@ _GROW_STEP = 64 << 20  # grown buffers are rounded up to this
 # rows (combine) while the pushes go on, and push warps join them when done (benchmark-tuned defaults).
 _DISPATCH_PUSH_WARPS = 12
 _COMBINE_PUSH_WARPS = 8
+# Fold mode: every warp folds and pushes first (the fold's reads, not the reduce, bound it; 2xH200, 32 SMs,
+# fused fold+combine: 731 us with 8 push warps, 581 with 12, 517 with 16)
+_FOLD_PUSH_WARPS = 16
 # Rows a push warp sends between two system fences (after which it releases their "landed" flags): small
 # batches let the receiver start copying / reducing early, large ones fence less often.
 _FLAG_BATCH = 4
@@ -50,12 +53,14 @@ _COMBINE_FLAG_BATCH = 4
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # Expert-major rows per received row (the fold width) up to which the expert-major calls expand / fold inside
 # the communication kernels; wider rows go through the separate full-GPU permute kernels, except that the
-# dispatches fuse from _FUSE_DISPATCH_MIN_SMS SMs on. `uccl-ep-train bench expert-major`, 2xH200, DeepSeek-V3
-# shape at EP=2 (width ~4), fused vs separate, us: fresh dispatch 682/615 at 20 SMs, 513/654 at 32; cached
-# 520/410 at 20, 341/393 at 32; combine 1674/425 at 20, 1147/405 at 32 (the fold's extra reads of ~4 rows per
-# row are latency-bound on a few SMs). At width ~1 (EP >= 8) fusing moves no extra bytes and saves the pass.
+# dispatches fuse from _FUSE_DISPATCH_MIN_SMS SMs on and the combine from _FUSE_COMBINE_MIN_SMS (the fold
+# reads ~width rows per pushed row: HBM-bound on few SMs). `uccl-ep-train bench expert-major --sms 32,64,132`,
+# 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fused vs separate, us: fresh dispatch 677/823, 613/853,
+# 621/780; cached 344/395, 284/368, 255/361; combine 525/404, 370/376, 321/382 (benchmarks/results/
+# expert_major_2xH200.json). At width ~1 (EP >= 8) fusing moves no extra bytes and saves the pass.
 _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
+_FUSE_COMBINE_MIN_SMS = 64
 _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one warp lane per top-k slot
 
 
@@ -233,7 +238,9 @@ class NativeBackend(Backend):
         info = torch.empty(R * R + epr + R * epr, dtype=torch.int32, device=dev)
         self._buf.notify(per_rank.data_ptr(), per_expert.data_ptr(), is_token_in_rank.data_ptr(), n, num_experts,
                          send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), self._stream())
-        c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr)
+        # the handle's channel matrices are queued behind notify before the host waits for its counts
+        c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr,
+                    one_channel_matrices(info[: R * R].view(R, R), per_rank, me))
         if num_worst_tokens:
             c.out_rows = int(num_worst_tokens)
             # Assumes every rank passes the same num_worst_tokens and token count (the kernels check the
@@ -266,7 +273,7 @@ class NativeBackend(Backend):
         return IntranodeHandle.with_one_channel(
             c.info[: R * R].view(R, R), c.per_rank, self.rank, recv_src_idx, c.is_token_in_rank, c.send_pos,
             num_recv_tokens=c.out_rows, num_tokens=n, owner=self.owner,
-            private=NativeHandleState(c.out_rows, c.max_recv, c.max_send, worst))
+            private=NativeHandleState(c.out_rows, c.max_recv, c.max_send, worst), channels=c.channels)
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
@@ -348,18 +355,21 @@ class NativeBackend(Backend):
         num_topk, num_experts = topk_idx.size(1), num_tokens_per_expert.numel()
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32).contiguous()
-        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
-        num_rows, out_rows = sum(c.per_expert), c.out_rows
         # Sender and receiver must agree on the id words' format (fused senders pack positions into them), so
         # every rank decides from the same inputs: the routing shape's expected width, not its own counts.
-        if not self._fuse(_expected_width(num_topk, num_experts, R), num_topk, dispatch=True, config=config):
+        fused = self._fuse(_expected_width(num_topk, num_experts, R), num_topk, dispatch=True, config=config)
+        # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
+        # dispatch kernel is launched
+        topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused else None
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
+        num_rows, out_rows = sum(c.per_expert), c.out_rows
+        if not fused:
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
             em_map = permute.expert_major_map(recv_topk_idx, c.per_expert)
             x_em = permute.expand_rows_raw(recv_x, em_map, num_rows)
             handle = self._handle(c, recv_src_idx, n, False)
             return x_em, recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map, handle
-        topk_pos = self._positions_in_expert(topk_idx, num_experts)
         self._ensure(c.max_recv, x_bytes, 0, num_topk, True)
         self._ensure(c.max_send, hidden * x.element_size(), 0, num_topk, False)  # its combine
         dev = x.device
@@ -402,7 +412,8 @@ class NativeBackend(Backend):
         forced = env_number("UCCL_EP_FUSE_MAX_WIDTH", None, float)
         if forced is not None:
             return width <= forced
-        return width <= _FUSE_MAX_WIDTH or (dispatch and self._num_sms(config) >= _FUSE_DISPATCH_MIN_SMS)
+        min_sms = _FUSE_DISPATCH_MIN_SMS if dispatch else _FUSE_COMBINE_MIN_SMS
+        return width <= _FUSE_MAX_WIDTH or self._num_sms(config) >= min_sms
 
     def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
         # the cached dispatch and the combine move receive-order rows either way: each rank may decide alone
@@ -449,7 +460,8 @@ class NativeBackend(Backend):
                           num_topk, n, handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(),
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), _ptr(fold_map),
                           0 if fold_map is None else fold_map.size(1), x.size(0), self._num_sms(config),
-                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", _COMBINE_PUSH_WARPS),
+                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS",
+                                           _COMBINE_PUSH_WARPS if fold_map is None else _FOLD_PUSH_WARPS),
                           _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w
 
@@ -473,6 +485,7 @@ class _Counts:
     per_rank: torch.Tensor
     is_token_in_rank: torch.Tensor
     epr: int
+    channels: tuple  # the handle's (channel_prefix_matrix, recv_channel_prefix_matrix)
     out_rows: int = 0
     max_recv: int = 0
     max_send: int = 0

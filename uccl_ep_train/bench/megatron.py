@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
     p.add_argument("--trace", default=None, help="with --profile: write rank 0's Chrome trace to TRACE.<dispatcher>.json")
+    p.add_argument("--breakdown", action="store_true",
+                   help="GPUs: also time each phase of the round trip (CUDA events between phases, max over ranks)")
     return p
 
 
@@ -60,16 +62,33 @@ def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world:
     return cls(local, list(range(rank * local, (rank + 1) * local)), config=cfg, pg_collection=pg)
 
 
-def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor) -> int:
-    """One forward + backward through `disp` with identity experts; returns the expert-major row count."""
+PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts", "combine_preprocess",
+          "token_combine", "combine_postprocess", "backward")
+
+
+def round_trip(disp, hidden: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor, grad: torch.Tensor,
+               mark=None) -> int:
+    """One forward + backward through `disp` with identity experts; returns the expert-major row count.
+    `mark()`, when given, is called before the first phase and after each of PHASES (e.g. to record CUDA events:
+    the GPU time between two marks includes the GPU idling while the host catches up)."""
+    mark = mark or (lambda: None)
+    mark()
     h, p = disp.dispatch_preprocess(hidden, routing_map, probs)
+    mark()
     h, p = disp.token_dispatch(h, p)
+    mark()
     h, _, p = disp.dispatch_postprocess(h, p)
+    mark()
     y = identity_experts(h, p)
+    mark()
     y = disp.combine_preprocess(y)
+    mark()
     y = disp.token_combine(y)
+    mark()
     out = disp.combine_postprocess(y)
+    mark()
     out.backward(grad)
+    mark()
     return h.size(0)
 
 
@@ -150,18 +169,27 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                 print(f"[megatron] {kind}: skipped ({exc})", flush=True)
             continue
         times = []
+        phase_ms = [0.0] * len(PHASES)
         for i in range(args.warmup + args.iters):
             hidden = x.clone().requires_grad_(True)
             probs = probs_full.clone().requires_grad_(True)
+            events: list = []
+
+            def mark() -> None:
+                events.append(torch.cuda.Event(enable_timing=True))
+                events[-1].record()
+
             if cuda:
                 torch.cuda.synchronize()
             dist.barrier()
             t0 = time.perf_counter()
-            rows = round_trip(disp, hidden, routing_map, probs, grad)
+            rows = round_trip(disp, hidden, routing_map, probs, grad, mark if (cuda and args.breakdown) else None)
             if cuda:
                 torch.cuda.synchronize()
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+                for j in range(len(events) - 1):
+                    phase_ms[j] += events[j].elapsed_time(events[j + 1]) / args.iters
         if args.profile:
             _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda, args.trace)
         mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
@@ -176,6 +204,13 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3}
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
+        if cuda and args.breakdown:
+            phases = torch.tensor(phase_ms, dtype=torch.float64, device=device)
+            dist.all_reduce(phases, op=dist.ReduceOp.MAX)
+            rec["phases_ms"] = dict(zip(PHASES, phases.tolist()))
+            if rank == 0:
+                print(f"[megatron] {kind:<8} phases (ms, GPU time between marks, max over ranks): "
+                      + ", ".join(f"{k} {v:.3f}" for k, v in rec["phases_ms"].items()), flush=True)
         records.append(rec)
         if rank == 0:
             print(f"[megatron] {kind:<8} EP={world} tokens={T} hidden={H} experts={E} top-{K}: "
