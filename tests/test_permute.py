@@ -73,7 +73,8 @@ def test_bad_arguments_are_named():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-@pytest.mark.parametrize("n,k,experts,hidden", [(1, 1, 1, 8), (300, 8, 128, 7168), (77, 6, 9, 100), (5, 3, 2, 3)])
+@pytest.mark.parametrize("n,k,experts,hidden", [(1, 1, 1, 8), (300, 8, 128, 7168), (77, 6, 9, 100), (5, 3, 2, 3),
+                                                 (700, 5, 7, 1)])  # one element per row: one thread per row
 def test_native_kernels_match_torch_path(dtype, n, k, experts, hidden):
     if permute._native() is None:
         pytest.skip("native module built without the permutation kernels")

@@ -170,6 +170,38 @@ __global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int
   }
 }
 
+// Rows of one element (the top-k weights expand_probs spreads, and their gradients): one thread per row, no
+// block barrier per row (the row-per-block kernels spend it on 4 bytes).
+template <typename V>
+__global__ void __launch_bounds__(kThreads) expand_elems_kernel(const V* x, const int* dst, V* out, int64_t num_rows,
+                                                                int num_topk, int64_t num_out) {
+  for (int64_t row = (int64_t)blockIdx.x * kThreads + threadIdx.x; row < num_rows; row += (int64_t)gridDim.x * kThreads) {
+    const V v = x[row];
+    for (int j = 0; j < num_topk; ++j) {
+      const int d = dst[row * num_topk + j];
+      if (d >= 0 && d < num_out) out[d] = v;
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) reduce_elems_kernel(const char* y, const int* dst, char* out,
+                                                                int64_t num_rows, int num_topk, int64_t num_in) {
+  for (int64_t row = (int64_t)blockIdx.x * kThreads + threadIdx.x; row < num_rows; row += (int64_t)gridDim.x * kThreads) {
+    float acc = 0.f;
+    for (int j = 0; j < num_topk; ++j) {  // slot order, as reduce_rows_kernel
+      const int d = dst[row * num_topk + j];
+      if (d >= 0 && d < num_in) acc += T::load(y, d);
+    }
+    T::store(out, row, acc);
+  }
+}
+
+static int elem_grid(int64_t num_rows) {
+  const int64_t blocks = (num_rows + kThreads - 1) / kThreads;
+  return (int)(blocks < kMaxBlocks ? blocks : kMaxBlocks);
+}
+
 constexpr int kTopkThreads = 256;
 using intranode::kWarpSize;
 
@@ -237,7 +269,14 @@ void launch_expand_rows(const void* x, const int* dst, void* out, int64_t num_ro
   UCCL_CHECK(row_bytes >= 0, "row_bytes " << row_bytes);
   if (num_rows == 0 || row_bytes == 0) return;
   const int grid = grid_for(num_rows);
-  if (aligned16(x, out, row_bytes)) {
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out);
+  if (row_bytes == 4 && (addr & 3u) == 0) {
+    expand_elems_kernel<int><<<elem_grid(num_rows), kThreads, 0, stream>>>(
+        static_cast<const int*>(x), dst, static_cast<int*>(out), num_rows, num_topk, num_out);
+  } else if (row_bytes == 2 && (addr & 1u) == 0) {
+    expand_elems_kernel<short><<<elem_grid(num_rows), kThreads, 0, stream>>>(
+        static_cast<const short*>(x), dst, static_cast<short*>(out), num_rows, num_topk, num_out);
+  } else if (aligned16(x, out, row_bytes)) {
     expand_rows_kernel<int4><<<grid, kThreads, 0, stream>>>(static_cast<const int4*>(x), dst, static_cast<int4*>(out),
                                                             num_rows, num_topk, row_bytes / 16, num_out);
   } else if (((reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(out) | (uintptr_t)row_bytes) & 3u) == 0) {
@@ -256,7 +295,9 @@ static void reduce_as(const void* y, const int* dst, void* out, int64_t num_rows
   const int grid = grid_for(num_rows);
   const char* yc = static_cast<const char*>(y);
   char* oc = static_cast<char*>(out);
-  if (aligned16(y, out, hidden * T::kSize))
+  if (hidden == 1)
+    reduce_elems_kernel<T><<<elem_grid(num_rows), kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, num_in);
+  else if (aligned16(y, out, hidden * T::kSize))
     reduce_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden, num_in);
   else
     reduce_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(yc, dst, oc, num_rows, num_topk, hidden, num_in);

@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
     p.add_argument("--trace", default=None, help="with --profile: write rank 0's Chrome trace to TRACE.<dispatcher>.json")
     p.add_argument("--breakdown", action="store_true",
-                   help="GPUs: also time each phase of the round trip (CUDA events between phases, max over ranks)")
+                   help="GPUs: also time each phase of the round trip (CUDA events between phases, and the host's "
+                        "time to issue each phase; max over ranks)")
     return p
 
 
@@ -170,14 +171,17 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
             continue
         times = []
         phase_ms = [0.0] * len(PHASES)
+        host_ms = [0.0] * len(PHASES)
         for i in range(args.warmup + args.iters):
             hidden = x.clone().requires_grad_(True)
             probs = probs_full.clone().requires_grad_(True)
             events: list = []
+            stamps: list = []
 
             def mark() -> None:
                 events.append(torch.cuda.Event(enable_timing=True))
                 events[-1].record()
+                stamps.append(time.perf_counter())
 
             if cuda:
                 torch.cuda.synchronize()
@@ -190,6 +194,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                 times.append(time.perf_counter() - t0)
                 for j in range(len(events) - 1):
                     phase_ms[j] += events[j].elapsed_time(events[j + 1]) / args.iters
+                    host_ms[j] += (stamps[j + 1] - stamps[j]) * 1e3 / args.iters
         if args.profile:
             _profile(disp, x, routing_map, probs_full, grad, kind, rank, cuda, args.trace)
         mean = torch.tensor(sum(times) / len(times), dtype=torch.float64, device=device)
@@ -205,12 +210,15 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
         if cuda and args.breakdown:
-            phases = torch.tensor(phase_ms, dtype=torch.float64, device=device)
+            phases = torch.tensor([phase_ms, host_ms], dtype=torch.float64, device=device)
             dist.all_reduce(phases, op=dist.ReduceOp.MAX)
-            rec["phases_ms"] = dict(zip(PHASES, phases.tolist()))
+            rec["phases_ms"] = dict(zip(PHASES, phases[0].tolist()))
+            rec["phases_host_ms"] = dict(zip(PHASES, phases[1].tolist()))
             if rank == 0:
-                print(f"[megatron] {kind:<8} phases (ms, GPU time between marks, max over ranks): "
-                      + ", ".join(f"{k} {v:.3f}" for k, v in rec["phases_ms"].items()), flush=True)
+                print(f"[megatron] {kind:<8} phases, ms of GPU time between marks (host time to issue them), max "
+                      "over ranks: " + ", ".join(f"{k} {v:.3f} ({h:.3f})" for (k, v), h in
+                                               zip(rec["phases_ms"].items(), rec["phases_host_ms"].values())),
+                      flush=True)
         records.append(rec)
         if rank == 0:
             print(f"[megatron] {kind:<8} EP={world} tokens={T} hidden={H} experts={E} top-{K}: "
