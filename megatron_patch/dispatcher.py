@@ -92,8 +92,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
                              f"size ({self.ep_size})")
         if local_expert_indices and local_expert_indices[0] != self.ep_rank * num_local_experts:
             raise ValueError("UCCLTokenDispatcher: local experts must be the contiguous block of this EP rank")
-        if settings.num_sms is not None:
-            Buffer.set_num_sms(settings.num_sms)
+        Buffer.set_num_sms(settings.num_sms if settings.num_sms is not None else settings.DEFAULT_NUM_SMS)
         self.hidden_shape = None
         self.topk_idx = None
         self.handle = None

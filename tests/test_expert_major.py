@@ -210,19 +210,18 @@ GPU_CASES = [
     (lambda r: 0 if r == 1 else 96, 100, 4, 4, 0.5, torch.bfloat16),  # 200-byte rows; a rank sends nothing
     (lambda r: 33, 1001, 3, 4, 0.0, torch.float32),  # hidden not a multiple of 8 elements
     (lambda r: 1, 128, 2, 8, 1.0, torch.bfloat16),  # every slot dropped (-1): nothing moves
+    (lambda r: 1500, 7168, 8, 16, 0.2, torch.float32),  # outgrows the 64 MB buffer: the call grows it
 ]
 
 
-def _native_vs_reference(rank, world, device, fuse_max_width):
+def _native_vs_reference(rank, world, device, env):
     from test_native_intranode import _make_buffers
 
-    # the native backend expands / folds inside its kernels up to this fold width, else it runs the
-    # separate permute kernels: check both paths, and its own choice (ranks with different widths, e.g. a
-    # rank that receives nothing, must still agree on the fresh dispatch's wire format)
-    if fuse_max_width is None:
-        os.environ.pop("UCCL_EP_FUSE_MAX_WIDTH", None)
-    else:
-        os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = fuse_max_width
+    # UCCL_EP_FUSE_MAX_WIDTH: the native backend expands / folds inside its kernels up to this fold width,
+    # else it runs the separate permute kernels: check both paths, and its own choice (ranks with different
+    # widths, e.g. a rank that receives nothing, must still agree on the fresh dispatch's wire format)
+    os.environ.pop("UCCL_EP_FUSE_MAX_WIDTH", None)
+    os.environ.update(env)
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
@@ -269,13 +268,14 @@ def _native_vs_reference(rank, world, device, fuse_max_width):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-@pytest.mark.parametrize("fuse_max_width", ["1e9", "0", None], ids=["fused", "separate-permute", "auto"])
-def test_native_expert_major_matches_reference(fuse_max_width):
+@pytest.mark.parametrize("env", [{"UCCL_EP_FUSE_MAX_WIDTH": "1e9"}, {"UCCL_EP_FUSE_MAX_WIDTH": "0"}, {}],
+                         ids=["fused", "separate-permute", "auto"])
+def test_native_expert_major_matches_reference(env):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    assert run_ranks(_native_vs_reference, 2, fuse_max_width, device="cuda", timeout=300) == [2 * len(GPU_CASES)] * 2
+    assert run_ranks(_native_vs_reference, 2, env, device="cuda", timeout=300) == [2 * len(GPU_CASES)] * 2
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------

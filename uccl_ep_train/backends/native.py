@@ -122,6 +122,7 @@ class NativeBackend(Backend):
                                       "only the intranode (one NVLink domain) path is implemented")
         self._timeout = _timeout_s()
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
+        self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._failed: Optional[str] = None
         self._buf = None
         self._open(max(int(num_nvl_bytes), self._min_bytes()))
@@ -222,6 +223,13 @@ class NativeBackend(Backend):
         return per_rank, per_expert, in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------
+    def _host_counts(self, size: int) -> torch.Tensor:
+        """A pinned int32 host buffer of `size` for notify's counts (kept: one per backend; each call reads
+        it back into Python ints before the next copy is queued)."""
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        return self._pinned[:size]
+
     def _exchange_counts(self, n: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
                          num_worst_tokens: int) -> "_Counts":
         """notify (per-rank / per-expert counts into every peer), then, unless num_worst_tokens bounds the
@@ -247,7 +255,13 @@ class NativeBackend(Backend):
             # real counts against the buffer and report instead of overflowing).
             c.max_recv, c.max_send = c.out_rows, min(n * R, R * c.out_rows)
             return c
-        host = info[: R * R + epr].tolist()  # the one host sync: it sizes the outputs (plain ints from here on)
+        # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
+        counts = self._host_counts(R * R + epr)
+        counts.copy_(info[: R * R + epr], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        copied.synchronize()
+        host = counts.tolist()
         self._check()
         last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
         c.out_rows, c.max_recv = last[me], max(last)

@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--num-sms", type=int, default=None,
-                   help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the Buffer's, 20, DeepEP's default)")
+                   help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the dispatcher's, 32)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
