@@ -54,10 +54,11 @@ _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # Expert-major rows per received row (the fold width) up to which the expert-major calls expand / fold inside
 # the communication kernels; wider rows go through the separate full-GPU permute kernels, except that the
 # dispatches fuse from _FUSE_DISPATCH_MIN_SMS SMs on and the combine from _FUSE_COMBINE_MIN_SMS (the fold
-# reads ~width rows per pushed row: HBM-bound on few SMs). `uccl-ep-train bench expert-major --sms 32,64,132`,
-# 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fused vs separate, us: fresh dispatch 677/823, 613/853,
-# 621/780; cached 344/395, 284/368, 255/361; combine 525/404, 370/376, 321/382 (benchmarks/results/
-# expert_major_2xH200.json). At width ~1 (EP >= 8) fusing moves no extra bytes and saves the pass.
+# reads ~width rows per pushed row: HBM-bound on few SMs). `uccl-ep-train bench expert-major --sms
+# 20,32,64,132`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fused/separate us: fresh dispatch 761/936,
+# 595/820, 596/838, 400/527 (host-bound, noisy); cached 518/418, 338/396, 292/371, 250/356; combine 825/428,
+# 525/411, 378/375, 319/374 (benchmarks/results/expert_major_2xH200.json). At width ~1 (EP >= 8) fusing
+# moves no extra bytes and saves the pass.
 _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
 _FUSE_COMBINE_MIN_SMS = 64
