@@ -28,6 +28,7 @@ from uccl_ep_train import autograd as ep_autograd
 
 from . import settings
 
+_BUFFER_DEFAULT_SMS = Buffer.num_sms  # DeepEP's class default (20), before anyone calls set_num_sms
 _buffers: dict[int, Buffer] = {}
 _retired: list[Buffer] = []  # outgrown Buffers: earlier layers' backward may still use their handles
 
@@ -92,7 +93,10 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
                              f"size ({self.ep_size})")
         if local_expert_indices and local_expert_indices[0] != self.ep_rank * num_local_experts:
             raise ValueError("UCCLTokenDispatcher: local experts must be the contiguous block of this EP rank")
-        Buffer.set_num_sms(settings.num_sms if settings.num_sms is not None else settings.DEFAULT_NUM_SMS)
+        if settings.num_sms is not None:
+            Buffer.set_num_sms(settings.num_sms)
+        elif Buffer.num_sms == _BUFFER_DEFAULT_SMS:  # nobody chose a count (Buffer.set_num_sms): ours
+            Buffer.set_num_sms(settings.DEFAULT_NUM_SMS)
         self.hidden_shape = None
         self.topk_idx = None
         self.handle = None

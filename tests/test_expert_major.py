@@ -302,3 +302,56 @@ def test_bench_expert_major_small_shape_runs_and_checks_exactness(tmp_path):
     import json
     recs = json.loads(out.read_text())
     assert {r["op"] for r in recs} == {"fresh", "cached", "combine"} and all(r["fused_us"] > 0 for r in recs)
+
+
+# ---- received rows without local experts --------------------------------------------------------------
+def _rows_without_experts(rank, world, device):
+    """A handle from a plain dispatch that sends every token to every rank (is_token_in_rank all true), so
+    many received rows name no local expert: their fold is zeros. CPU: combine_expert_major equals
+    reduce_rows + combine; GPUs: the native backend's fold inside combine equals the reference backend's."""
+    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = "1e9"  # native: fold inside combine whatever the width
+    group = dist.new_group(list(range(world)))
+    if device == "cuda":
+        from test_native_intranode import _make_buffers
+
+        bufs = dict(zip(("ref", "nat"), _make_buffers(group)))
+    else:
+        bufs = {"ref": Buffer(group, int(1e6), 0)}
+    n, hidden, topk, epr = 64, 256, 2, 4
+    experts = epr * world
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.topk(torch.rand((n, experts), generator=g), topk, dim=1).indices.to(device)
+    x = torch.randn((n, hidden), generator=g).to(device)
+    outs = {}
+    for name, buf in bufs.items():
+        _, _, per_expert, _, _ = buf.get_dispatch_layout(idx, experts)
+        in_rank = torch.ones((n, world), dtype=torch.bool, device=device)
+        per_rank = torch.full((world,), n, dtype=torch.int32, device=device)
+        _, ridx, _, counts, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                     num_tokens_per_expert=per_expert, topk_idx=idx)
+        em = permute.expert_major_map(ridx, counts)
+        assert int((em < 0).all(dim=1).sum()) > 0, "the case needs received rows without local experts"
+        y_em = torch.randn((sum(counts), hidden), generator=torch.Generator().manual_seed(7 + rank)).to(device)
+        out, _, _ = buf.combine_expert_major(y_em, handle, em)
+        composed, _, _ = buf.combine(permute.reduce_rows(y_em, em, ridx.size(0)), handle)
+        torch.testing.assert_close(out, composed, rtol=1e-6, atol=1e-6)
+        outs[name] = out
+    if "nat" in outs:
+        torch.testing.assert_close(outs["nat"], outs["ref"], rtol=1e-5, atol=1e-5)
+    for buf in bufs.values():
+        buf.destroy()
+    return True
+
+
+def test_fold_of_rows_without_local_experts_is_zero():
+    assert run_ranks(_rows_without_experts, 2, device="cpu") == [True, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_native_fold_of_rows_without_local_experts_is_zero():
+    from uccl_ep_train.backends.native import native_available
+
+    if not native_available():
+        pytest.skip("native module built without intranode kernels")
+    assert run_ranks(_rows_without_experts, 2, device="cuda", timeout=120) == [True, True]

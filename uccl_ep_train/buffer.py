@@ -110,6 +110,8 @@ class Buffer:
         self.device = _group_device(group)
         self.id = next(_buffer_ids)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
+        self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
+        self._sync_event: Optional[EventHandle] = None  # after the last call run on the current stream
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device)
         self.backend_name = self._backend.name
@@ -216,9 +218,10 @@ class Buffer:
              async_finish: bool, allocate_on_comm_stream: bool,
              checks: Optional[Callable[[], None]] = None) -> tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work) and record an
-        event; unless `async_finish`, the current stream waits for it (a call with neither runs on the
-        current stream). `checks` (argument checks that read
-        tensor values) run first, in the same stream order, so they see what `previous_event` produced.
+        event; unless `async_finish`, the current stream waits for it. A call with neither, on a Buffer that
+        has not used its comm stream yet, runs on the current stream instead (same order, less host work).
+        `checks` (argument checks that read tensor values) run first, in the same stream order, so they see
+        what `previous_event` produced.
 
         Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
         not reused while either stream may still use it (`allocate_on_comm_stream` is accepted as in DeepEP:
@@ -226,16 +229,30 @@ class Buffer:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")
-        if self._comm_stream is None or (previous_event is None and not async_finish):
-            # Synchronous calls run on the current stream: the same order as comm stream + wait, without the
-            # stream switch, event and per-tensor record_stream that would sit on the host's critical path.
+        if self._comm_stream is None:  # CPU ranks: the work is complete when fn returns
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
             if checks is not None:
                 checks()
             return fn(), EventOverlap(EventHandle(), None)
+        if previous_event is None and not async_finish and not self._comm_used:
+            # Synchronous calls of a Buffer that never overlapped run on the current stream: the same order as
+            # comm stream + wait, without the stream switch, event and per-tensor record_stream that would
+            # sit on the host's critical path. Once a call used the comm stream, every call does (ops on one
+            # Buffer must not run concurrently, and tensors may be owned by either stream).
+            if torch.cuda.current_device() != self.device.index:
+                with torch.cuda.device(self.device):  # the kernels take the current stream of their device
+                    return self._run(fn, inputs, None, False, allocate_on_comm_stream, checks)
+            if checks is not None:
+                checks()
+            result = fn()
+            self._sync_event = EventHandle()  # after the kernels: the comm stream's first use waits for it
+            return result, EventOverlap(self._sync_event, None)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
+        if not self._comm_used and self._sync_event is not None:
+            self._sync_event.stream_wait(comm)  # ops of this Buffer issued on the current stream come first
+        self._comm_used = True
         if previous_event is not None and previous_event.event is not None:
             previous_event.event.stream_wait(comm)
         else:
@@ -328,8 +345,8 @@ class Buffer:
             if data.size(0) != handle.num_tokens:
                 raise ValueError(f"x: has {data.size(0)} tokens, the handle was made for {handle.num_tokens}")
             (recv_x, recv_scales), event = self._run(
-                lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales), previous_event,
-                async_finish, allocate_on_comm_stream)
+                lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales, handle),
+                previous_event, async_finish, allocate_on_comm_stream)
             return (recv_x, recv_scales) if scales is not None else recv_x, None, None, None, None, event
 
         if num_tokens_per_rank is None or is_token_in_rank is None or num_tokens_per_expert is None:
@@ -405,7 +422,7 @@ class Buffer:
         backend = self.backend
         (combined, combined_w), event = self._run(
             lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
-            (x, topk_weights) + biases, previous_event, async_finish, allocate_on_comm_stream)
+            (x, topk_weights, handle) + biases, previous_event, async_finish, allocate_on_comm_stream)
         return combined, combined_w, event
 
     # ---- high throughput, expert-major (ours: not in DeepEP) --------------------------------------------
@@ -484,7 +501,7 @@ class Buffer:
         config = self._config(config, self.get_dispatch_config)
         backend = self.backend
         x_em, event = self._run(
-            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config), (x, em_map),
+            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config), (x, em_map, handle),
             previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows"))
         return x_em, event
@@ -524,7 +541,7 @@ class Buffer:
         backend = self.backend
         (combined, combined_w), event = self._run(
             lambda: backend.combine_expert_major(y_em, handle, em_map, topk_weights, config),
-            (y_em, em_map, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
+            (y_em, em_map, topk_weights, handle), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em"))
         return combined, combined_w, event
 
@@ -663,7 +680,8 @@ class Buffer:
                 receive()
             return receive
 
-        receive, event = self._run(run, (x, topk_idx, topk_weights), None, async_finish or return_recv_hook, False)
+        receive, event = self._run(run, (x, topk_idx, topk_weights, handle), None, async_finish or return_recv_hook,
+                                   False)
         hook = self._hook(receive) if return_recv_hook else (lambda: None)
         return out, event, hook
 

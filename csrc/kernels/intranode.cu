@@ -734,7 +734,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
             // lane in flight without holding registers (the register variant keeps 12 and waits per round)
             bool done = false;
             if constexpr (kMode == 2) {
-              if (m <= kStageSlots) {
+              if (m > 0 && m <= kStageSlots) {  // m == 0 (a received row without local experts): zeros below
                 Row::staged(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane,
                             s_stage + (int64_t)w * kStageSlots * kWarpSize);
                 done = true;
