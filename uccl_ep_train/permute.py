@@ -97,6 +97,9 @@ def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
 
 
 class _RoutingTopk(torch.autograd.Function):
+    """topk_from_routing_map's autograd: the ids are a selection (not differentiable), the weights a gather of
+    probs, so their gradient scatters back to the selected entries."""
+
     @staticmethod
     def forward(ctx, routing_map: torch.Tensor, probs: torch.Tensor, num_topk: int):
         n, num_experts = routing_map.shape
@@ -109,7 +112,8 @@ class _RoutingTopk(torch.autograd.Function):
                 _native().routing_topk(rmap.data_ptr(), p.data_ptr(), n, num_experts, num_topk, idx.data_ptr(),
                                        w.data_ptr(), torch.cuda.current_stream(rmap.device).cuda_stream)
         else:
-            order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :num_topk]
+            order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices
+            order = order[:, :num_topk]
             selected = routing_map.gather(1, order)
             idx = torch.where(selected, order, -1).to(torch.int64).contiguous()
             w = torch.where(selected, probs.gather(1, order), 0).float().contiguous()
