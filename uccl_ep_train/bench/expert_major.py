@@ -22,14 +22,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import add_layer_shape_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench expert-major", description=__doc__.split("\n")[0])
     p.add_argument("--num-processes", type=int, default=None, help="default: visible GPUs")
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--num-topk", type=int, default=8)
+    add_layer_shape_args(p)
     p.add_argument("--sms", default="20,32", help="comma-separated SM counts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)

@@ -21,14 +21,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from . import add_layer_shape_args
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench megatron", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=None, help="default: visible GPUs, or 2 on CPU")
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--num-topk", type=int, default=8)
+    add_layer_shape_args(p)
     p.add_argument("--dispatchers", default="uccl,alltoall,flex")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
