@@ -31,6 +31,7 @@ from . import settings
 _BUFFER_DEFAULT_SMS = Buffer.num_sms  # DeepEP's class default (20), before anyone calls set_num_sms
 _buffers: dict[int, Buffer] = {}
 _retired: list[Buffer] = []  # outgrown Buffers: earlier layers' backward may still use their handles
+_fits: set[tuple[int, int, int]] = set()  # (group id, hidden bytes, Buffer.num_sms) the group's Buffer holds
 
 
 def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buffer:
@@ -38,17 +39,21 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
 
     An outgrown Buffer is kept (not destroyed) until `destroy_buffers()`: autograd graphs of earlier layers
     hold handles made by it and run their backward through it."""
+    key = id(group)
+    fit = (key, hidden_bytes, Buffer.num_sms)
+    buf = _buffers.get(key)
+    if buf is not None and fit in _fits:
+        return buf  # every call after a layer's first: no size arithmetic on the host's critical path
     num_ranks = group.size()
     need = max(Config(Buffer.num_sms, 6, 256).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
-    key = id(group)
-    buf = _buffers.get(key)
     if buf is None or buf.num_nvl_bytes < need:
         if buf is not None:
             _retired.append(buf)
         buf = Buffer(group, need, 0, explicitly_destroy=True)
         _buffers[key] = buf
+    _fits.add(fit)  # (a replacement Buffer is larger: what fitted before still fits)
     return buf
 
 
@@ -58,6 +63,7 @@ def destroy_buffers() -> None:
         buf.destroy()
     _buffers.clear()
     _retired.clear()
+    _fits.clear()
 
 
 def check_config(config: TransformerConfig) -> None:

@@ -139,6 +139,8 @@ def _check_all(rank, world, device):
             num_recv = int(rh.rank_prefix_matrix[-1, rank])  # valid rows (num_recv_tokens counts padding)
             _same(nh.rank_prefix_matrix, rh.rank_prefix_matrix, f"{tag}: rank_prefix_matrix")
             _same(nh.send_head, rh.send_head, f"{tag}: send_head")
+            _same(nh.channel_prefix_matrix, rh.channel_prefix_matrix, f"{tag}: channel_prefix_matrix")
+            _same(nh.recv_channel_prefix_matrix, rh.recv_channel_prefix_matrix, f"{tag}: recv_channel_prefix_matrix")
             _same(nh.recv_src_idx[:num_recv], rh.recv_src_idx[:num_recv], f"{tag}: recv_src_idx")
             rx, nx = (r_[3], n_[3]) if fp8 else ((r_[3], None), (n_[3], None))
             rcx, ncx = (r_[8], n_[8]) if fp8 else ((r_[8], None), (n_[8], None))

@@ -97,6 +97,36 @@ def test_native_kernels_match_torch_path(dtype, n, k, experts, hidden):
     assert torch.all(permute.reduce_rows(torch.empty(0, hidden, dtype=dtype, device="cuda"), none, 3) == 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("experts", [0, 1, 5])
+def test_native_map_writes_every_slot(experts):
+    """The map kernel fills no output first: ids of other ranks' experts (>= experts, < 0) and repeated ids
+    must come out -1 even where the allocator hands back memory full of stale values."""
+    if permute._native() is None:
+        pytest.skip("native module built without the permutation kernels")
+    g = torch.Generator().manual_seed(experts)
+    idx = torch.randint(-1, 2 * experts + 2, (200, 6), generator=g)
+    if experts:
+        idx[0, :] = torch.tensor([0, 0, -1, 2 * experts + 1, 0, 0])  # a repeated id
+    first = [sorted({int(v) for v in row if 0 <= v < experts}) for row in idx]
+    counts = [sum(e in row for row in first) for e in range(experts)]
+    dedup = idx.clone()
+    for i in range(idx.size(0)):  # the CPU oracle's input: a repeated id keeps its first slot only
+        seen = set()
+        for j in range(idx.size(1)):
+            v = int(idx[i, j])
+            if v in seen:
+                dedup[i, j] = -1
+            seen.add(v)
+    want = permute.expert_major_map(dedup, counts)
+    idx_gpu = idx.cuda()
+    stale = torch.full((4096,), 12345, dtype=torch.int32, device="cuda")
+    del stale  # the map's output is carved from this small-pool block again
+    got = permute.expert_major_map(idx_gpu, counts)
+    assert torch.equal(got.cpu(), want)
+
+
 def test_counts_must_be_exact_and_zero_row_inputs_reduce_to_zeros():
     idx, counts = _routing(16, 3, 4, seed=3)
     with pytest.raises(ValueError, match="tokens_per_expert"):

@@ -3,12 +3,21 @@
 On CUDA an EventHandle is a CUDA event recorded on a stream. On CPU (gloo) the reference backend
 completes its work before returning, so the handle is already complete; the same calls work on both, so
 code written for GPUs (async_finish, previous_event, `with event:`) runs unchanged on CPU ranks.
+Also the raw handle of a device's current stream, the form our kernels take.
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
 import torch
+
+
+def current_raw_stream(device_index: Optional[int] = None) -> int:
+    """The handle of the current stream of a device (default: the current one), as the kernels take it:
+    without building a torch.cuda.Stream object, which costs more host time than a kernel launch."""
+    index = torch.cuda.current_device() if device_index is None else device_index
+    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 class EventHandle:

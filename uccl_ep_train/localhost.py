@@ -1,11 +1,35 @@
 """Loopback rendezvous for the ranks our commands spawn themselves (train, bench): never another host."""
 from __future__ import annotations
 
+import random
 import socket
+
+_FALLBACK_EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here
+_LOWEST_PORT = 10000  # candidates start here (well above the well-known and registered services we might meet)
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return _FALLBACK_EPHEMERAL_LOW
 
 
 def free_loopback_port() -> int:
-    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
+    """A TCP port free on 127.0.0.1 right now. Preferably below the ephemeral range: between this check and
+    rank 0's listen, the OS may hand an ephemeral port to some outgoing connection (EADDRINUSE), never one of
+    these. Falls back to a port the OS picks."""
+    low = _ephemeral_low()
+    candidates = range(_LOWEST_PORT, low)
+    candidates = random.SystemRandom().sample(candidates, min(32, len(candidates)))
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

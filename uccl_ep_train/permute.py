@@ -20,16 +20,20 @@ the same values, so CPU tests check the semantics the GPU kernels implement.
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Sequence
 
 import torch
 
+from .events import current_raw_stream
+
 _DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
+@functools.lru_cache(maxsize=None)
 def _native():
-    """The native module when it carries the permutation kernels, else None."""
+    """The native module when it carries the permutation kernels, else None (looked up once)."""
     try:
         from . import _native as m  # noqa: PLC0415 (optional extension)
     except ImportError:
@@ -39,6 +43,17 @@ def _native():
 
 def _use_native(t: torch.Tensor) -> bool:
     return t.is_cuda and _native() is not None
+
+
+def _launch(t: torch.Tensor, kernel, *args) -> None:
+    """kernel(*args, stream) on the current stream of t's device; the device guard only when another
+    device is current (entering it costs host time on every call)."""
+    index = t.device.index
+    if torch.cuda.current_device() == index:
+        kernel(*args, current_raw_stream(index))
+    else:
+        with torch.cuda.device(index):
+            kernel(*args, current_raw_stream(index))
 
 
 def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | torch.Tensor) -> torch.Tensor:
@@ -59,12 +74,11 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
         counts = torch.as_tensor(tokens_per_expert, dtype=torch.int32)
         counts = (counts.pin_memory() if not counts.is_cuda else counts).to(topk_idx.device, non_blocking=True)
         idx = topk_idx.to(torch.int64).contiguous()
-        dst = torch.full(idx.shape, -1, dtype=torch.int32, device=idx.device)
+        dst = torch.empty(idx.shape, dtype=torch.int32, device=idx.device)  # the kernel writes every slot
         if idx.numel() == 0:
             return dst
-        with torch.cuda.device(idx.device):
-            _native().expert_major_map(idx.data_ptr(), idx.size(0), idx.size(1), counts.numel(), counts.data_ptr(),
-                                       dst.data_ptr(), torch.cuda.current_stream(idx.device).cuda_stream)
+        _launch(idx, _native().expert_major_map, idx.data_ptr(), idx.size(0), idx.size(1), counts.numel(),
+                counts.data_ptr(), dst.data_ptr())
         return dst
     counts = torch.as_tensor(tokens_per_expert, dtype=torch.int64).to(topk_idx.device, non_blocking=True)
     num_experts = counts.numel()
@@ -108,9 +122,8 @@ class _RoutingTopk(torch.autograd.Function):
             p = probs.to(torch.float32).contiguous()
             idx = torch.empty((n, num_topk), dtype=torch.int64, device=rmap.device)
             w = torch.empty((n, num_topk), dtype=torch.float32, device=rmap.device)
-            with torch.cuda.device(rmap.device):
-                _native().routing_topk(rmap.data_ptr(), p.data_ptr(), n, num_experts, num_topk, idx.data_ptr(),
-                                       w.data_ptr(), torch.cuda.current_stream(rmap.device).cuda_stream)
+            _launch(rmap, _native().routing_topk, rmap.data_ptr(), p.data_ptr(), n, num_experts, num_topk,
+                    idx.data_ptr(), w.data_ptr())
         else:
             order = torch.sort(routing_map.to(torch.int8), dim=1, descending=True, stable=True).indices
             order = order[:, :num_topk]
@@ -135,10 +148,8 @@ def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
     out = x.new_empty((num_out,) + tuple(x.shape[1:]))  # every row is named (exact counts: see the map)
     if _use_native(x):
         x = x.contiguous()
-        with torch.cuda.device(x.device):
-            _native().expand_rows(x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
-                                  _row_elems(x) * x.element_size(), num_out,
-                                  torch.cuda.current_stream(x.device).cuda_stream)
+        _launch(x, _native().expand_rows, x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
+                _row_elems(x) * x.element_size(), num_out)
         return out
     flat = dst.reshape(-1).long()
     keep = flat >= 0
@@ -155,10 +166,8 @@ def _reduce(y: torch.Tensor, dst: torch.Tensor, num_rows: int) -> torch.Tensor:
     if _use_native(y) and y.dtype in _DTYPES:
         y = y.contiguous()
         out = y.new_empty((num_rows,) + tuple(y.shape[1:]))
-        with torch.cuda.device(y.device):
-            _native().reduce_rows(y.data_ptr(), dst.data_ptr(), out.data_ptr(), num_rows, dst.size(1),
-                                  _row_elems(y), y.size(0), _DTYPES[y.dtype],
-                                  torch.cuda.current_stream(y.device).cuda_stream)
+        _launch(y, _native().reduce_rows, y.data_ptr(), dst.data_ptr(), out.data_ptr(), num_rows, dst.size(1),
+                _row_elems(y), y.size(0), _DTYPES[y.dtype])
         return out
     acc = torch.promote_types(y.dtype, torch.float32) if y.is_floating_point() else y.dtype
     out = torch.zeros((num_rows,) + tuple(y.shape[1:]), dtype=acc, device=y.device)

@@ -63,6 +63,7 @@
 #define gpuMalloc hipMalloc
 #define gpuFree hipFree
 #define gpuMemset hipMemset
+#define gpuMemsetAsync hipMemsetAsync
 #define gpuIpcGetMemHandle hipIpcGetMemHandle
 #define gpuIpcOpenMemHandle hipIpcOpenMemHandle
 #define gpuIpcCloseMemHandle hipIpcCloseMemHandle
@@ -104,6 +105,7 @@
 #define gpuMalloc cudaMalloc
 #define gpuFree cudaFree
 #define gpuMemset cudaMemset
+#define gpuMemsetAsync cudaMemsetAsync
 #define gpuIpcGetMemHandle cudaIpcGetMemHandle
 #define gpuIpcOpenMemHandle cudaIpcOpenMemHandle
 #define gpuIpcCloseMemHandle cudaIpcCloseMemHandle

@@ -24,7 +24,7 @@ void register_permute(py::module_& m) {
       },
       py::arg("topk_idx"), py::arg("num_rows"), py::arg("num_topk"), py::arg("num_experts"), py::arg("counts"),
       py::arg("dst"), py::arg("stream"),
-      "dst[i, j]: expert-major row of row i's slot j (int64 local expert ids, int32 counts; dst pre-filled -1)");
+      "dst[i, j]: expert-major row of row i's slot j (int64 local expert ids, int32 counts; every slot written)");
   m.def(
       "expand_rows",
       [](uintptr_t x, uintptr_t dst, uintptr_t out, int64_t num_rows, int num_topk, int64_t row_bytes,

@@ -166,8 +166,13 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   if (tid < R * R) s_counts[tid / R][tid % R] = slots[(int64_t)(tid / R) * kCountsSlotInts + tid % R];
   __syncthreads();
   if (tid < R) {
+    // DeepEP's handle matrices for one channel per rank pair, after the expert-major bases: rows sent to
+    // rank tid (channel_prefix_matrix), where source tid's rows start here (recv_channel_prefix_matrix)
+    int* channels = a.info + R * R + epr + R * epr;
+    channels[tid] = a.per_rank[tid];
     int acc = 0;
     for (int s = 0; s < R; ++s) {
+      if (tid == me) channels[R + s] = acc;
       acc += s_counts[s][tid];
       a.info[s * R + tid] = acc;
     }

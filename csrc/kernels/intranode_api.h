@@ -51,9 +51,10 @@ class IntranodeBuffer {
                        int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
 
   // Counts exchange. Writes send_pos [N, R] int32 (row of token t among rows sent to r, -1 if none) and
-  // info int32 [R*R + epr + R*epr] (epr = experts per rank): the rank prefix matrix, this rank's
-  // per-local-expert counts, then the expert-major base row of each (source rank, local expert) block
-  // (experts in order, within an expert source ranks in order: the order the alltoall dispatcher uses).
+  // info int32 [R*R + epr + R*epr + 2R] (epr = experts per rank): the rank prefix matrix, this rank's
+  // per-local-expert counts, the expert-major base row of each (source rank, local expert) block
+  // (experts in order, within an expert source ranks in order: the order the alltoall dispatcher uses),
+  // then the handle's one-channel matrices: rows sent to each rank, first row of each source rank here.
   void notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
               int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info, int num_worst_tokens,
               int64_t stream);

@@ -126,7 +126,8 @@ constexpr int kMapThreads = 1024;
 
 // One block per local expert: the block walks the rows in order, and each row that selected the expert
 // takes the next position (warp ballots + a block-wide prefix over warp totals), offset by the rows of
-// all earlier experts. Slots of other ranks' experts are left as the caller filled them (-1).
+// all earlier experts. Every slot is written once, so the output needs no fill: a repeated id of a row
+// gets -1 from its expert's block, ids outside [0, num_experts) (other ranks' experts, -1) from block 0.
 __global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int64_t* topk_idx, int64_t num_rows,
                                                                        int num_topk, const int* counts, int* dst) {
   constexpr int kWarps = kMapThreads / UCCL_WARP_SIZE;
@@ -144,8 +145,17 @@ __global__ void __launch_bounds__(kMapThreads) expert_major_map_kernel(const int
     const int64_t row = chunk + threadIdx.x;
     int slot = -1;
     if (row < num_rows)
-      for (int j = 0; j < num_topk; ++j)
-        if (slot < 0 && topk_idx[row * num_topk + j] == e) slot = j;  // ids of a row are distinct
+      for (int j = 0; j < num_topk; ++j) {
+        const int64_t id = topk_idx[row * num_topk + j];
+        if (id == e) {
+          if (slot < 0)
+            slot = j;
+          else
+            dst[row * num_topk + j] = -1;  // a repeated id: the row already has this expert's position
+        } else if (e == 0 && (id < 0 || id >= (int64_t)gridDim.x)) {
+          dst[row * num_topk + j] = -1;
+        }
+      }
 #if defined(UCCL_EP_WITH_HIP)
     const uint64_t hits = __ballot(slot >= 0);
     const int before = __popcll(hits & ((1ull << lane) - 1ull));
@@ -250,7 +260,11 @@ void launch_expert_major_map(const int64_t* topk_idx, int64_t num_rows, int num_
                              const int* counts, int* dst, gpuStream_t stream) {
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "num_topk " << num_topk << " out of [1, " << kMaxTopk << "]");
   UCCL_CHECK(num_experts >= 0, "num_experts " << num_experts);
-  if (num_rows == 0 || num_experts == 0) return;
+  if (num_rows == 0) return;
+  if (num_experts == 0) {  // no expert here: every slot is -1 (all bits set)
+    UCCL_CHECK_GPU(gpuMemsetAsync(dst, 0xff, (size_t)num_rows * num_topk * sizeof(int), stream));
+    return;
+  }
   expert_major_map_kernel<<<num_experts, kMapThreads, 0, stream>>>(topk_idx, num_rows, num_topk, counts, dst);
   UCCL_CHECK_GPU(gpuGetLastError());
 }

@@ -17,8 +17,9 @@ namespace uccl_ep::permute {
 enum Dtype : int { kBf16 = 0, kFp16 = 1, kFp32 = 2 };
 
 // dst[i, j] for every received row i and top-k slot j: rows of expert e start at the sum of counts[0..e)
-// and keep row order (the ids of a row are distinct; should one repeat, its first slot is mapped); slots naming no local expert (< 0 or >= num_experts) get -1. counts: int32 device
-// array of num_experts (rows per local expert, as the dispatch returned them).
+// and keep row order (the ids of a row are distinct; should one repeat, its first slot is mapped, the others
+// get -1); slots naming no local expert (< 0 or >= num_experts) get -1. Every slot is written (dst needs no
+// fill). counts: int32 device array of num_experts (rows per local expert, as the dispatch returned them).
 void launch_expert_major_map(const int64_t* topk_idx, int64_t num_rows, int num_topk, int num_experts,
                              const int* counts, int* dst, gpuStream_t stream);
 // Copies row i of `x` (row_bytes each) to every destination row of `out` (num_out rows) that dst names.

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from .. import permute
 from ..config import Config, env_number
-from ..handles import IntranodeHandle, one_channel_matrices
+from ..events import current_raw_stream
+from ..handles import IntranodeHandle
 from .base import Backend
 
 log = logging.getLogger("uccl_ep_train")
@@ -122,8 +123,10 @@ class NativeBackend(Backend):
             raise NotImplementedError(f"native backend: ranks span several hosts ({sorted(set(hosts))}); "
                                       "only the intranode (one NVLink domain) path is implemented")
         self._timeout = _timeout_s()
+        self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
+        self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
         self._failed: Optional[str] = None
         self._buf = None
         self._open(max(int(num_nvl_bytes), self._min_bytes()))
@@ -194,7 +197,7 @@ class NativeBackend(Backend):
 
     @staticmethod
     def _stream() -> int:
-        return torch.cuda.current_stream().cuda_stream
+        return current_raw_stream()
 
     def _push_warps(self, var: str, default: int) -> int:
         """Warps per block that push (the others copy out / reduce from the start); env overrides."""
@@ -206,18 +209,17 @@ class NativeBackend(Backend):
             raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
         return max(1, min(n, total))
 
-    @staticmethod
-    def _num_sms(config: Optional[Config]) -> int:
+    def _num_sms(self, config: Optional[Config]) -> int:
         n = int(getattr(config, "num_sms", 0) or 24)
-        return max(1, min(n, torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count))
+        return max(1, min(n, self._device_sms))
 
     # ---- layout --------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         self._check()
         topk_idx = topk_idx.to(torch.int64).contiguous()
         n, k = topk_idx.shape
-        per_rank = torch.zeros(self.num_ranks, dtype=torch.int32, device=topk_idx.device)
-        per_expert = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
+        per_rank, per_expert = counts[: self.num_ranks], counts[self.num_ranks:]
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
         self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
                                   in_rank.data_ptr(), self._stream())
@@ -243,13 +245,14 @@ class NativeBackend(Backend):
         num_experts = per_expert.numel()
         epr = num_experts // R
         send_pos = torch.empty((n, R), dtype=torch.int32, device=dev)
-        # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr]
-        info = torch.empty(R * R + epr + R * epr, dtype=torch.int32, device=dev)
+        # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr], and the handle's
+        # one-channel matrices [R] + [R] (notify writes them all: no further launches before the host sync)
+        o = R * R + epr + R * epr
+        info = torch.empty(o + 2 * R, dtype=torch.int32, device=dev)
         self._buf.notify(per_rank.data_ptr(), per_expert.data_ptr(), is_token_in_rank.data_ptr(), n, num_experts,
                          send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), self._stream())
-        # the handle's channel matrices are queued behind notify before the host waits for its counts
         c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr,
-                    one_channel_matrices(info[: R * R].view(R, R), per_rank, me))
+                    (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
             c.out_rows = int(num_worst_tokens)
             # Assumes every rank passes the same num_worst_tokens and token count (the kernels check the
@@ -259,9 +262,10 @@ class NativeBackend(Backend):
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(R * R + epr)
         counts.copy_(info[: R * R + epr], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        copied.synchronize()
+        if self._copied is None:
+            self._copied = torch.cuda.Event()  # one per backend, re-recorded per call (awaited right away)
+        self._copied.record()
+        self._copied.synchronize()
         host = counts.tolist()
         self._check()
         last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
@@ -411,8 +415,8 @@ class NativeBackend(Backend):
         if zeros is None:
             zeros = self._zero_counts[key] = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
         n, k = topk_idx.shape
-        pos = torch.full((max(n, 1), k), -1, dtype=torch.int32, device=topk_idx.device)  # never pointer-less
-        if n:
+        pos = torch.empty((max(n, 1), k), dtype=torch.int32, device=topk_idx.device)  # never pointer-less
+        if n:  # (the kernel writes every slot, -1 where there is no expert)
             self._native.expert_major_map(topk_idx.data_ptr(), n, k, num_experts, zeros.data_ptr(), pos.data_ptr(),
                                           self._stream())
         return pos

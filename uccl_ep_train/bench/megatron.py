@@ -2,8 +2,9 @@
 
 dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> identity experts (y = x * prob) ->
 combine_preprocess -> token_combine -> combine_postprocess, forward + backward, for the `uccl`, `alltoall`
-and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-ep-train deep-ep-path`)
-dispatchers, with the same routing. Default shape: DeepSeek-V3 layer (4096 tokens/rank, hidden 7168,
+and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-ep-train deep-ep-path`;
+`flex-hybridep` / `flex-ncclep` pick Megatron's other flex backends when their packages import) dispatchers,
+with the same routing and, with `--num-sms`, the same SM count. Default shape: DeepSeek-V3 layer (4096 tokens/rank, hidden 7168,
 256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
 max over ranks, and the identity experts' own fwd+bwd time on the same rows (timed alone) so the
 dispatcher's share can be read off; JSON records with `--json PATH`.
@@ -28,31 +29,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench megatron", description=__doc__.split("\n")[0])
     p.add_argument("--ranks", type=int, default=None, help="default: visible GPUs, or 2 on CPU")
     add_layer_shape_args(p)
-    p.add_argument("--dispatchers", default="uccl,alltoall,flex")
+    p.add_argument("--dispatchers", default="uccl,alltoall,flex",
+                   help="comma-separated: uccl, alltoall, flex (= flex-deepep), flex-hybridep, flex-ncclep")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--num-sms", type=int, default=None,
-                   help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the dispatcher's, 32)")
+                   help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the dispatcher's, 32) and of the flex "
+                        "backends (moe_flex_dispatcher_num_sms; default: each backend's own)")
     p.add_argument("--json", default=None)
     p.add_argument("--profile", action="store_true",
                    help="after timing, profile 3 round trips per dispatcher on rank 0 and print where the time goes")
-    p.add_argument("--trace", default=None, help="with --profile: write rank 0's Chrome trace to TRACE.<dispatcher>.json")
+    p.add_argument("--trace", default=None, help="with --profile: write each rank's Chrome trace to TRACE.<dispatcher>.rank<r>.json")
     p.add_argument("--breakdown", action="store_true",
                    help="GPUs: also time each phase of the round trip (CUDA events between phases, and the host's "
                         "time to issue each phase; max over ranks)")
     return p
 
 
-def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world: int, dtype):
+def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world: int, dtype,
+                     num_sms: Optional[int]):
     from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_patch.dispatcher import UCCLTokenDispatcher
 
+    kind, _, flex_backend = kind.partition("-")
+    if flex_backend and kind != "flex":
+        raise ValueError(f"--dispatchers: only flex takes a backend suffix, got {kind}-{flex_backend}")
     cfg = TransformerConfig(num_layers=1, hidden_size=hidden, num_attention_heads=8, num_moe_experts=num_experts,
                             moe_router_topk=topk, moe_token_dispatcher_type=kind,
-                            moe_flex_dispatcher_backend="deepep", expert_model_parallel_size=world,
+                            moe_flex_dispatcher_backend=flex_backend or "deepep", moe_flex_dispatcher_num_sms=num_sms,
+                            expert_model_parallel_size=world,
                             moe_router_dtype="fp32", bf16=dtype == torch.bfloat16, params_dtype=dtype,
                             add_bias_linear=False, use_cpu_initialization=True)
     pg = get_default_pg_collection()
@@ -117,7 +125,8 @@ def _time_experts(rows: int, hidden: int, dtype, device, warmup: int, iters: int
 
 def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool,
              trace: Optional[str] = None) -> None:
-    """Three round trips under torch.profiler; rank 0 prints the top operators by device (or CPU) time."""
+    """Three round trips under torch.profiler; rank 0 prints the top operators by device (or CPU) time, and
+    with `trace` every rank writes its Chrome trace."""
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -126,12 +135,13 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
             round_trip(disp, x.clone().requires_grad_(True), routing_map, probs_full.clone().requires_grad_(True), grad)
         if cuda:
             torch.cuda.synchronize()
+    if trace:  # every rank's: the ranks' timelines side by side show who waits for whom
+        prof.export_chrome_trace(f"{trace}.{kind}.rank{rank}.json")
     if rank == 0:
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"[megatron] profile of {kind} (3 round trips, rank 0):", flush=True)
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
-        if trace:
-            prof.export_chrome_trace(f"{trace}.{kind}.json")
+
 
 
 def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
@@ -163,7 +173,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     records = []
     for kind in [k for k in args.dispatchers.split(",") if k]:
         try:
-            disp = _make_dispatcher(kind, E, K, H, world, dtype)
+            disp = _make_dispatcher(kind, E, K, H, world, dtype, args.num_sms)
         except (ImportError, ValueError, AssertionError) as exc:
             if rank == 0:
                 print(f"[megatron] {kind}: skipped ({exc})", flush=True)
@@ -208,6 +218,8 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3}
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
+        elif kind.startswith("flex"):
+            rec["sms"] = args.num_sms  # moe_flex_dispatcher_num_sms (None: the backend's own default)
         if cuda and args.breakdown:
             phases = torch.tensor([phase_ms, host_ms], dtype=torch.float64, device=device)
             dist.all_reduce(phases, op=dist.ReduceOp.MAX)
