@@ -56,3 +56,11 @@ def test_fuse_decision(monkeypatch):
     monkeypatch.setenv("UCCL_EP_FUSE_MAX_WIDTH", "wide")
     with pytest.raises(ValueError, match="UCCL_EP_FUSE_MAX_WIDTH"):
         fuse(_Sms(8), 8.0, 8, dispatch=False, config=None)
+
+
+def test_combine_push_warps_follow_the_sm_count():
+    """Fewer combine push warps per block as blocks grow (bench intranode push-warp sweep); bounds inclusive."""
+    from uccl_ep_train.backends import native
+
+    assert [native._by_sms(native._COMBINE_PUSH_WARPS, n) for n in (8, 16, 17, 24, 25, 32, 132)] == \
+        [8, 8, 6, 6, 4, 4, 4]

@@ -41,9 +41,14 @@ log = logging.getLogger("uccl_ep_train")
 
 _GROW_STEP = 64 << 20  # grown buffers are rounded up to this
 # Of the 16 warps of a block, how many push; the others copy landed rows out (dispatch) or reduce landed
-# rows (combine) while the pushes go on, and push warps join them when done (benchmark-tuned defaults).
+# rows (combine) while the pushes go on, and push warps join them when done. For the combine, the more
+# blocks, the fewer push warps keep NVLink busy: (up to this many SMs, push warps). `bench intranode --sms
+# 16,24,32 --push-warps 2,3,4,6,8,12`, 2xH200, DeepSeek-V3 shape, combine kernel us: 280/223/226 at
+# 16/24/32 SMs with 8/6/4 push warps, 280/271/244 with 8 (confirmed twice: 283-291/219-224/224-229). The
+# dispatch keeps 12: 8 was within the runs' ~10% spread for BF16 and slower for FP8 at 16-24 SMs (153 vs
+# 135 us at 24). benchmarks/results/intranode_2xH200_push_warps.json.
 _DISPATCH_PUSH_WARPS = 12
-_COMBINE_PUSH_WARPS = 8
+_COMBINE_PUSH_WARPS = ((16, 8), (24, 6), (1 << 30, 4))
 # Fold mode: every warp folds and pushes first (the fold's reads, not the reduce, bound it; 2xH200, 32 SMs,
 # fused fold+combine: 731 us with 8 push warps, 581 with 12, 517 with 16)
 _FOLD_PUSH_WARPS = 16
@@ -473,14 +478,15 @@ class NativeBackend(Backend):
         self._ensure(st.max_send_rows, hidden * x.element_size(), 0, num_topk, False)
         biases = [None if b is None else _aligned(b.to(x.dtype)) for b in biases]
         n = handle.num_tokens
+        num_sms = self._num_sms(config)
+        push_warps = _FOLD_PUSH_WARPS if fold_map is not None else _by_sms(_COMBINE_PUSH_WARPS, num_sms)
         out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         out_w = None if topk_weights is None else torch.empty((n, num_topk), dtype=torch.float32, device=x.device)
         self._buf.combine(x.data_ptr(), _COMBINE_DTYPES[x.dtype], hidden, _ptr(topk_weights), topk_weights is not None,
                           num_topk, n, handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(),
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), _ptr(fold_map),
-                          0 if fold_map is None else fold_map.size(1), x.size(0), self._num_sms(config),
-                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS",
-                                           _COMBINE_PUSH_WARPS if fold_map is None else _FOLD_PUSH_WARPS),
+                          0 if fold_map is None else fold_map.size(1), x.size(0), num_sms,
+                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", push_warps),
                           _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w
 
@@ -528,6 +534,11 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
     for i in range(k):  # C(E - epr, k) / C(E, k) as a product
         p_none *= max(num_experts - epr - i, 0) / (num_experts - i)
     return (k / num_ranks) / max(1.0 - p_none, 1e-9)
+
+
+def _by_sms(table: tuple, num_sms: int) -> int:
+    """The setting of the first (up to this many SMs, setting) row of `table` that covers num_sms."""
+    return next(value for max_sms, value in table if num_sms <= max_sms)
 
 
 def _env_int(var: str, default: int) -> int:
