@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import socket
 
+import pytest
+
 from uccl_ep_train import localhost
 
 
@@ -24,3 +26,20 @@ def test_busy_candidates_are_skipped(monkeypatch):
         monkeypatch.setattr(localhost, "_LOWEST_PORT", busy)
         monkeypatch.setattr(localhost, "_ephemeral_low", lambda: busy + 1)  # the only candidate is busy
         assert localhost.free_loopback_port() != busy  # so the OS picks one
+
+
+def test_a_listener_on_another_loopback_address_blocks_the_port(monkeypatch):
+    """A port held on [::1] only (127.0.0.1 is free) is still busy for a store listening on the wildcard."""
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    with s:
+        s.listen()
+        busy = s.getsockname()[1]
+        assert not localhost._unbound(busy)
+        monkeypatch.setattr(localhost, "_LOWEST_PORT", busy)
+        monkeypatch.setattr(localhost, "_ephemeral_low", lambda: busy + 1)
+        assert localhost.free_loopback_port() != busy
+

@@ -101,8 +101,8 @@ def test_native_kernels_match_torch_path(dtype, n, k, experts, hidden):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("experts", [0, 1, 5])
 def test_native_map_writes_every_slot(experts):
-    """The map kernel fills no output first: ids of other ranks' experts (>= experts, < 0) and repeated ids
-    must come out -1 even where the allocator hands back memory full of stale values."""
+    """The map kernel's output needs no fill: ids of other ranks' experts (>= experts, < 0) and repeated ids
+    come out -1 over memory full of stale values."""
     if permute._native() is None:
         pytest.skip("native module built without the permutation kernels")
     g = torch.Generator().manual_seed(experts)
@@ -121,10 +121,12 @@ def test_native_map_writes_every_slot(experts):
             seen.add(v)
     want = permute.expert_major_map(dedup, counts)
     idx_gpu = idx.cuda()
-    stale = torch.full((4096,), 12345, dtype=torch.int32, device="cuda")
-    del stale  # the map's output is carved from this small-pool block again
-    got = permute.expert_major_map(idx_gpu, counts)
+    counts_gpu = torch.tensor(counts or [0], dtype=torch.int32, device="cuda")
+    got = torch.full(idx.shape, 12345, dtype=torch.int32, device="cuda")  # stale values to be overwritten
+    permute._native().expert_major_map(idx_gpu.data_ptr(), idx.size(0), idx.size(1), experts, counts_gpu.data_ptr(),
+                                       got.data_ptr(), torch.cuda.current_stream().cuda_stream)
     assert torch.equal(got.cpu(), want)
+    assert torch.equal(permute.expert_major_map(idx_gpu, counts).cpu(), want)  # the public entry point
 
 
 def test_counts_must_be_exact_and_zero_row_inputs_reduce_to_zeros():

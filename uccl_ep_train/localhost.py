@@ -22,17 +22,30 @@ def free_loopback_port() -> int:
     these. Falls back to a port the OS picks."""
     low = _ephemeral_low()
     candidates = range(_LOWEST_PORT, low)
-    candidates = random.SystemRandom().sample(candidates, min(32, len(candidates)))
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    for port in random.SystemRandom().sample(candidates, min(32, len(candidates))):
+        if _unbound(port):
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _unbound(port: int) -> bool:
+    """No socket of any address holds `port`: torch's TCPStore listens on the wildcard address, which a
+    listener on another address (e.g. [::1]) blocks, so a bind on 127.0.0.1 alone is not enough. A
+    dual-stack wildcard bind conflicts with every IPv4 and IPv6 binding of the port (it sends nothing)."""
+    try:
+        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        addr = ("::", port)
+    except OSError:  # no IPv6 on this host: the IPv4 wildcard
+        s, addr = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
+    with s:
+        try:
+            s.bind(addr)
+        except OSError:
+            return False
+    return True
 
 
 def loopback_init_method() -> str:

@@ -44,7 +44,7 @@ _GROW_STEP = 64 << 20  # grown buffers are rounded up to this
 # rows (combine) while the pushes go on, and push warps join them when done. For the combine, the more
 # blocks, the fewer push warps keep NVLink busy: (up to this many SMs, push warps). `bench intranode --sms
 # 16,24,32 --push-warps 2,3,4,6,8,12`, 2xH200, DeepSeek-V3 shape, combine kernel us: 280/223/226 at
-# 16/24/32 SMs with 8/6/4 push warps, 280/271/244 with 8 (confirmed twice: 283-291/219-224/224-229). The
+# 16/24/32 SMs with 8/6/4 push warps, 280/271-275/244-247 with 8 (confirmed twice: 283-291/219-224/224-229). The
 # dispatch keeps 12: 8 was within the runs' ~10% spread for BF16 and slower for FP8 at 16-24 SMs (153 vs
 # 135 us at 24). benchmarks/results/intranode_2xH200_push_warps.json.
 _DISPATCH_PUSH_WARPS = 12
@@ -506,7 +506,8 @@ class _Counts:
     """What notify (and the host sync after it) tells one dispatch."""
 
     send_pos: torch.Tensor  # [N, R] int32: row of token t among the rows sent to r, -1 if none
-    info: torch.Tensor  # int32: rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr]
+    info: torch.Tensor  # int32: rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases
+    #                     [R*epr], the handle's one-channel matrices [R] + [R]
     per_rank: torch.Tensor
     is_token_in_rank: torch.Tensor
     epr: int

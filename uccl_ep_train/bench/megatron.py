@@ -174,9 +174,11 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     for kind in [k for k in args.dispatchers.split(",") if k]:
         try:
             disp = _make_dispatcher(kind, E, K, H, world, dtype, args.num_sms)
-        except (ImportError, ValueError, AssertionError) as exc:
+        except (ImportError, ValueError, AssertionError, RuntimeError) as exc:
+            if kind == "uccl":  # a peer that cannot start here is skipped; ours must
+                raise
             if rank == 0:
-                print(f"[megatron] {kind}: skipped ({exc})", flush=True)
+                print(f"[megatron] {kind}: skipped ({type(exc).__name__}: {exc})", flush=True)
             continue
         times = []
         phase_ms = [0.0] * len(PHASES)
