@@ -8,6 +8,7 @@
 //   3. signal arrival to every peer, wait for the arrivals of every peer's blocks
 //   4. copy out (dispatch) / reduce (combine) from the own buffer, then signal "free" to every peer.
 // No queues, no atomics on data, deterministic order. Rows for the own rank skip the buffer entirely.
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -654,8 +655,87 @@ struct CombineRow {
   }
 };
 
+#if !defined(UCCL_EP_WITH_HIP)
+// Combine variant 3's push (experimental, sm_90): one thread of push warp w moves each of the warp's rows
+// x -> a shared-memory stage (one bulk load, completion on the stage's mbarrier) -> its slot in the
+// destination's buffer (one bulk store). a.tma_stages stages: kTmaStores stores may still read their stage
+// while the loads of the next stages - kTmaStores rows fly. Row flags are released per kTmaFlagBatch rows,
+// one batch late: when a batch is complete, the previous batch's stores have completed (wait_group), a
+// system-scope release fence orders them (and the weights) before its flags.
+constexpr int kTmaStores = 4, kTmaFlagBatch = 4, kTmaMaxStages = 8;
+
+__device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, const int* s_lo, const int* s_hi,
+                                           const int* s_sendbase, char* stages, int64_t row_bytes, uint32_t seq) {
+  __shared__ alignas(8) uint64_t s_bar[kCombineThreads / kWarpSize][kTmaMaxStages];
+  const int R = a.num_ranks, me = a.rank, K = a.num_topk, S = a.tma_stages, L = S - kTmaStores;
+  const int gw = blockIdx.x * a.push_warps + w, nw = gridDim.x * a.push_warps;
+  const char* x = static_cast<const char*>(a.x);
+  uint64_t* bar = s_bar[w];
+  for (int k = 0; k < S; ++k) mbar_init(&bar[k], 1);
+  // a cursor over this warp's rows: destination s (never this rank: own rows are reduced in place), row i
+  auto seek = [&](int& s, int& i) {
+    while (s < R && (s == me || i >= s_hi[s])) {
+      ++s;
+      if (s < R) i = s_lo[s] + gw;
+    }
+  };
+  int ls = 0, li = s_lo[0] + gw, loaded = 0;
+  seek(ls, li);
+  int ss = ls, si = li, stored = 0;
+  auto load_next = [&]() {
+    const int st = loaded % S;
+    mbar_arrive_expect_tx(&bar[st], (uint32_t)row_bytes);
+    bulk_load(stages + st * row_bytes, x + (int64_t)li * row_bytes, (uint32_t)row_bytes, &bar[st]);
+    ++loaded;
+    li += nw;
+    seek(ls, li);
+  };
+  while (ls < R && loaded < L) load_next();
+  int pend_r[2][kTmaFlagBatch], pend_slot[2][kTmaFlagBatch], npend[2] = {0, 0}, cur = 0;
+  auto release = [&](int b) {
+    for (int j = 0; j < npend[b]; ++j)
+      st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[pend_r[b][j]] + kFlagsOffset) + pend_slot[b][j], seq);
+    npend[b] = 0;
+  };
+  while (ss < R) {
+    const int st = stored % S;
+    if (!mbar_wait(&bar[st], (uint32_t)((stored / S) & 1), a.sig.timeout_cycles, a.sig.err, a.sig.claim, me,
+                   kPhaseCombine, si))
+      break;
+    const int slot = s_sendbase[ss] + (si - s_lo[ss]);
+    char* pdata = a.peers.p[ss] + kHeaderBytes;
+    bulk_store(pdata + a.lay.off_x + (int64_t)slot * row_bytes, stages + st * row_bytes, (uint32_t)row_bytes);
+    bulk_commit();
+    if (a.with_weights) {
+      float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + (int64_t)slot * K;
+      for (int k = 0; k < K; ++k) dw[k] = a.topk_w[(int64_t)si * K + k];
+    }
+    pend_r[cur][npend[cur]] = ss;
+    pend_slot[cur][npend[cur]] = slot;
+    ++stored;
+    si += nw;
+    seek(ss, si);
+    if (++npend[cur] == kTmaFlagBatch) {  // this batch is full: the previous one's stores have completed
+      bulk_wait<kTmaFlagBatch, false>();
+      fence_release_sys();
+      release(cur ^ 1);
+      cur ^= 1;
+    }
+    if (ls < R) {  // the stage of the row stored kTmaStores rows ago is free once that store read it
+      bulk_wait<kTmaStores, true>();
+      load_next();
+    }
+  }
+  bulk_wait<0, false>();  // every store complete (also on a failed wait: the stages must outlive the copies)
+  fence_release_sys();
+  release(cur ^ 1);
+  release(cur);
+}
+#endif
+
 // kMode 1: the reduce loads into registers (CombineRow::fixed / generic); kMode 2: through shared memory
-// with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only).
+// with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only); kMode 3: the
+// push through bulk copies (tma_push_rows, dynamic shared memory of the row stages), the reduce as kMode 1.
 template <typename T, int kVec, int kMode>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
   constexpr int kWarps = kCombineThreads / kWarpSize;
@@ -706,7 +786,17 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
   __syncthreads();
 
-  if (!s_skip && w < push_warps) {
+#if !defined(UCCL_EP_WITH_HIP)
+  if constexpr (kMode == 3) {  // plain combine only (the launcher never picks it in fold mode)
+    if (!s_skip && w < push_warps) {
+      if (lane == 0)
+        tma_push_rows(a, w, s_lo, s_hi, s_sendbase, reinterpret_cast<char*>(s_stage) + (int64_t)w * a.tma_stages * row_bytes,
+                      row_bytes, seq);
+      warp_sync();
+    }
+  }
+#endif
+  if (kMode != 3 && !s_skip && w < push_warps) {
     const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
     for (int s = 0; s < R; ++s) {
       if (s == me && !fold) continue;  // fold mode: own rows are folded into the own buffer like any other
@@ -890,13 +980,32 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
     return;
   }
 #if !defined(UCCL_EP_WITH_HIP)
-  if (a.variant == 2) {
+  if (a.variant == 2 || a.variant == 3) {
     // Per launch (cheap): the attribute belongs to the current device, and devices differ in opt-in
     // shared memory (sm_90: 227 KiB; sm_80: 163 KiB, too small: run variant 1 there).
-    int dev = 0, optin = 0;
+    int dev = 0, optin = 0, major = 0;
     UCCL_CHECK_GPU(gpuGetDevice(&dev));
     UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    if (optin >= kCombineStageBytes) {
+    UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+    const int64_t row_bytes = (int64_t)a.hidden * sizeof(T);
+    if (a.variant == 3 && a.fold_map == nullptr && major >= 9) {
+      // Bulk-copy push (sm_90 TMA): as many push warps as fit with more than kTmaStores stages each; below
+      // that (very wide rows) variant 1.
+      cudaFuncAttributes attr{};
+      UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, combine_kernel<T, kFull, 3>));
+      const int64_t budget = optin - (int64_t)attr.sharedSizeBytes;  // the opt-in limit counts static shared too
+      CombineArgs t = a;
+      t.push_warps = (int)std::min<int64_t>(a.push_warps, budget / ((kTmaStores + 1) * row_bytes));
+      if (t.push_warps >= 1) {
+        t.tma_stages = (int)std::min<int64_t>(kTmaMaxStages, budget / (t.push_warps * row_bytes));
+        const int smem = (int)(t.push_warps * t.tma_stages * row_bytes);
+        UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            smem));
+        combine_kernel<T, kFull, 3><<<num_blocks, kCombineThreads, smem, stream>>>(t);
+        return;
+      }
+    }
+    if (a.variant == 2 && optin >= kCombineStageBytes) {
       UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           kCombineStageBytes));
       combine_kernel<T, kFull, 2><<<num_blocks, kCombineThreads, kCombineStageBytes, stream>>>(a);

@@ -318,11 +318,12 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
   // UCCL_EP_COMBINE_KERNEL: 1 reduce (and fold) through registers, 2 staged through shared memory with
-  // cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433
-  // vs 359 GB/s at 24), 2 in fold mode (each pushed row reads ~k/R expert rows: see intranode.cu).
+  // cp.async (CUDA; HIP runs 1), 3 (experimental) pushes through bulk copies (TMA, sm_90; plain combines,
+  // else 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433 vs 359 GB/s at 24),
+  // 2 in fold mode (each pushed row reads ~k/R expert rows: see intranode.cu).
   const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
   a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 ? 2 : 1);
-  UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
+  UCCL_CHECK(a.variant >= 1 && a.variant <= 3, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1, 2 or 3)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
              "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
