@@ -259,6 +259,14 @@ __device__ __forceinline__ void bulk_wait() {
 #endif
 }
 
+// Orders this thread's earlier shared-memory operations (e.g. mbarrier initialisation) before later
+// async-proxy (bulk copy) accesses of them.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+
 // Release at system scope: the writes this thread saw complete (bulk stores included) reach every observer
 // of its later stores (the row flags) first.
 __device__ __forceinline__ void fence_release_sys() {

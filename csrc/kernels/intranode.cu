@@ -656,23 +656,29 @@ struct CombineRow {
 };
 
 #if !defined(UCCL_EP_WITH_HIP)
-// Combine variant 3's push (experimental, sm_90): one thread of push warp w moves each of the warp's rows
-// x -> a shared-memory stage (one bulk load, completion on the stage's mbarrier) -> its slot in the
-// destination's buffer (one bulk store). a.tma_stages stages: kTmaStores stores may still read their stage
-// while the loads of the next stages - kTmaStores rows fly. Row flags are released per kTmaFlagBatch rows,
-// one batch late: when a batch is complete, the previous batch's stores have completed (wait_group), a
-// system-scope release fence orders them (and the weights) before its flags.
+// Combine variant 3's push (experimental, sm_90), run by push warp w: its lane 0 moves each of the warp's
+// rows x -> a shared-memory stage (one bulk load, completion on the stage's mbarrier) -> the row's slot in
+// the destination's buffer (one bulk store), while the other lanes write the row's top-k weights.
+// a.tma_stages stages: kTmaStores stores may still read their stage while the loads of the next
+// stages - kTmaStores rows fly. Row flags are released per kTmaFlagBatch rows, one batch late: once a batch
+// is complete, the previous batch's stores have completed (wait_group), and every lane's release fence
+// orders them and the weights before its flags.
 constexpr int kTmaStores = 4, kTmaFlagBatch = 4, kTmaMaxStages = 8;
 
-__device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, const int* s_lo, const int* s_hi,
+__device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, int lane, const int* s_lo, const int* s_hi,
                                            const int* s_sendbase, char* stages, int64_t row_bytes, uint32_t seq) {
   __shared__ alignas(8) uint64_t s_bar[kCombineThreads / kWarpSize][kTmaMaxStages];
   const int R = a.num_ranks, me = a.rank, K = a.num_topk, S = a.tma_stages, L = S - kTmaStores;
   const int gw = blockIdx.x * a.push_warps + w, nw = gridDim.x * a.push_warps;
   const char* x = static_cast<const char*>(a.x);
+  const bool leader = lane == 0;
   uint64_t* bar = s_bar[w];
-  for (int k = 0; k < S; ++k) mbar_init(&bar[k], 1);
-  // a cursor over this warp's rows: destination s (never this rank: own rows are reduced in place), row i
+  if (leader) {
+    for (int k = 0; k < S; ++k) mbar_init(&bar[k], 1);
+    fence_proxy_async_shared();
+  }
+  // a cursor over this warp's rows (the same on every lane): destination s (never this rank: own rows are
+  // reduced in place), row i
   auto seek = [&](int& s, int& i) {
     while (s < R && (s == me || i >= s_hi[s])) {
       ++s;
@@ -683,53 +689,79 @@ __device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, const in
   seek(ls, li);
   int ss = ls, si = li, stored = 0;
   auto load_next = [&]() {
-    const int st = loaded % S;
-    mbar_arrive_expect_tx(&bar[st], (uint32_t)row_bytes);
-    bulk_load(stages + st * row_bytes, x + (int64_t)li * row_bytes, (uint32_t)row_bytes, &bar[st]);
+    if (leader) {
+      const int st = loaded % S;
+      mbar_arrive_expect_tx(&bar[st], (uint32_t)row_bytes);
+      bulk_load(stages + st * row_bytes, x + (int64_t)li * row_bytes, (uint32_t)row_bytes, &bar[st]);
+    }
     ++loaded;
     li += nw;
     seek(ls, li);
   };
   while (ls < R && loaded < L) load_next();
-  int pend_r[2][kTmaFlagBatch], pend_slot[2][kTmaFlagBatch], npend[2] = {0, 0}, cur = 0;
-  auto release = [&](int b) {
-    for (int j = 0; j < npend[b]; ++j)
-      st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[pend_r[b][j]] + kFlagsOffset) + pend_slot[b][j], seq);
-    npend[b] = 0;
+  // rows (destination, slot) of the batch being stored and of the previous one (their flags still held);
+  // constant indices only, so they stay in registers
+  int cur_r[kTmaFlagBatch] = {}, cur_slot[kTmaFlagBatch] = {}, prev_r[kTmaFlagBatch] = {}, prev_slot[kTmaFlagBatch] = {};
+  int ncur = 0, nprev = 0;
+  auto release = [&](const int* r, const int* sl, int n) {  // after the leader's wait_group: fence, then flags
+    fence_release_sys();
+    warp_sync();
+#pragma unroll
+    for (int j = 0; j < kTmaFlagBatch; ++j)
+      if (j < n && lane == j)
+        st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[r[j]] + kFlagsOffset) + sl[j], seq);
   };
   while (ss < R) {
     const int st = stored % S;
-    if (!mbar_wait(&bar[st], (uint32_t)((stored / S) & 1), a.sig.timeout_cycles, a.sig.err, a.sig.claim, me,
-                   kPhaseCombine, si))
-      break;
+    int ok = 1;
+    if (leader)
+      ok = mbar_wait(&bar[st], (uint32_t)((stored / S) & 1), a.sig.timeout_cycles, a.sig.err, a.sig.claim, me,
+                     kPhaseCombine, si);
+    if (!warp_shfl(ok, 0)) break;
     const int slot = s_sendbase[ss] + (si - s_lo[ss]);
     char* pdata = a.peers.p[ss] + kHeaderBytes;
-    bulk_store(pdata + a.lay.off_x + (int64_t)slot * row_bytes, stages + st * row_bytes, (uint32_t)row_bytes);
-    bulk_commit();
+    if (leader) {
+      bulk_store(pdata + a.lay.off_x + (int64_t)slot * row_bytes, stages + st * row_bytes, (uint32_t)row_bytes);
+      bulk_commit();
+    }
     if (a.with_weights) {
       float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + (int64_t)slot * K;
-      for (int k = 0; k < K; ++k) dw[k] = a.topk_w[(int64_t)si * K + k];
+      for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)si * K + k];
     }
-    pend_r[cur][npend[cur]] = ss;
-    pend_slot[cur][npend[cur]] = slot;
+#pragma unroll
+    for (int j = 0; j < kTmaFlagBatch; ++j)
+      if (j == ncur) {
+        cur_r[j] = ss;
+        cur_slot[j] = slot;
+      }
     ++stored;
     si += nw;
     seek(ss, si);
-    if (++npend[cur] == kTmaFlagBatch) {  // this batch is full: the previous one's stores have completed
-      bulk_wait<kTmaFlagBatch, false>();
-      fence_release_sys();
-      release(cur ^ 1);
-      cur ^= 1;
+    if (++ncur == kTmaFlagBatch) {  // this batch is full: the previous one's stores have completed
+      if (leader) bulk_wait<kTmaFlagBatch, false>();
+      release(prev_r, prev_slot, nprev);
+#pragma unroll
+      for (int j = 0; j < kTmaFlagBatch; ++j) {
+        prev_r[j] = cur_r[j];
+        prev_slot[j] = cur_slot[j];
+      }
+      nprev = ncur;
+      ncur = 0;
     }
     if (ls < R) {  // the stage of the row stored kTmaStores rows ago is free once that store read it
-      bulk_wait<kTmaStores, true>();
+      if (leader) bulk_wait<kTmaStores, true>();
       load_next();
     }
   }
-  bulk_wait<0, false>();  // every store complete (also on a failed wait: the stages must outlive the copies)
-  fence_release_sys();
-  release(cur ^ 1);
-  release(cur);
+  if (leader) {
+    // (after a failed wait) loads still in flight must land before the block can exit: they write the stages
+    for (int n = stored; n < loaded; ++n)
+      while (!mbar_try_wait(&bar[n % S], (uint32_t)((n / S) & 1))) {
+      }
+    bulk_wait<0, false>();  // every store complete
+  }
+  release(prev_r, prev_slot, nprev);
+  release(cur_r, cur_slot, ncur);
 }
 #endif
 
@@ -789,9 +821,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
 #if !defined(UCCL_EP_WITH_HIP)
   if constexpr (kMode == 3) {  // plain combine only (the launcher never picks it in fold mode)
     if (!s_skip && w < push_warps) {
-      if (lane == 0)
-        tma_push_rows(a, w, s_lo, s_hi, s_sendbase, reinterpret_cast<char*>(s_stage) + (int64_t)w * a.tma_stages * row_bytes,
-                      row_bytes, seq);
+      tma_push_rows(a, w, lane, s_lo, s_hi, s_sendbase,
+                    reinterpret_cast<char*>(s_stage) + (int64_t)w * a.tma_stages * row_bytes, row_bytes, seq);
       warp_sync();
     }
   }
@@ -994,14 +1025,17 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
       cudaFuncAttributes attr{};
       UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, combine_kernel<T, kFull, 3>));
       const int64_t budget = optin - (int64_t)attr.sharedSizeBytes;  // the opt-in limit counts static shared too
+      // As many push warps (up to the requested) as get kTmaMaxStages stages each, at least one with more
+      // than kTmaStores; wider rows run variant 1. The attribute is set to the whole budget (the same on
+      // every launch on this device), never lowered under a concurrent launch.
       CombineArgs t = a;
-      t.push_warps = (int)std::min<int64_t>(a.push_warps, budget / ((kTmaStores + 1) * row_bytes));
-      if (t.push_warps >= 1) {
-        t.tma_stages = (int)std::min<int64_t>(kTmaMaxStages, budget / (t.push_warps * row_bytes));
-        const int smem = (int)(t.push_warps * t.tma_stages * row_bytes);
+      t.push_warps = (int)std::max<int64_t>(1, std::min<int64_t>(a.push_warps, budget / (kTmaMaxStages * row_bytes)));
+      t.tma_stages = (int)std::min<int64_t>(kTmaMaxStages, budget / (t.push_warps * row_bytes));
+      if (t.tma_stages > kTmaStores) {
         UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            smem));
-        combine_kernel<T, kFull, 3><<<num_blocks, kCombineThreads, smem, stream>>>(t);
+                                            (int)budget));
+        combine_kernel<T, kFull, 3><<<num_blocks, kCombineThreads, (int)(t.push_warps * t.tma_stages * row_bytes),
+                                      stream>>>(t);
         return;
       }
     }
