@@ -1,6 +1,7 @@
 """Loopback rendezvous for the ranks our commands spawn themselves (train, bench): never another host."""
 from __future__ import annotations
 
+import errno
 import random
 import socket
 
@@ -34,18 +35,18 @@ def _unbound(port: int) -> bool:
     """No socket of any address holds `port`: torch's TCPStore listens on the wildcard address, which a
     listener on another address (e.g. [::1]) blocks, so a bind on 127.0.0.1 alone is not enough. A
     dual-stack wildcard bind conflicts with every IPv4 and IPv6 binding of the port (it sends nothing)."""
-    try:
-        s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        addr = ("::", port)
-    except OSError:  # no IPv6 on this host: the IPv4 wildcard
-        s, addr = socket.socket(socket.AF_INET, socket.SOCK_STREAM), ("0.0.0.0", port)
-    with s:
+    for family, addr in ((socket.AF_INET6, ("::", port)), (socket.AF_INET, ("0.0.0.0", port))):
         try:
-            s.bind(addr)
-        except OSError:
-            return False
-    return True
+            with socket.socket(family, socket.SOCK_STREAM) as s:
+                if family == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.bind(addr)
+                return True
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            # no (dual-stack) IPv6 here: the IPv4 wildcard decides
+    return False
 
 
 def loopback_init_method() -> str:

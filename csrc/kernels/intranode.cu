@@ -1020,8 +1020,7 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
     UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
     const int64_t row_bytes = (int64_t)a.hidden * sizeof(T);
     if (a.variant == 3 && a.fold_map == nullptr && major >= 9) {
-      // Bulk-copy push (sm_90 TMA): as many push warps as fit with more than kTmaStores stages each; below
-      // that (very wide rows) variant 1.
+      // Bulk-copy push (sm_90 TMA).
       cudaFuncAttributes attr{};
       UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, combine_kernel<T, kFull, 3>));
       const int64_t budget = optin - (int64_t)attr.sharedSizeBytes;  // the opt-in limit counts static shared too

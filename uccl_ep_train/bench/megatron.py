@@ -4,8 +4,8 @@ dispatch_preprocess -> token_dispatch -> dispatch_postprocess -> identity expert
 combine_preprocess -> token_combine -> combine_postprocess, forward + backward, for the `uccl`, `alltoall`
 and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-ep-train deep-ep-path`;
 `flex-hybridep` / `flex-ncclep` pick Megatron's other flex backends when their packages import) dispatchers,
-with the same routing and, with `--num-sms`, the same SM count. Default shape: DeepSeek-V3 layer (4096 tokens/rank, hidden 7168,
-256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
+with the same routing and, with `--num-sms`, the same SM count. Default shape: DeepSeek-V3 layer (4096
+tokens/rank, hidden 7168, 256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
 max over ranks, and the identity experts' own fwd+bwd time on the same rows (timed alone) so the
 dispatcher's share can be read off; JSON records with `--json PATH`.
 """
@@ -141,7 +141,6 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
         print(f"[megatron] profile of {kind} (3 round trips, rank 0):", flush=True)
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
-
 
 
 def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
