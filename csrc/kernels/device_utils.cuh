@@ -101,22 +101,31 @@ __device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
-// Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
-__device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
-                                          int* claim, int rank, int peer, int phase, int row) {
-  if (ld_acquire_sys_u32(p) == seq) return true;
+// Polls done() until it holds; every 1024 polls gives up when another wait already failed (claim), and past
+// the deadline reports a timeout (rank, peer, phase, a, b) and gives up. True once done.
+template <typename Done>
+__device__ __forceinline__ bool poll_until(Done done, int64_t timeout_cycles, ErrorRecord* err, int* claim, int rank,
+                                           int peer, int phase, int a, int b) {
+  if (done()) return true;
   const long long start = clock64();
   uint32_t iter = 0;
-  while (ld_acquire_sys_u32(p) != seq) {
+  while (!done()) {
     if ((++iter & 1023u) == 0) {
       if (*(volatile int*)claim != 0) return false;
       if (clock64() - start > timeout_cycles) {
-        report_error(err, claim, kErrTimeout, rank, peer, phase, row, -1);
+        report_error(err, claim, kErrTimeout, rank, peer, phase, a, b);
         return false;
       }
     }
   }
   return true;
+}
+
+// Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
+__device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
+                                          int* claim, int rank, int peer, int phase, int row) {
+  return poll_until([&] { return ld_acquire_sys_u32(p) == seq; }, timeout_cycles, err, claim, rank, peer, phase, row,
+                    -1);
 }
 
 // 16-byte streaming load of data read once.
@@ -205,18 +214,7 @@ __device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
 // Waits for phase `parity` of the barrier; false on deadline (reported) or an error recorded elsewhere.
 __device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, int64_t timeout_cycles, ErrorRecord* err,
                                           int* claim, int rank, int phase, int row) {
-  const long long start = clock64();
-  uint32_t iter = 0;
-  while (!mbar_try_wait(bar, parity)) {
-    if ((++iter & 1023u) == 0) {
-      if (*(volatile int*)claim != 0) return false;
-      if (clock64() - start > timeout_cycles) {
-        report_error(err, claim, kErrTimeout, rank, rank, phase, row, -2);
-        return false;
-      }
-    }
-  }
-  return true;
+  return poll_until([&] { return mbar_try_wait(bar, parity); }, timeout_cycles, err, claim, rank, rank, phase, row, -2);
 }
 
 // global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), completion on `bar`.
