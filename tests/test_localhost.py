@@ -42,4 +42,3 @@ def test_a_listener_on_another_loopback_address_blocks_the_port(monkeypatch):
         monkeypatch.setattr(localhost, "_LOWEST_PORT", busy)
         monkeypatch.setattr(localhost, "_ephemeral_low", lambda: busy + 1)
         assert localhost.free_loopback_port() != busy
-
