@@ -12,12 +12,16 @@ from typing import Any, Optional, Tuple
 import torch
 
 
+_get_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # absent on CPU-only builds
+
+
 def current_raw_stream(device_index: Optional[int] = None) -> int:
     """The handle of the current stream of a device (default: the current one), as the kernels take it:
     without building a torch.cuda.Stream object, which costs more host time than a kernel launch."""
     index = torch.cuda.current_device() if device_index is None else device_index
-    get = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return get(index) if get is not None else torch.cuda.current_stream(index).cuda_stream
+    if _get_raw_stream is not None:
+        return _get_raw_stream(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 class EventHandle:

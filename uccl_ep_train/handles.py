@@ -34,21 +34,15 @@ class IntranodeHandle(NamedTuple):
                          recv_src_idx: torch.Tensor, is_token_in_rank: torch.Tensor, send_head: torch.Tensor,
                          num_recv_tokens: int, num_tokens: int, owner: int, private: Any = None,
                          channels: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> "IntranodeHandle":
-        """A handle whose rows move as one channel per rank pair (both backends); `channels`: the
-        one_channel_matrices of these arguments when the caller made them earlier."""
-        channel, recv_channel = channels or one_channel_matrices(rank_prefix_matrix, num_tokens_per_rank, rank)
-        return cls(rank_prefix_matrix, channel, recv_channel, recv_src_idx, is_token_in_rank, send_head,
+        """A handle whose rows move as one channel per rank pair (both backends): DeepEP's channel matrices
+        are then the rows sent to each rank, and where each source rank's rows start on this rank.
+        `channels`: those two matrices when the backend already has them (the native notify writes them)."""
+        if channels is None:
+            R = rank_prefix_matrix.size(0)
+            starts = torch.cat([rank_prefix_matrix.new_zeros(1, R), rank_prefix_matrix[:-1]])
+            channels = num_tokens_per_rank.reshape(R, 1).clone(), starts[:, rank].reshape(R, 1).contiguous()
+        return cls(rank_prefix_matrix, *channels, recv_src_idx, is_token_in_rank, send_head,
                    num_recv_tokens, num_tokens, owner, private)
-
-
-def one_channel_matrices(rank_prefix_matrix: torch.Tensor, num_tokens_per_rank: torch.Tensor,
-                         rank: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """DeepEP's (channel_prefix_matrix, recv_channel_prefix_matrix) when rows move as one channel per rank
-    pair: the rows sent to each rank, and where each source rank's rows start on this rank. Device work only
-    (no host sync), so a backend can make them while the counts are still in flight."""
-    R = rank_prefix_matrix.size(0)
-    starts = torch.cat([rank_prefix_matrix.new_zeros(1, R), rank_prefix_matrix[:-1]])
-    return num_tokens_per_rank.reshape(R, 1).clone(), starts[:, rank].reshape(R, 1).contiguous()
 
 
 class LowLatencyHandle(NamedTuple):
