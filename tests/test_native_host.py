@@ -64,3 +64,32 @@ def test_combine_push_warps_follow_the_sm_count():
 
     assert [native._by_sms(native._COMBINE_PUSH_WARPS, n) for n in (8, 16, 17, 24, 25, 32, 132)] == \
         [8, 8, 6, 6, 4, 4, 4]
+
+
+def test_fold_blocks_decision(monkeypatch):
+    from uccl_ep_train.backends.native import NativeBackend
+
+    sms = _Sms(32)
+    sms._device_sms = 132
+    fold_blocks = NativeBackend._fold_blocks
+    monkeypatch.delenv("UCCL_EP_FOLD_BLOCKS", raising=False)
+    assert fold_blocks(sms, None) == 100  # the SMs the combine leaves free fold beside it
+    sms.sms = 128
+    assert fold_blocks(sms, None) == 0  # too few free SMs: the separate fold kernel
+    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "6")
+    assert fold_blocks(sms, None) == 4  # capped at what is free
+    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "0")
+    assert fold_blocks(sms, None) == 0
+    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "-1")
+    with pytest.raises(ValueError, match="UCCL_EP_FOLD_BLOCKS"):
+        fold_blocks(sms, None)
+
+
+def test_fold_blocks_take_wide_rows_before_the_sm_rule(monkeypatch):
+    from uccl_ep_train.backends.native import NativeBackend
+
+    monkeypatch.delenv("UCCL_EP_FUSE_MAX_WIDTH", raising=False)
+    fuse = NativeBackend._fuse
+    assert fuse(_Sms(64), 4.0, 8, dispatch=False, config=None)  # no fold blocks: the fold fuses from 64 SMs
+    assert not fuse(_Sms(64), 4.0, 8, dispatch=False, config=None, by_sms=False)  # fold blocks instead
+    assert fuse(_Sms(64), 1.5, 8, dispatch=False, config=None, by_sms=False)  # narrow rows still fuse

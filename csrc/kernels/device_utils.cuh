@@ -21,7 +21,9 @@ constexpr int64_t kCountsOffset = 4096;
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
 constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
 constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row landed" flag per receive row
-constexpr int64_t kHeaderBytes = kFlagsOffset + kMaxFlagRows * 4;  // 5 MiB + 4 KiB
+// combine with fold blocks: one uint32 "row folded" flag per row this rank sends back (local use only)
+constexpr int64_t kFoldReadyOffset = kFlagsOffset + kMaxFlagRows * 4;
+constexpr int64_t kHeaderBytes = kFoldReadyOffset + kMaxFlagRows * 4;  // 9 MiB + 4 KiB
 
 enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3 };
 enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3 };

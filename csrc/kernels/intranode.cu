@@ -663,7 +663,8 @@ struct CombineRow {
 // stages - kTmaStores rows fly. Row flags are released per kTmaFlagBatch rows, one batch late: once a batch
 // is complete, the previous batch's stores have completed (wait_group), and every lane's release fence
 // orders them and the weights before its flags.
-constexpr int kTmaStores = 4, kTmaFlagBatch = 4, kTmaMaxStages = 8;
+constexpr int kTmaStores = 4, kTmaFlagBatch = 16, kTmaMaxStages = 8;
+static_assert(kTmaFlagBatch <= kWarpSize, "lane j holds row j of a flag batch");
 
 __device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, int lane, const int* s_lo, const int* s_hi,
                                            const int* s_sendbase, char* stages, int64_t row_bytes, uint32_t seq) {
@@ -699,17 +700,14 @@ __device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, int lane
     seek(ls, li);
   };
   while (ls < R && loaded < L) load_next();
-  // rows (destination, slot) of the batch being stored and of the previous one (their flags still held);
-  // constant indices only, so they stay in registers
-  int cur_r[kTmaFlagBatch] = {}, cur_slot[kTmaFlagBatch] = {}, prev_r[kTmaFlagBatch] = {}, prev_slot[kTmaFlagBatch] = {};
+  // lane j holds row j (destination, slot) of the batch being stored and of the previous one (their flags
+  // still held)
+  int cur_r = 0, cur_slot = 0, prev_r = 0, prev_slot = 0;
   int ncur = 0, nprev = 0;
-  auto release = [&](const int* r, const int* sl, int n) {  // after the leader's wait_group: fence, then flags
+  auto release = [&](int r, int sl, int n) {  // after the leader's wait_group: fence, then flags
     fence_release_sys();
     warp_sync();
-#pragma unroll
-    for (int j = 0; j < kTmaFlagBatch; ++j)
-      if (j < n && lane == j)
-        st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[r[j]] + kFlagsOffset) + sl[j], seq);
+    if (lane < n) st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[r] + kFlagsOffset) + sl, seq);
   };
   while (ss < R) {
     const int st = stored % S;
@@ -728,23 +726,18 @@ __device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, int lane
       float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + (int64_t)slot * K;
       for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)si * K + k];
     }
-#pragma unroll
-    for (int j = 0; j < kTmaFlagBatch; ++j)
-      if (j == ncur) {
-        cur_r[j] = ss;
-        cur_slot[j] = slot;
-      }
+    if (lane == ncur) {
+      cur_r = ss;
+      cur_slot = slot;
+    }
     ++stored;
     si += nw;
     seek(ss, si);
     if (++ncur == kTmaFlagBatch) {  // this batch is full: the previous one's stores have completed
       if (leader) bulk_wait<kTmaFlagBatch, false>();
       release(prev_r, prev_slot, nprev);
-#pragma unroll
-      for (int j = 0; j < kTmaFlagBatch; ++j) {
-        prev_r[j] = cur_r[j];
-        prev_slot[j] = cur_slot[j];
-      }
+      prev_r = cur_r;
+      prev_slot = cur_slot;
       nprev = ncur;
       ncur = 0;
     }
@@ -791,8 +784,45 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   __shared__ int s_skip, s_next;
   __shared__ const T* s_src[kWarps][kMaxRanks + 2];  // sources in rank order, then bias_0, bias_1
   __shared__ const float* s_wsrc[kWarps][kMaxRanks];
-  __shared__ const T* s_fold[kWarps][kMaxExpertMajorTopk];  // fold mode: expert-major rows of one row
-  const bool fold = a.fold_map != nullptr;
+  __shared__ const T* s_fold[kWarps][kMaxExpertMajorTopk];  // fold modes: expert-major rows of one row
+  // Fold blocks (a.fold_out set): the last a.fold_blocks blocks fold every row into a.fold_out and flag it;
+  // the first nblk blocks push and reduce those rows as a plain combine, each row once its flag is up.
+  // Fused fold (a.fold_map set, no fold_out): the push warps fold each row while pushing it.
+  const bool overlap = a.fold_out != nullptr;
+  const bool fold = a.fold_map != nullptr && !overlap;
+  const int nblk = (int)gridDim.x - a.fold_blocks;
+  const T* rows = overlap ? reinterpret_cast<const T*>(a.fold_out) : x;  // what plain pushes / reduces read
+  uint32_t* fold_ready = reinterpret_cast<uint32_t*>(my + kFoldReadyOffset);
+
+  // row i of the receive order = the float32 sum (slot order, rounded once) of its expert-major rows, into
+  // dst (a peer's buffer or fold_out): the whole warp
+  auto fold_row = [&](int64_t i, char* dst) {
+    int d = -1;
+    if (lane < a.fold_k) {
+      d = a.fold_map[i * a.fold_k + lane];
+      if (d >= a.fold_rows) d = -1;
+    }
+    const uint64_t hit = warp_ballot(d >= 0);
+    if (d >= 0) s_fold[w][__popcll(hit & ((1ull << lane) - 1ull))] = x + (int64_t)d * H;
+    warp_sync();
+    const int m = __popcll(hit);
+    if (m == 1) {
+      warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(s_fold[w][0]), row_bytes, &dst, 1, lane);
+    } else {
+      // the fold reads m rows per row: staged copies (kMode 2) keep kStageSlots vectors per lane in flight
+      // without holding registers (the register variant keeps 12 and waits per round)
+      bool done = false;
+      if constexpr (kMode == 2) {
+        if (m > 0 && m <= kStageSlots) {  // m == 0 (a received row without local experts): zeros below
+          Row::staged(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane,
+                      s_stage + (int64_t)w * kStageSlots * kWarpSize);
+          done = true;
+        }
+      }
+      if (!done) Row::sum_rows(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane);
+    }
+    warp_sync();  // s_fold[w] is rewritten for the next row
+  };
 
   if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
   __syncthreads();
@@ -805,6 +835,35 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     for (int r = 0; r < tid; ++r) rb += count(me, r);  // rows from rank tid in my combine buffer start here
     s_sendbase[tid] = sb;
     s_recvbase[tid] = rb;
+  }
+  if ((int)blockIdx.x >= nblk) {
+    // A fold block. Rows go in the order they are consumed: own rows (which the reduce reads in token
+    // order) spread evenly among the rows pushed to peers (which the push warps take destination by
+    // destination); each row's flag is released (fence, then the flag) once the warp stored it.
+    __syncthreads();
+    const int64_t total = s_hi[R - 1], own = s_hi[me] - s_lo[me];
+    const int64_t fw = (int64_t)((int)blockIdx.x - nblk) * kWarps + w, nfw = (int64_t)a.fold_blocks * kWarps;
+    for (int64_t f = fw; f < total; f += nfw) {
+      const int64_t a0 = f * own / total;  // own rows among the first f
+      int64_t i;
+      if ((f + 1) * own / total > a0) {
+        i = s_lo[me] + a0;
+      } else {
+        int64_t b = f - a0;  // the b-th pushed row
+        int s = 0;
+        for (;; ++s) {
+          if (s == me) continue;
+          if (b < s_hi[s] - s_lo[s]) break;
+          b -= s_hi[s] - s_lo[s];
+        }
+        i = s_lo[s] + b;
+      }
+      fold_row(i, const_cast<char*>(reinterpret_cast<const char*>(rows + i * H)));
+      __threadfence();
+      warp_sync();
+      if (lane == 0) st_relaxed_sys_u32(fold_ready + i, seq);
+    }
+    return;
   }
   if (tid == 0) {
     s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
@@ -828,8 +887,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   }
 #endif
   if (kMode != 3 && !s_skip && w < push_warps) {
-    const int gw = blockIdx.x * push_warps + w, nw = gridDim.x * push_warps;
-    for (int s = 0; s < R; ++s) {
+    const int gw = blockIdx.x * push_warps + w, nw = nblk * push_warps;
+    bool stop = false;  // a fold flag never came (reported): no further pushes
+    for (int s = 0; s < R && !stop; ++s) {
       if (s == me && !fold) continue;  // fold mode: own rows are folded into the own buffer like any other
       char* pdata = a.peers.p[s] + kHeaderBytes;
       uint32_t* pflags = reinterpret_cast<uint32_t*>(a.peers.p[s] + kFlagsOffset);
@@ -843,32 +903,17 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         if (w_lane) wv = a.topk_w[(int64_t)i * K + lane];
         char* dst = pdata + a.lay.off_x + slot * row_bytes;
         if (fold) {
-          // the row is the sum of its expert-major rows (slot order, float32, rounded once)
-          int d = -1;
-          if (lane < a.fold_k) {
-            d = a.fold_map[(int64_t)i * a.fold_k + lane];
-            if (d >= a.fold_rows) d = -1;
+          fold_row(i, dst);
+        } else if (overlap) {
+          const bool ok = wait_flag(fold_ready + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me,
+                                    kPhaseCombine, (int)i);
+          if (warp_any(!ok)) {
+            stop = true;
+            break;
           }
-          const uint64_t hit = warp_ballot(d >= 0);
-          if (d >= 0) s_fold[w][__popcll(hit & ((1ull << lane) - 1ull))] = x + (int64_t)d * H;
-          warp_sync();
-          const int m = __popcll(hit);
-          if (m == 1) {
-            warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(s_fold[w][0]), row_bytes, &dst, 1, lane);
-          } else {
-            // the fold reads m rows per pushed row: staged copies (kMode 2) keep kStageSlots vectors per
-            // lane in flight without holding registers (the register variant keeps 12 and waits per round)
-            bool done = false;
-            if constexpr (kMode == 2) {
-              if (m > 0 && m <= kStageSlots) {  // m == 0 (a received row without local experts): zeros below
-                Row::staged(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane,
-                            s_stage + (int64_t)w * kStageSlots * kWarpSize);
-                done = true;
-              }
-            }
-            if (!done) Row::sum_rows(s_fold[w], m, reinterpret_cast<T*>(dst), H / kVec, lane);
-          }
-          warp_sync();  // s_fold[w] is rewritten for the next row
+          // fold_out was written during this kernel: the coherent path, not the read-only one
+          warp_push_row<PushV, kPushU, false>(reinterpret_cast<const char*>(rows) + (int64_t)i * row_bytes, row_bytes,
+                                             &dst, 1, lane);
         } else {
           warp_push_row<PushV, kPushU>(reinterpret_cast<const char*>(x) + (int64_t)i * row_bytes, row_bytes, &dst, 1, lane);
         }
@@ -901,7 +946,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     auto claim = [&]() {
       int k = 0;
       if (lane == 0) k = atomicAdd(&s_next, 1);
-      return (int64_t)blockIdx.x + (int64_t)warp_shfl(k, 0) * gridDim.x;
+      return (int64_t)blockIdx.x + (int64_t)warp_shfl(k, 0) * nblk;
     };
     int64_t t = claim();
     int pos = (lane < R && t < N) ? a.send_pos[t * R + lane] : -1;
@@ -914,6 +959,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       if (pos >= 0) {
         if (direct) {
           row = s_lo[me] + pos;
+          if (overlap)
+            ok = wait_flag(fold_ready + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me, kPhaseCombine,
+                           (int)row);
         } else {
           row = s_recvbase[lane] + pos;
           ok = wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, lane, kPhaseCombine,
@@ -926,7 +974,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       if (pos >= 0) {
         const int j = __popcll(present & ((1ull << lane) - 1ull));
         if (direct) {
-          s_src[w][j] = x + row * H;
+          s_src[w][j] = rows + row * H;
           s_wsrc[w][j] = a.topk_w + row * K;
         } else {
           s_src[w][j] = reinterpret_cast<const T*>(data + a.lay.off_x) + row * H;

@@ -300,7 +300,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
                               int64_t send_pos, int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out,
                               int64_t out_topk_weights, int64_t fold_map, int fold_k, int64_t fold_rows,
-                              int num_sms, int push_warps, int flag_batch, int64_t stream) {
+                              int64_t fold_out, int64_t fold_out_rows, int fold_blocks, int num_sms, int push_warps,
+                              int flag_batch, int64_t stream) {
   check_open("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
@@ -320,9 +321,9 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   // UCCL_EP_COMBINE_KERNEL: 1 reduce (and fold) through registers, 2 staged through shared memory with
   // cp.async (CUDA; HIP runs 1), 3 (experimental) pushes through bulk copies (TMA, sm_90; plain combines,
   // else 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433 vs 359 GB/s at 24),
-  // 2 in fold mode (each pushed row reads ~k/R expert rows: see intranode.cu).
+  // 2 in fused fold mode (each pushed row reads ~k/R expert rows: see intranode.cu), 1 with fold blocks.
   const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
-  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 ? 2 : 1);
+  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 && fold_out == 0 ? 2 : 1);
   UCCL_CHECK(a.variant >= 1 && a.variant <= 3, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1, 2 or 3)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
@@ -343,12 +344,22 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
                                               << " (fold_rows " << fold_rows << ")");
   a.fold_k = fold_k;
   a.fold_rows = fold_rows;
+  if (fold_out != 0) {
+    UCCL_CHECK(a.fold_map != nullptr, "combine: fold_out needs a fold map");
+    UCCL_CHECK(fold_out_rows >= 0 && fold_out_rows <= kMaxFlagRows,
+               "combine: fold_out has " << fold_out_rows << " rows; fold blocks flag at most " << kMaxFlagRows);
+    UCCL_CHECK(fold_blocks >= 1 && num_sms + fold_blocks <= num_device_sms_,
+               "combine: fold_blocks " << fold_blocks << " outside [1, " << num_device_sms_ - num_sms
+                                       << "] (num_sms " << num_sms << " of " << num_device_sms_ << " SMs)");
+    a.fold_out = as_ptr<void>(fold_out);
+    a.fold_blocks = fold_blocks;
+  }
   const int64_t elem = dtype == kDtypeFp32 ? 4 : 2;
   a.lay = make_row_layout(data_bytes(), (int64_t)hidden * elem, 0, a.num_topk, false);
   // combine uses off_x for rows and off_topk_w for weights: keep them where make_row_layout put them
   a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
-  launch_combine(a, num_sms, as_stream(stream));
-  sig_total_ += (uint64_t)num_sms;
+  launch_combine(a, num_sms + a.fold_blocks, as_stream(stream));
+  sig_total_ += (uint64_t)num_sms;  // fold blocks signal nobody
 }
 
 }  // namespace uccl_ep::intranode

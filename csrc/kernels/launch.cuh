@@ -97,6 +97,11 @@ struct CombineArgs {
   const int* fold_map;
   int fold_k;
   int64_t fold_rows;
+  // Fold blocks (fold_out != null, with fold_map): the grid's last fold_blocks blocks form received row i
+  // into fold_out[i] and flag it; the others push / reduce fold_out's rows as a plain combine, each once
+  // flagged (the fold overlaps the communication instead of preceding it or running on the push warps).
+  void* fold_out;
+  int fold_blocks;
   RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
   SignalArgs sig;
 };

@@ -69,6 +69,15 @@ _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
 _FUSE_COMBINE_MIN_SMS = 64
 _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one warp lane per top-k slot
+# Wide rows fold on fold blocks beside the combine's num_sms in the same launch (the GPU's remaining SMs;
+# UCCL_EP_FOLD_BLOCKS overrides, 0: none): each row is pushed as soon as it is folded, so the fold overlaps
+# the NVLink transfer instead of preceding it (separate kernel) or slowing the push warps (fused). `bench
+# expert-major --sms 16,24,32,64 --iters 30`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fold + combine
+# us, separate / fused / fold blocks: 428/1024/375, 402/719/302, 388/544/299, 369/386/309
+# (benchmarks/results/expert_major_fold_blocks_2xH200.json). Fewer than _MIN_FOLD_BLOCKS free SMs: as
+# before (_fuse). _MAX_FOLD_ROWS: kMaxFlagRows (device_utils.cuh).
+_MIN_FOLD_BLOCKS = 8
+_MAX_FOLD_ROWS = 1 << 20
 
 
 def _module():
@@ -426,18 +435,20 @@ class NativeBackend(Backend):
                                           self._stream())
         return pos
 
-    def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Optional[Config]) -> bool:
+    def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Optional[Config],
+              by_sms: bool = True) -> bool:
         """Expand / fold inside the communication kernel, else through the separate permute kernels (see
         _FUSE_MAX_WIDTH); width = expert-major rows per received row. UCCL_EP_FUSE_MAX_WIDTH overrides the
         width limit for every op (0: never fuse, a large value: always). More than kMaxExpertMajorTopk
-        slots per row never fuse (the kernels give each slot a lane)."""
+        slots per row never fuse (the kernels give each slot a lane). by_sms=False: wide rows do not fuse
+        however many SMs the kernel has (the combine when fold blocks are at hand)."""
         if num_topk > _MAX_FUSED_TOPK:
             return False
         forced = env_number("UCCL_EP_FUSE_MAX_WIDTH", None, float)
         if forced is not None:
             return width <= forced
         min_sms = _FUSE_DISPATCH_MIN_SMS if dispatch else _FUSE_COMBINE_MIN_SMS
-        return width <= _FUSE_MAX_WIDTH or self._num_sms(config) >= min_sms
+        return width <= _FUSE_MAX_WIDTH or (by_sms and self._num_sms(config) >= min_sms)
 
     def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
         # the cached dispatch and the combine move receive-order rows either way: each rank may decide alone
@@ -461,11 +472,27 @@ class NativeBackend(Backend):
         return self._combine(x, handle, topk_weights, (bias_0, bias_1), config, None)
 
     def combine_expert_major(self, y_em, handle, em_map, topk_weights, config):
-        if not self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config):
+        fold_blocks = self._fold_blocks(config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
+        if self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config,
+                      by_sms=not fold_blocks):
+            return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
+        if not fold_blocks or em_map.size(1) > _MAX_FUSED_TOPK:
             return super().combine_expert_major(y_em, handle, em_map, topk_weights, config)
-        return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
+        fold_out = torch.empty((max(em_map.size(0), 1), y_em.size(1)), dtype=y_em.dtype, device=y_em.device)
+        return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map),
+                             fold_out=fold_out, fold_blocks=fold_blocks)
 
-    def _combine(self, x, handle, topk_weights, biases, config, fold_map):
+    def _fold_blocks(self, config: Optional[Config]) -> int:
+        """Fold blocks beside the combine's SMs (see _MIN_FOLD_BLOCKS); 0: the separate fold kernel."""
+        free = self._device_sms - self._num_sms(config)
+        n = env_number("UCCL_EP_FOLD_BLOCKS", None, int)
+        if n is None:
+            return free if free >= _MIN_FOLD_BLOCKS else 0
+        if n < 0:
+            raise ValueError(f"UCCL_EP_FOLD_BLOCKS must be >= 0, got {n}")
+        return min(n, free)
+
+    def _combine(self, x, handle, topk_weights, biases, config, fold_map, fold_out=None, fold_blocks=0):
         self._check()
         st = self._state(handle)
         if x.dtype not in _COMBINE_DTYPES:
@@ -479,13 +506,16 @@ class NativeBackend(Backend):
         biases = [None if b is None else _aligned(b.to(x.dtype)) for b in biases]
         n = handle.num_tokens
         num_sms = self._num_sms(config)
-        push_warps = _FOLD_PUSH_WARPS if fold_map is not None else _by_sms(_COMBINE_PUSH_WARPS, num_sms)
+        # the fused fold pushes from every warp; with fold blocks the push is a plain combine's
+        push_warps = (_FOLD_PUSH_WARPS if fold_map is not None and fold_out is None
+                      else _by_sms(_COMBINE_PUSH_WARPS, num_sms))
         out = torch.empty((n, hidden), dtype=x.dtype, device=x.device)
         out_w = None if topk_weights is None else torch.empty((n, num_topk), dtype=torch.float32, device=x.device)
         self._buf.combine(x.data_ptr(), _COMBINE_DTYPES[x.dtype], hidden, _ptr(topk_weights), topk_weights is not None,
                           num_topk, n, handle.send_head.data_ptr(), handle.rank_prefix_matrix.data_ptr(),
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), _ptr(fold_map),
-                          0 if fold_map is None else fold_map.size(1), x.size(0), num_sms,
+                          0 if fold_map is None else fold_map.size(1), x.size(0), _ptr(fold_out),
+                          0 if fold_out is None else fold_out.size(0), fold_blocks, num_sms,
                           self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", push_warps),
                           _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w

@@ -6,9 +6,10 @@ ranks, CUDA events around `--iters` back-to-back calls, as the Megatron dispatch
   expert-major rows when fused) against `dispatch` + `permute.expert_major_map` + `expand_rows`;
 - cached: `dispatch_expert_major_cached` with the copy-out expanding in the kernel (fused) and through the
   separate expand kernel;
-- combine: `combine_expert_major` with the fold inside combine's push (fused) and through `reduce_rows`.
-The "auto" column is what the backend picks by fold width (UCCL_EP_FUSE_MAX_WIDTH, backends/native.py).
-Every fused result is first checked bit-exact against the separate path. JSON records with `--json PATH`.
+- combine: `combine_expert_major` with the fold inside combine's push (fused), on fold blocks beside the
+  combine's SMs in the same launch (fold_blocks), and through `reduce_rows` first (separate).
+The "auto" column is what the backend picks (UCCL_EP_FUSE_MAX_WIDTH, UCCL_EP_FOLD_BLOCKS: backends/native.py).
+Every fused / fold-block result is first checked bit-exact against the separate path. JSON records with `--json PATH`.
 """
 from __future__ import annotations
 
@@ -46,27 +47,30 @@ def _timer(iters: int) -> Callable[[Callable[[], object]], float]:
     return timeit
 
 
-class _Width:
-    """UCCL_EP_FUSE_MAX_WIDTH for the duration of a call (always / never fuse)."""
+class _Env:
+    """Environment variables set for the duration of a call (the backend reads them per call)."""
 
-    def __init__(self, value: str) -> None:
-        self.value = value
+    def __init__(self, **values: str) -> None:
+        self.values = values
 
     def __call__(self, fn: Callable[[], object]) -> Callable[[], object]:
         def run():
-            old = os.environ.get("UCCL_EP_FUSE_MAX_WIDTH")
-            os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = self.value
+            old = {k: os.environ.get(k) for k in self.values}
+            os.environ.update(self.values)
             try:
                 return fn()
             finally:
-                if old is None:
-                    os.environ.pop("UCCL_EP_FUSE_MAX_WIDTH")
-                else:
-                    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = old
+                for k, v in old.items():
+                    if v is None:
+                        os.environ.pop(k)
+                    else:
+                        os.environ[k] = v
         return run
 
 
-FUSED, SEPARATE = _Width("1e9"), _Width("0")
+FUSED = _Env(UCCL_EP_FUSE_MAX_WIDTH="1e9")
+SEPARATE = _Env(UCCL_EP_FUSE_MAX_WIDTH="0", UCCL_EP_FOLD_BLOCKS="0")
+FOLD_BLOCKS = _Env(UCCL_EP_FUSE_MAX_WIDTH="0")  # the default fold blocks (the SMs the combine leaves free)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -107,7 +111,8 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     combine = lambda: buf.combine_expert_major(y_em, handle, em)[0]  # noqa: E731
     exact = {"fresh": _bits_equal(x_em, ref_em) and torch.equal(em, ref_map),
              "cached": _bits_equal(FUSED(cached)(), SEPARATE(cached)()),
-             "combine": _bits_equal(FUSED(combine)(), SEPARATE(combine)())}
+             "combine": _bits_equal(FUSED(combine)(), SEPARATE(combine)()),
+             "combine_fold_blocks": _bits_equal(FOLD_BLOCKS(combine)(), SEPARATE(combine)())}
     if not all(exact.values()):
         raise RuntimeError(f"rank {rank}: fused expert-major results differ from the separate path: {exact}")
 
@@ -119,7 +124,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                "cached": {"separate": timeit(SEPARATE(cached)), "fused": timeit(FUSED(cached)),
                           "auto": timeit(cached)},
                "combine": {"separate": timeit(SEPARATE(combine)), "fused": timeit(FUSED(combine)),
-                           "auto": timeit(combine)}}
+                           "fold_blocks": timeit(FOLD_BLOCKS(combine)), "auto": timeit(combine)}}
         for op, t in ops.items():
             rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms, "num_tokens": T, "hidden": H,
                    "num_experts": E, "num_topk": K, "fold_width": rows / max(num_recv, 1),
