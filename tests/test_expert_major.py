@@ -220,9 +220,9 @@ def _native_vs_reference(rank, world, device, env):
     # UCCL_EP_FUSE_MAX_WIDTH: the native backend expands / folds inside its kernels up to this fold width,
     # else it runs the separate permute kernels: check both paths, and its own choice (ranks with different
     # widths, e.g. a rank that receives nothing, must still agree on the fresh dispatch's wire format)
-    # UCCL_EP_FOLD_BLOCKS: where the fold does not fuse, it runs on that many blocks beside the combine's (0:
-    # the separate reduce kernel first)
-    for var in ("UCCL_EP_FUSE_MAX_WIDTH", "UCCL_EP_FOLD_BLOCKS"):
+    # UCCL_EP_FOLD_BLOCKS / UCCL_EP_EXPAND_BLOCKS: where the fold / expansion does not fuse, it runs on that
+    # many blocks beside the combine's / dispatch's (0: the separate permute kernels)
+    for var in ("UCCL_EP_FUSE_MAX_WIDTH", "UCCL_EP_FOLD_BLOCKS", "UCCL_EP_EXPAND_BLOCKS"):
         os.environ.pop(var, None)
     os.environ.update(env)
 
@@ -272,9 +272,10 @@ def _native_vs_reference(rank, world, device, env):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("env", [{"UCCL_EP_FUSE_MAX_WIDTH": "1e9"},
-                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "0"},
-                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "3"}, {}],
-                         ids=["fused", "separate-permute", "fold-blocks", "auto"])
+                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "0", "UCCL_EP_EXPAND_BLOCKS": "0"},
+                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "3", "UCCL_EP_EXPAND_BLOCKS": "3"},
+                                 {}],
+                         ids=["fused", "separate-permute", "side-blocks", "auto"])
 def test_native_expert_major_matches_reference(env):
     from uccl_ep_train.backends.native import native_available
 
@@ -307,7 +308,7 @@ def test_bench_expert_major_small_shape_runs_and_checks_exactness(tmp_path):
     import json
     recs = json.loads(out.read_text())
     assert {r["op"] for r in recs} == {"fresh", "cached", "combine"} and all(r["fused_us"] > 0 for r in recs)
-    assert all(r["fold_blocks_us"] > 0 for r in recs if r["op"] == "combine")
+    assert all(r["side_blocks_us"] > 0 for r in recs)
 
 
 # ---- received rows without local experts --------------------------------------------------------------

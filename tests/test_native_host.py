@@ -66,23 +66,44 @@ def test_combine_push_warps_follow_the_sm_count():
         [8, 8, 6, 6, 4, 4, 4]
 
 
-def test_fold_blocks_decision(monkeypatch):
+def test_side_blocks_decision(monkeypatch):
     from uccl_ep_train.backends.native import NativeBackend
 
     sms = _Sms(32)
     sms._device_sms = 132
-    fold_blocks = NativeBackend._fold_blocks
-    monkeypatch.delenv("UCCL_EP_FOLD_BLOCKS", raising=False)
-    assert fold_blocks(sms, None) == 100  # the SMs the combine leaves free fold beside it
-    sms.sms = 128
-    assert fold_blocks(sms, None) == 0  # too few free SMs: the separate fold kernel
-    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "6")
-    assert fold_blocks(sms, None) == 4  # capped at what is free
-    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "0")
-    assert fold_blocks(sms, None) == 0
-    monkeypatch.setenv("UCCL_EP_FOLD_BLOCKS", "-1")
-    with pytest.raises(ValueError, match="UCCL_EP_FOLD_BLOCKS"):
-        fold_blocks(sms, None)
+    side = NativeBackend._side_blocks
+    for var in ("UCCL_EP_FOLD_BLOCKS", "UCCL_EP_EXPAND_BLOCKS"):
+        monkeypatch.delenv(var, raising=False)
+        sms.sms = 32
+        assert side(sms, var, None) == 100  # the SMs the kernel leaves free work beside it
+        sms.sms = 128
+        assert side(sms, var, None) == 0  # too few free SMs: none
+        monkeypatch.setenv(var, "6")
+        assert side(sms, var, None) == 4  # capped at what is free
+        monkeypatch.setenv(var, "0")
+        assert side(sms, var, None) == 0
+        monkeypatch.setenv(var, "-1")
+        with pytest.raises(ValueError, match=var):
+            side(sms, var, None)
+
+
+def test_expand_plan(monkeypatch):
+    from uccl_ep_train.backends.native import NativeBackend
+
+    monkeypatch.delenv("UCCL_EP_FUSE_MAX_WIDTH", raising=False)
+    monkeypatch.delenv("UCCL_EP_EXPAND_BLOCKS", raising=False)
+    b = _Sms(32)
+    b._device_sms = 132
+    b._side_blocks = lambda var, config: NativeBackend._side_blocks(b, var, config)
+    b._fuse = lambda *a, **k: NativeBackend._fuse(b, *a, **k)
+    plan = NativeBackend._expand_plan
+    assert plan(b, 4.0, 8, None) == (False, 100)  # wide rows: expand blocks, whatever the SM count
+    assert plan(b, 1.5, 8, None) == (True, 0)  # narrow rows: inside the copy-out
+    assert plan(b, 1.0, 33, None) == (False, 0)  # > 32 slots: separate kernels
+    monkeypatch.setenv("UCCL_EP_EXPAND_BLOCKS", "0")
+    assert plan(b, 4.0, 8, None) == (True, 0)  # no expand blocks: the SM rule fuses from 32 SMs
+    b.sms = 24
+    assert plan(b, 4.0, 8, None) == (False, 0)
 
 
 def test_fold_blocks_take_wide_rows_before_the_sm_rule(monkeypatch):

@@ -105,11 +105,10 @@ def _check_all(rank, world, device):
         x, idx, w = _inputs(rank, n, hidden, topk, experts, mask_p, avoid, ci, world)
         x, idx, w = x.cuda(), idx.cuda(), w.cuda()
         xin = _fp8(x) if fp8 else x
-        for sms, push, batch, ck in ((4, "16", "1", None), (24, None, None, None), (8, "3", "1000000", "2"),
-                                     (6, "2", None, "3")):
+        for sms, push, batch, ck in ((4, "16", "1", None), (24, None, None, None), (8, "3", "1000000", "2")):
             # warp roles: all push then copy out / default split / mostly copy-out and reduce warps;
             # row flags released after every row / default batch / only at the end of a warp's work;
-            # combine's register reduce (default) / its shared-memory staged variant / its bulk-copy push
+            # combine's register reduce (default) / its shared-memory staged variant
             for var, val in (("UCCL_EP_DISPATCH_PUSH_WARPS", push), ("UCCL_EP_COMBINE_PUSH_WARPS", push),
                              ("UCCL_EP_FLAG_BATCH", batch), ("UCCL_EP_COMBINE_FLAG_BATCH", batch),
                              ("UCCL_EP_COMBINE_KERNEL", ck)):

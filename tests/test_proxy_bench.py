@@ -3,7 +3,6 @@
 The provider is tcp: libfabric fixes its provider set (FI_PROVIDER) at its first use in a process, and
 the other tests in this process use tcp."""
 import json
-import os
 
 import pytest
 

@@ -17,6 +17,7 @@ constexpr int kWarpSize = UCCL_WARP_SIZE;
 constexpr int64_t kArriveOffset = 0;
 constexpr int64_t kFreeOffset = 256;
 constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
+constexpr int64_t kExpandDoneOffset = 2048;  // uint64 counter: this rank's dispatch expand blocks that finished
 constexpr int64_t kCountsOffset = 4096;
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
 constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
@@ -174,109 +175,6 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
 #endif
 }
-
-// Bulk asynchronous copies (sm_90 TMA, one thread issues a whole row) and shared-memory mbarriers. CUDA only:
-// the kernels that call them are launched only on sm_90+ devices (elsewhere the calls trap).
-#if !defined(UCCL_EP_WITH_HIP)
-__device__ __forceinline__ uint32_t smem_u32(const void* p) { return (uint32_t)__cvta_generic_to_shared(p); }
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_u32(bar)), "r"(count) : "memory");
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");  // visible to the async proxy
-#else
-  __trap();
-#endif
-}
-
-// Arms the barrier for `bytes` of bulk-copy completions and arrives (the copy that completes them flips it).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(bar)), "r"(bytes) : "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ bool mbar_try_wait(uint64_t* bar, uint32_t parity) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  uint32_t done;
-  asm volatile(
-      "{\n\t.reg .pred p;\n\tmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n\tselp.u32 %0, 1, 0, p;\n\t}"
-      : "=r"(done)
-      : "r"(smem_u32(bar)), "r"(parity)
-      : "memory");
-  return done != 0;
-#else
-  __trap();
-  return false;
-#endif
-}
-
-// Waits for phase `parity` of the barrier; false on deadline (reported) or an error recorded elsewhere.
-__device__ __forceinline__ bool mbar_wait(uint64_t* bar, uint32_t parity, int64_t timeout_cycles, ErrorRecord* err,
-                                          int* claim, int rank, int phase, int row) {
-  return poll_until([&] { return mbar_try_wait(bar, parity); }, timeout_cycles, err, claim, rank, rank, phase, row, -2);
-}
-
-// global -> shared, `bytes` (a multiple of 16, both addresses 16-byte aligned), completion on `bar`.
-__device__ __forceinline__ void bulk_load(void* smem_dst, const void* gmem_src, uint32_t bytes, uint64_t* bar) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
-               ::"r"(smem_u32(smem_dst)), "l"(__cvta_generic_to_global(gmem_src)), "r"(bytes), "r"(smem_u32(bar))
-               : "memory");
-#else
-  __trap();
-#endif
-}
-
-// shared -> global (a peer's IPC-mapped memory too), in this thread's current bulk group.
-__device__ __forceinline__ void bulk_store(void* gmem_dst, const void* smem_src, uint32_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;"
-               ::"l"(__cvta_generic_to_global(gmem_dst)), "r"(smem_u32(smem_src)), "r"(bytes)
-               : "memory");
-#else
-  __trap();
-#endif
-}
-
-__device__ __forceinline__ void bulk_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-#endif
-}
-
-// Until at most N of this thread's latest bulk groups still read their shared-memory source (kRead) or are
-// incomplete (their writes not yet performed).
-template <int N, bool kRead>
-__device__ __forceinline__ void bulk_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if constexpr (kRead)
-    asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
-  else
-    asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-#endif
-}
-
-// Orders this thread's earlier shared-memory operations (e.g. mbarrier initialisation) before later
-// async-proxy (bulk copy) accesses of them.
-__device__ __forceinline__ void fence_proxy_async_shared() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
-}
-
-// Release at system scope: the writes this thread saw complete (bulk stores included) reach every observer
-// of its later stores (the row flags) first.
-__device__ __forceinline__ void fence_release_sys() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("fence.acq_rel.sys;" ::: "memory");
-#else
-  __threadfence_system();
-#endif
-}
-#endif  // !UCCL_EP_WITH_HIP
 
 // Warp votes over all lanes (bit i of the ballot = lane i; 64 lanes on AMD).
 __device__ __forceinline__ uint64_t warp_ballot(bool pred) {

@@ -273,6 +273,45 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   __shared__ char* s_dx[kWarps][kMaxRanks + kMaxExpertMajorTopk];  // row destinations of a warp's token
   __shared__ int s_dr[kWarps][kMaxRanks], s_ds[kWarps][kMaxRanks], s_nd[kWarps], s_nm[kWarps], s_own[kWarps];
   const bool em = a.em_x != nullptr;
+  // Expand blocks (expert-major mode, a.expand_blocks > 0): the last a.expand_blocks blocks write every row's
+  // expert-major copies (own tokens from x, landed rows from the buffer once flagged); the first nblk blocks
+  // push and copy out only the rows' metadata, then wait for them before releasing the buffer.
+  const bool expand = a.expand_blocks > 0;
+  const int nblk = (int)gridDim.x - a.expand_blocks;
+  const char* data = my + kHeaderBytes;
+
+  // Lane k's expert-major row for slot k (-1: none), per lane < em_k. Own token t (its row `own` in the
+  // receive order): from topk_idx / topk_pos / em_base (fresh) or em_map (cached).
+  auto own_dest = [&](int64_t t, int64_t own) {
+    int d = -1;
+    if (a.with_topk) {
+      const int64_t e = a.topk_idx[t * K + lane] - (int64_t)me * epr;
+      const int pos = a.topk_pos[t * K + lane];  // -1: a repeated id of this token (no row)
+      if (e >= 0 && e < epr && pos >= 0) d = a.em_base[me * epr + (int)e] + pos;
+    } else {
+      d = a.em_map[own * a.em_k + lane];
+    }
+    return (d < 0 || d >= a.em_rows) ? -1 : d;
+  };
+  // Landed row i from source s: the id word's local expert and position (fresh; `local` out) or em_map's
+  // entry `cached_d` (cached).
+  auto landed_dest = [&](int s, int64_t i, int cached_d, int& local) {
+    int d = cached_d;
+    local = -1;
+    if (a.with_topk) {
+      const int64_t v = reinterpret_cast<const int64_t*>(data + a.lay.off_topk_idx)[i * K + lane];
+      local = v < 0 ? -1 : (int)(v & 0xffffffffll);
+      d = (local >= 0 && local < epr) ? a.em_base[s * epr + local] + (int)(v >> 32) : -1;
+    }
+    return (d < 0 || d >= a.em_rows) ? -1 : d;
+  };
+  // Gathers the warp's destinations (lanes with d >= 0) into s_dx[w][base..), returns how many.
+  auto gather_dests = [&](int d, int base) {
+    const uint64_t hit = warp_ballot(d >= 0);
+    if (d >= 0) s_dx[w][base + __popcll(hit & ((1ull << lane) - 1ull))] = a.em_x + (int64_t)d * a.x_bytes;
+    warp_sync();
+    return __popcll(hit);
+  };
 
   if (tid < R * R) s_P[tid] = a.rank_prefix[tid];
   __syncthreads();
@@ -280,9 +319,50 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     s_lo[tid] = tid > 0 ? s_P[(tid - 1) * R + me] : 0;  // rows from rank tid in my receive order
     s_hi[tid] = (int)min((int64_t)s_P[tid * R + me], a.out_rows);
     s_dstlo[tid] = me > 0 ? s_P[(me - 1) * R + tid] : 0;  // my first row on rank tid
-    // rows of source tid that this block copies out: lo + blockIdx.x + k * gridDim.x
+    // rows of source tid that this block copies out: lo + blockIdx.x + k * nblk
     const int n = s_hi[tid] - s_lo[tid] - (int)blockIdx.x;
-    s_nrows[tid] = (tid == me || n <= 0) ? 0 : (n + (int)gridDim.x - 1) / (int)gridDim.x;
+    s_nrows[tid] = (tid == me || n <= 0) ? 0 : (n + nblk - 1) / nblk;
+  }
+  if ((int)blockIdx.x >= nblk) {
+    // An expand block: own tokens first (at hand), then landed rows in receive order (they land in about
+    // that order); a landed row is read from the buffer once its flag is up.
+    __syncthreads();
+    const int64_t ew = (int64_t)((int)blockIdx.x - nblk) * kWarps + w, nwe = (int64_t)a.expand_blocks * kWarps;
+    int64_t landed = 0;
+    for (int r = 0; r < R; ++r)
+      if (r != me) landed += s_hi[r] - s_lo[r];
+    for (int64_t f = ew; f < a.num_tokens + landed; f += nwe) {
+      if (f < a.num_tokens) {
+        const int pos = a.send_pos[f * R + me];
+        const int64_t own = (int64_t)s_dstlo[me] + pos;
+        if (pos < 0 || own >= a.out_rows) continue;
+        const int n = gather_dests(lane < a.em_k ? own_dest(f, own) : -1, 0);
+        warp_push_row<V>(a.x + f * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
+      } else {
+        int64_t g = f - a.num_tokens;
+        int src = 0;
+        for (;; ++src) {
+          if (src == me) continue;
+          if (g < s_hi[src] - s_lo[src]) break;
+          g -= s_hi[src] - s_lo[src];
+        }
+        const int64_t i = s_lo[src] + g;
+        const int cached_d = (!a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
+        int ok = 1;
+        if (lane == 0)
+          ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, src, kPhaseDispatch,
+                         (int)i);
+        if (!warp_shfl(ok, 0)) break;
+        warp_sync();
+        int local;
+        const int n = gather_dests(lane < a.em_k ? landed_dest(src, i, cached_d, local) : -1, 0);
+        warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
+      }
+      warp_sync();  // s_dx[w] is rewritten for the next row
+    }
+    __syncthreads();
+    if (tid == 0) signal_add(reinterpret_cast<uint64_t*>(my + kExpandDoneOffset));  // (release) rows read
+    return;
   }
   if (tid == 0) {
     s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
@@ -293,10 +373,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   __syncthreads();
 
   const bool has_scales = a.scale_bytes > 0;
-  const char* data = my + kHeaderBytes;
   if (!s_skip && w < push_warps) {
     int batch = 0, t_first = 0;
-    const int stride = gridDim.x * push_warps;
+    const int stride = nblk * push_warps;
     for (int t = blockIdx.x * push_warps + w; t < a.num_tokens; t += stride) {
       if (lane == 0) {
         int nd = 0, nm = 0, own = -1;
@@ -324,24 +403,11 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       warp_sync();
       int nd = s_nd[w];
       const int nm = s_nm[w];
-      if (em) {  // this rank's own copies of the token go straight to its expert-major rows
+      if (em) {  // this rank's own copies of the token go straight to its expert-major rows (expand blocks')
         const int own = s_own[w];
-        int d = -1;
-        if (own >= 0 && lane < a.em_k) {
-          if (a.with_topk) {
-            const int64_t e = a.topk_idx[(int64_t)t * K + lane] - (int64_t)me * epr;
-            const int pos = a.topk_pos[(int64_t)t * K + lane];  // -1: a repeated id of this token (no row)
-            if (e >= 0 && e < epr && pos >= 0) d = a.em_base[me * epr + (int)e] + pos;
-          } else {
-            d = a.em_map[(int64_t)own * a.em_k + lane];
-          }
-          if (d < 0 || d >= a.em_rows) d = -1;
-          if (a.with_topk) a.em_map[(int64_t)own * K + lane] = d;
-        }
-        const uint64_t hit = warp_ballot(d >= 0);
-        if (d >= 0) s_dx[w][nd + __popcll(hit & ((1ull << lane) - 1ull))] = a.em_x + (int64_t)d * a.x_bytes;
-        nd += __popcll(hit);
-        warp_sync();
+        const int d = (own >= 0 && lane < a.em_k) ? own_dest(t, own) : -1;
+        if (own >= 0 && lane < a.em_k && a.with_topk) a.em_map[(int64_t)own * K + lane] = d;
+        if (!expand) nd += gather_dests(d, nd);
       }
       warp_push_row<V>(a.x + (int64_t)t * a.x_bytes, a.x_bytes, s_dx[w], nd, lane);
       for (int j = 0; j < nm; ++j) {
@@ -398,7 +464,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         k -= s_nrows[s];
       }
       if (s >= R) break;
-      const int64_t i = s_lo[s] + blockIdx.x + (int64_t)k * gridDim.x;
+      const int64_t i = s_lo[s] + blockIdx.x + (int64_t)k * nblk;
       // cached expert-major: the row's destinations are an input, loaded while the row is still landing
       const int cached_d = (em && !a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
       int ok = 1;
@@ -407,25 +473,21 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       ok = warp_shfl(ok, 0);
       warp_sync();
       if (!ok) break;
-      if (em) {  // one read of the landed row, one store per local expert (expert-major rows)
+      if (em) {  // one read of the landed row, one store per local expert (expert-major rows; expand blocks')
         int d = -1;
         if (lane < a.em_k) {
+          int local;
+          d = landed_dest(s, i, cached_d, local);
           if (a.with_topk) {
-            const int64_t v = reinterpret_cast<const int64_t*>(data + a.lay.off_topk_idx)[i * K + lane];
-            const int local = v < 0 ? -1 : (int)(v & 0xffffffffll);
-            if (local >= 0 && local < epr) d = a.em_base[s * epr + local] + (int)(v >> 32);
             a.recv_idx[i * K + lane] = local < epr ? local : -1;
-          } else {
-            d = cached_d;
+            a.em_map[i * K + lane] = d;
           }
-          if (d < 0 || d >= a.em_rows) d = -1;
-          if (a.with_topk) a.em_map[i * K + lane] = d;
         }
-        const uint64_t hit = warp_ballot(d >= 0);
-        if (d >= 0) s_dx[w][__popcll(hit & ((1ull << lane) - 1ull))] = a.em_x + (int64_t)d * a.x_bytes;
-        warp_sync();
-        warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], __popcll(hit), lane);
-        warp_sync();  // s_dx[w] is rewritten for the next row
+        if (!expand) {
+          const int n = gather_dests(d, 0);
+          warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
+          warp_sync();  // s_dx[w] is rewritten for the next row
+        }
         if (a.with_topk) warp_copy_words(a.recv_w + i * K, data + a.lay.off_topk_w + i * K * 4, K * 4, lane);
       } else {
         warp_copy_row<V>(a.recv_x + i * a.x_bytes, data + a.lay.off_x + i * a.x_bytes, a.x_bytes, lane);
@@ -439,7 +501,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       if (a.with_src && lane == 0) a.recv_src[i] = reinterpret_cast<const int*>(data + a.lay.off_src)[i];
     }
     // Padding rows (num_worst_tokens): x and scales 0, top-k ids -1, weights 0, source index -1.
-    const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)gridDim.x * blockDim.x;
+    const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)nblk * blockDim.x;
     const int64_t total = s_P[(R - 1) * R + me];
     if (total < a.out_rows && !em) {
       const int64_t pad = a.out_rows - total;
@@ -455,12 +517,17 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     }
   }
   __syncthreads();
-  if (tid == 0)
+  if (tid == 0) {
+    // the buffer is free once the expand blocks have read their landed rows too (local blocks, no peer)
+    if (expand)
+      wait_geq(reinterpret_cast<const uint64_t*>(my + kExpandDoneOffset), a.expand_base + a.expand_blocks,
+               a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me, kPhaseDispatch);
     for (int r = 0; r < R; ++r)
       if (r != me) {
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
       }
+  }
 }
 
 // ----------------------------------------------------------------------------------------------- combine
@@ -655,112 +722,8 @@ struct CombineRow {
   }
 };
 
-#if !defined(UCCL_EP_WITH_HIP)
-// Combine variant 3's push (experimental, sm_90), run by push warp w: its lane 0 moves each of the warp's
-// rows x -> a shared-memory stage (one bulk load, completion on the stage's mbarrier) -> the row's slot in
-// the destination's buffer (one bulk store), while the other lanes write the row's top-k weights.
-// a.tma_stages stages: kTmaStores stores may still read their stage while the loads of the next
-// stages - kTmaStores rows fly. Row flags are released per kTmaFlagBatch rows, one batch late: once a batch
-// is complete, the previous batch's stores have completed (wait_group), and every lane's release fence
-// orders them and the weights before its flags.
-constexpr int kTmaStores = 4, kTmaFlagBatch = 16, kTmaMaxStages = 8;
-static_assert(kTmaFlagBatch <= kWarpSize, "lane j holds row j of a flag batch");
-
-__device__ __noinline__ void tma_push_rows(const CombineArgs& a, int w, int lane, const int* s_lo, const int* s_hi,
-                                           const int* s_sendbase, char* stages, int64_t row_bytes, uint32_t seq) {
-  __shared__ alignas(8) uint64_t s_bar[kCombineThreads / kWarpSize][kTmaMaxStages];
-  const int R = a.num_ranks, me = a.rank, K = a.num_topk, S = a.tma_stages, L = S - kTmaStores;
-  const int gw = blockIdx.x * a.push_warps + w, nw = gridDim.x * a.push_warps;
-  const char* x = static_cast<const char*>(a.x);
-  const bool leader = lane == 0;
-  uint64_t* bar = s_bar[w];
-  if (leader) {
-    for (int k = 0; k < S; ++k) mbar_init(&bar[k], 1);
-    fence_proxy_async_shared();
-  }
-  // a cursor over this warp's rows (the same on every lane): destination s (never this rank: own rows are
-  // reduced in place), row i
-  auto seek = [&](int& s, int& i) {
-    while (s < R && (s == me || i >= s_hi[s])) {
-      ++s;
-      if (s < R) i = s_lo[s] + gw;
-    }
-  };
-  int ls = 0, li = s_lo[0] + gw, loaded = 0;
-  seek(ls, li);
-  int ss = ls, si = li, stored = 0;
-  auto load_next = [&]() {
-    if (leader) {
-      const int st = loaded % S;
-      mbar_arrive_expect_tx(&bar[st], (uint32_t)row_bytes);
-      bulk_load(stages + st * row_bytes, x + (int64_t)li * row_bytes, (uint32_t)row_bytes, &bar[st]);
-    }
-    ++loaded;
-    li += nw;
-    seek(ls, li);
-  };
-  while (ls < R && loaded < L) load_next();
-  // lane j holds row j (destination, slot) of the batch being stored and of the previous one (their flags
-  // still held)
-  int cur_r = 0, cur_slot = 0, prev_r = 0, prev_slot = 0;
-  int ncur = 0, nprev = 0;
-  auto release = [&](int r, int sl, int n) {  // after the leader's wait_group: fence, then flags
-    fence_release_sys();
-    warp_sync();
-    if (lane < n) st_relaxed_sys_u32(reinterpret_cast<uint32_t*>(a.peers.p[r] + kFlagsOffset) + sl, seq);
-  };
-  while (ss < R) {
-    const int st = stored % S;
-    int ok = 1;
-    if (leader)
-      ok = mbar_wait(&bar[st], (uint32_t)((stored / S) & 1), a.sig.timeout_cycles, a.sig.err, a.sig.claim, me,
-                     kPhaseCombine, si);
-    if (!warp_shfl(ok, 0)) break;
-    const int slot = s_sendbase[ss] + (si - s_lo[ss]);
-    char* pdata = a.peers.p[ss] + kHeaderBytes;
-    if (leader) {
-      bulk_store(pdata + a.lay.off_x + (int64_t)slot * row_bytes, stages + st * row_bytes, (uint32_t)row_bytes);
-      bulk_commit();
-    }
-    if (a.with_weights) {
-      float* dw = reinterpret_cast<float*>(pdata + a.lay.off_topk_w) + (int64_t)slot * K;
-      for (int k = lane; k < K; k += kWarpSize) dw[k] = a.topk_w[(int64_t)si * K + k];
-    }
-    if (lane == ncur) {
-      cur_r = ss;
-      cur_slot = slot;
-    }
-    ++stored;
-    si += nw;
-    seek(ss, si);
-    if (++ncur == kTmaFlagBatch) {  // this batch is full: the previous one's stores have completed
-      if (leader) bulk_wait<kTmaFlagBatch, false>();
-      release(prev_r, prev_slot, nprev);
-      prev_r = cur_r;
-      prev_slot = cur_slot;
-      nprev = ncur;
-      ncur = 0;
-    }
-    if (ls < R) {  // the stage of the row stored kTmaStores rows ago is free once that store read it
-      if (leader) bulk_wait<kTmaStores, true>();
-      load_next();
-    }
-  }
-  if (leader) {
-    // (after a failed wait) loads still in flight must land before the block can exit: they write the stages
-    for (int n = stored; n < loaded; ++n)
-      while (!mbar_try_wait(&bar[n % S], (uint32_t)((n / S) & 1))) {
-      }
-    bulk_wait<0, false>();  // every store complete
-  }
-  release(prev_r, prev_slot, nprev);
-  release(cur_r, cur_slot, ncur);
-}
-#endif
-
 // kMode 1: the reduce loads into registers (CombineRow::fixed / generic); kMode 2: through shared memory
-// with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only); kMode 3: the
-// push through bulk copies (tma_push_rows, dynamic shared memory of the row stages), the reduce as kMode 1.
+// with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only).
 template <typename T, int kVec, int kMode>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
   constexpr int kWarps = kCombineThreads / kWarpSize;
@@ -877,16 +840,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
   __syncthreads();
 
-#if !defined(UCCL_EP_WITH_HIP)
-  if constexpr (kMode == 3) {  // plain combine only (the launcher never picks it in fold mode)
-    if (!s_skip && w < push_warps) {
-      tma_push_rows(a, w, lane, s_lo, s_hi, s_sendbase,
-                    reinterpret_cast<char*>(s_stage) + (int64_t)w * a.tma_stages * row_bytes, row_bytes, seq);
-      warp_sync();
-    }
-  }
-#endif
-  if (kMode != 3 && !s_skip && w < push_warps) {
+  if (!s_skip && w < push_warps) {
     const int gw = blockIdx.x * push_warps + w, nw = nblk * push_warps;
     bool stop = false;  // a fold flag never came (reported): no further pushes
     for (int s = 0; s < R && !stop; ++s) {
@@ -1059,34 +1013,13 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
     return;
   }
 #if !defined(UCCL_EP_WITH_HIP)
-  if (a.variant == 2 || a.variant == 3) {
+  if (a.variant == 2) {
     // Per launch (cheap): the attribute belongs to the current device, and devices differ in opt-in
     // shared memory (sm_90: 227 KiB; sm_80: 163 KiB, too small: run variant 1 there).
-    int dev = 0, optin = 0, major = 0;
+    int dev = 0, optin = 0;
     UCCL_CHECK_GPU(gpuGetDevice(&dev));
     UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-    UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
-    const int64_t row_bytes = (int64_t)a.hidden * sizeof(T);
-    if (a.variant == 3 && a.fold_map == nullptr && major >= 9) {
-      // Bulk-copy push (sm_90 TMA).
-      cudaFuncAttributes attr{};
-      UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, combine_kernel<T, kFull, 3>));
-      const int64_t budget = optin - (int64_t)attr.sharedSizeBytes;  // the opt-in limit counts static shared too
-      // As many push warps (up to the requested) as get kTmaMaxStages stages each, at least one with more
-      // than kTmaStores; wider rows run variant 1. The attribute is set to the whole budget (the same on
-      // every launch on this device), never lowered under a concurrent launch.
-      CombineArgs t = a;
-      t.push_warps = (int)std::max<int64_t>(1, std::min<int64_t>(a.push_warps, budget / (kTmaMaxStages * row_bytes)));
-      t.tma_stages = (int)std::min<int64_t>(kTmaMaxStages, budget / (t.push_warps * row_bytes));
-      if (t.tma_stages > kTmaStores) {
-        UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                            (int)budget));
-        combine_kernel<T, kFull, 3><<<num_blocks, kCombineThreads, (int)(t.push_warps * t.tma_stages * row_bytes),
-                                      stream>>>(t);
-        return;
-      }
-    }
-    if (a.variant == 2 && optin >= kCombineStageBytes) {
+    if (optin >= kCombineStageBytes) {
       UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                           kCombineStageBytes));
       combine_kernel<T, kFull, 2><<<num_blocks, kCombineThreads, kCombineStageBytes, stream>>>(a);

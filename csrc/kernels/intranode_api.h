@@ -63,14 +63,15 @@ class IntranodeBuffer {
   // kWithSrc (fresh dispatch: recv_src_idx written). Cached dispatch passes 0. Scales when scale_bytes > 0.
   // Expert-major mode (em_x != 0): rows go to em_x [em_rows, x_bytes] instead of recv_x; a fresh dispatch
   // takes topk_pos [N, num_topk] int32 and em_base (notify's info + R*R + epr) and writes em_map
-  // [out_rows, num_topk]; a cached one reads em_map [out_rows, em_k].
+  // [out_rows, num_topk]; a cached one reads em_map [out_rows, em_k]. expand_blocks more blocks beside the
+  // num_sms write the expert-major rows while those push (0: the push / copy-out warps write them).
   static constexpr int kWithTopk = 1, kWithWeights = 2, kWithSrc = 4;
   void dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
                 int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens, int64_t send_pos,
                 int64_t rank_prefix, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
                 int64_t recv_topk_weights, int64_t recv_src_idx, int64_t out_rows, int64_t em_x, int64_t em_map,
-                int64_t topk_pos, int64_t em_base, int em_k, int64_t em_rows, int num_sms, int push_warps,
-                int flag_batch, int64_t stream);
+                int64_t topk_pos, int64_t em_base, int em_k, int64_t em_rows, int expand_blocks, int num_sms,
+                int push_warps, int flag_batch, int64_t stream);
 
   // Push combine: rows (dtype 0 bf16, 1 fp16, 2 fp32) back to their sources, summed in float32 in rank
   // order, then + bias_0 + bias_1 (same dtype as x), rounded once. Fold mode (fold_map != 0): x is
@@ -100,6 +101,7 @@ class IntranodeBuffer {
   void* err_host_ = nullptr;        // pinned, mapped error record
   void* err_dev_ = nullptr;
   uint64_t sig_total_ = 0;          // blocks signalled by all previous ops (same on every rank)
+  uint64_t expand_total_ = 0;       // dispatch expand blocks launched by all previous ops (this rank)
   int64_t timeout_cycles_ = 0;
   int num_device_sms_ = 0;
 };

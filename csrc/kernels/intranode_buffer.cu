@@ -238,8 +238,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
                                int64_t send_pos, int64_t rank_prefix, int64_t recv_x, int64_t recv_scales,
                                int64_t recv_topk_idx, int64_t recv_topk_weights, int64_t recv_src_idx,
                                int64_t out_rows, int64_t em_x, int64_t em_map, int64_t topk_pos, int64_t em_base,
-                               int em_k, int64_t em_rows, int num_sms, int push_warps, int flag_batch,
-                               int64_t stream) {
+                               int em_k, int64_t em_rows, int expand_blocks, int num_sms, int push_warps,
+                               int flag_batch, int64_t stream) {
   check_open("dispatch");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
                                                                                << num_device_sms_ << "]");
@@ -286,6 +286,14 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.em_base = as_ptr<const int>(em_base);
   a.em_k = em_k;
   a.em_rows = em_rows;
+  if (expand_blocks != 0) {
+    UCCL_CHECK(a.em_x != nullptr, "dispatch: expand blocks need expert-major mode");
+    UCCL_CHECK(expand_blocks >= 1 && num_sms + expand_blocks <= num_device_sms_,
+               "dispatch: expand_blocks " << expand_blocks << " outside [1, " << num_device_sms_ - num_sms
+                                          << "] (num_sms " << num_sms << " of " << num_device_sms_ << " SMs)");
+    a.expand_blocks = expand_blocks;
+    a.expand_base = expand_total_;
+  }
   UCCL_CHECK(push_warps >= 1 && push_warps <= warps_per_block(),
              "dispatch: push_warps " << push_warps << " outside [1, " << warps_per_block() << "]");
   a.push_warps = push_warps;
@@ -293,8 +301,9 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.flag_batch = flag_batch;
   a.lay = make_row_layout(data_bytes(), x_bytes, scale_bytes, a.num_topk, a.with_src);
   a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
-  launch_dispatch(a, num_sms, as_stream(stream));
-  sig_total_ += (uint64_t)num_sms;
+  launch_dispatch(a, num_sms + a.expand_blocks, as_stream(stream));
+  sig_total_ += (uint64_t)num_sms;  // expand blocks signal nobody but the local counter
+  expand_total_ += (uint64_t)a.expand_blocks;
 }
 
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
@@ -319,12 +328,11 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
   // UCCL_EP_COMBINE_KERNEL: 1 reduce (and fold) through registers, 2 staged through shared memory with
-  // cp.async (CUDA; HIP runs 1), 3 (experimental) pushes through bulk copies (TMA, sm_90; plain combines,
-  // else 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433 vs 359 GB/s at 24),
+  // cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433 vs 359 GB/s at 24),
   // 2 in fused fold mode (each pushed row reads ~k/R expert rows: see intranode.cu), 1 with fold blocks.
   const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
   a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 && fold_out == 0 ? 2 : 1);
-  UCCL_CHECK(a.variant >= 1 && a.variant <= 3, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1, 2 or 3)");
+  UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
              "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");

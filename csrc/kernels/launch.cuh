@@ -69,6 +69,11 @@ struct DispatchArgs {
   const int* em_base;
   int em_k;
   int64_t em_rows;
+  // Expand blocks (expert-major mode): the grid's last expand_blocks blocks write the expert-major rows
+  // (own tokens from x, landed rows from the buffer) while the others push and copy out the metadata; the
+  // latter release the buffer once the local counter at kExpandDoneOffset reaches expand_base + expand_blocks.
+  int expand_blocks;
+  uint64_t expand_base;
   RowLayout lay;
   SignalArgs sig;
 };
@@ -89,9 +94,7 @@ struct CombineArgs {
   bool with_weights;  // topk_weights given: rows carry weights and out_w is written
   int push_warps;     // warps per block that push; the rest reduce from the start
   int flag_batch;     // rows a push warp sends between two system fences (then releases their flags)
-  int variant;        // UCCL_EP_COMBINE_KERNEL: 1 = register reduce (default), 2 = staged reduce,
-                      // 3 = bulk-copy (TMA) push + register reduce (experimental, sm_90)
-  int tma_stages;     // variant 3: shared-memory row stages per push warp
+  int variant;        // UCCL_EP_COMBINE_KERNEL: 1 = register reduce (default), 2 = staged reduce
   // Fold mode (fold_map != null): x holds expert-major rows [fold_rows, hidden]; received row i is the sum
   // (float32, slot order, rounded once) of rows fold_map[i][0..fold_k) (-1: none), formed while pushing.
   const int* fold_map;

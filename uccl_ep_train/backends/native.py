@@ -69,14 +69,18 @@ _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
 _FUSE_COMBINE_MIN_SMS = 64
 _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one warp lane per top-k slot
-# Wide rows fold on fold blocks beside the combine's num_sms in the same launch (the GPU's remaining SMs;
-# UCCL_EP_FOLD_BLOCKS overrides, 0: none): each row is pushed as soon as it is folded, so the fold overlaps
-# the NVLink transfer instead of preceding it (separate kernel) or slowing the push warps (fused). `bench
-# expert-major --sms 16,24,32,64 --iters 30`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fold + combine
-# us, separate / fused / fold blocks: 428/1024/375, 402/719/302, 388/544/299, 369/386/309
-# (benchmarks/results/expert_major_fold_blocks_2xH200.json). Fewer than _MIN_FOLD_BLOCKS free SMs: as
+# Wide rows expand / fold on side blocks beside the kernel's num_sms in the same launch (the GPU's remaining
+# SMs): expand blocks write the dispatch's expert-major rows as rows land, fold blocks form each row the
+# combine pushes just before it is pushed, so the permute overlaps the NVLink transfer instead of preceding /
+# following it (separate kernels) or slowing the push / copy-out warps (fused). UCCL_EP_EXPAND_BLOCKS /
+# UCCL_EP_FOLD_BLOCKS override the count (0: none; the former must be the same on every rank: it decides
+# the fresh dispatch's wire format, as does the SM count, the fewest of any rank). `bench expert-major --sms
+# 16,24,32,64 --iters 30`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), us, separate / fused / side blocks:
+# fresh dispatch 617/808/451, 610/601/407, 547/464/337, 512/402/366; cached 413/621/253, 419/437/215,
+# 395/338/205, 362/283/249; combine 429/1026/373, 393/711/299, 383/540/299, 366/380/298
+# (benchmarks/results/expert_major_side_blocks_2xH200.json). Fewer than _MIN_SIDE_BLOCKS free SMs: as
 # before (_fuse). _MAX_FOLD_ROWS: kMaxFlagRows (device_utils.cuh).
-_MIN_FOLD_BLOCKS = 8
+_MIN_SIDE_BLOCKS = 8
 _MAX_FOLD_ROWS = 1 << 20
 
 
@@ -131,13 +135,16 @@ class NativeBackend(Backend):
         if num_ranks > max_ranks:
             raise NotImplementedError(f"native backend: intranode only (at most {max_ranks} ranks on one node), "
                                       f"got {num_ranks} ranks; internode is not implemented yet")
-        hosts: list = [None] * num_ranks
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        hosts_sms: list = [None] * num_ranks
+        dist.all_gather_object(hosts_sms, (socket.gethostname(), sms), group=group)
+        hosts = [h for h, _ in hosts_sms]
         if len(set(hosts)) > 1:
             raise NotImplementedError(f"native backend: ranks span several hosts ({sorted(set(hosts))}); "
                                       "only the intranode (one NVLink domain) path is implemented")
         self._timeout = _timeout_s()
-        self._device_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
+        self._device_sms = min(s for _, s in hosts_sms)
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
@@ -292,12 +299,13 @@ class NativeBackend(Backend):
 
     def _launch_dispatch(self, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, flags, num_topk, epr,
                          send_pos, rank_prefix, recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx,
-                         out_rows, config, em_x=None, em_map=None, topk_pos=None, em_base=None, em_rows=0) -> None:
+                         out_rows, config, em_x=None, em_map=None, topk_pos=None, em_base=None, em_rows=0,
+                         expand_blocks=0) -> None:
         self._buf.dispatch(
             x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx), _ptr(topk_weights), flags, num_topk,
             epr, x.size(0), send_pos.data_ptr(), rank_prefix.data_ptr(), _ptr(recv_x), _ptr(recv_scales),
             _ptr(recv_topk_idx), _ptr(recv_topk_weights), _ptr(recv_src_idx), out_rows, _ptr(em_x), _ptr(em_map),
-            _ptr(topk_pos), _ptr(em_base), 0 if em_map is None else em_map.size(1), int(em_rows),
+            _ptr(topk_pos), _ptr(em_base), 0 if em_map is None else em_map.size(1), int(em_rows), expand_blocks,
             self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
             _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), self._stream())
 
@@ -376,7 +384,8 @@ class NativeBackend(Backend):
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, config):
         """Fused (see _fuse): each received row is read once from the buffer and stored at its expert-major
-        rows (one per local expert); this rank's own tokens go there straight from x. The sender ships each
+        rows (one per local expert); this rank's own tokens go there straight from x. With expand blocks
+        (_expand_plan) those stores come from blocks beside the kernel's num_sms. The sender ships each
         top-k slot's position in its (rank, expert) block inside the id word; notify gives every block's
         base row. Otherwise: the receive-order dispatch, then the map and expand kernels."""
         self._check()
@@ -388,15 +397,16 @@ class NativeBackend(Backend):
         num_topk, num_experts = topk_idx.size(1), num_tokens_per_expert.numel()
         if topk_weights is not None:
             topk_weights = topk_weights.to(torch.float32).contiguous()
-        # Sender and receiver must agree on the id words' format (fused senders pack positions into them), so
-        # every rank decides from the same inputs: the routing shape's expected width, not its own counts.
-        fused = self._fuse(_expected_width(num_topk, num_experts, R), num_topk, dispatch=True, config=config)
+        # Sender and receiver must agree on the id words' format (expert-major senders pack positions into
+        # them), so every rank decides from the same inputs: the routing shape's expected width, not its own
+        # counts, and the fewest SMs of any rank (expand blocks).
+        fused, expand_blocks = self._expand_plan(_expected_width(num_topk, num_experts, R), num_topk, config)
         # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
         # dispatch kernel is launched
-        topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused else None
+        topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused or expand_blocks else None
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
         num_rows, out_rows = sum(c.per_expert), c.out_rows
-        if not fused:
+        if not (fused or expand_blocks):
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
             em_map = permute.expert_major_map(recv_topk_idx, c.per_expert)
@@ -417,7 +427,7 @@ class NativeBackend(Backend):
         self._launch_dispatch(x, x_bytes, None, 0, topk_idx, topk_weights, flags, num_topk, c.epr, c.send_pos,
                               c.info[: R * R], None, None, recv_topk_idx, recv_topk_weights, recv_src_idx, out_rows,
                               config, em_x=x_em, em_map=em_map, topk_pos=topk_pos,
-                              em_base=c.info[R * R + c.epr:], em_rows=num_rows)
+                              em_base=c.info[R * R + c.epr:], em_rows=num_rows, expand_blocks=expand_blocks)
         handle = self._handle(c, recv_src_idx, n, False)
         return x_em[:num_rows], recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map[:out_rows], handle
 
@@ -450,9 +460,17 @@ class NativeBackend(Backend):
         min_sms = _FUSE_DISPATCH_MIN_SMS if dispatch else _FUSE_COMBINE_MIN_SMS
         return width <= _FUSE_MAX_WIDTH or (by_sms and self._num_sms(config) >= min_sms)
 
+    def _expand_plan(self, width: float, num_topk: int, config: Optional[Config]) -> tuple[bool, int]:
+        """-> (fused, expand_blocks) for an expert-major dispatch: the expansion inside the copy-out (fused),
+        on expand blocks beside the kernel (no fusion by SM count then), or neither (separate kernels)."""
+        expand = self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config) if num_topk <= _MAX_FUSED_TOPK else 0
+        fused = self._fuse(width, num_topk, dispatch=True, config=config, by_sms=not expand)
+        return fused, 0 if fused else expand
+
     def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
         # the cached dispatch and the combine move receive-order rows either way: each rank may decide alone
-        if not self._fuse(int(num_rows) / max(em_map.size(0), 1), em_map.size(1), dispatch=True, config=config):
+        fused, expand_blocks = self._expand_plan(int(num_rows) / max(em_map.size(0), 1), em_map.size(1), config)
+        if not (fused or expand_blocks):
             return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config)
         self._check()
         st = self._state(handle)
@@ -464,7 +482,7 @@ class NativeBackend(Backend):
         x_em = torch.empty((max(int(num_rows), 1), hidden), dtype=x.dtype, device=x.device)  # (see above)
         self._launch_dispatch(x, x_bytes, None, 0, None, None, 0, 0, 0, handle.send_head, handle.rank_prefix_matrix,
                               None, None, None, None, None, st.out_rows, config, em_x=x_em, em_map=em_map,
-                              em_rows=num_rows)
+                              em_rows=num_rows, expand_blocks=expand_blocks)
         return x_em[: int(num_rows)]
 
     # ---- combine -------------------------------------------------------------------------------------
@@ -472,7 +490,7 @@ class NativeBackend(Backend):
         return self._combine(x, handle, topk_weights, (bias_0, bias_1), config, None)
 
     def combine_expert_major(self, y_em, handle, em_map, topk_weights, config):
-        fold_blocks = self._fold_blocks(config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
+        fold_blocks = self._side_blocks("UCCL_EP_FOLD_BLOCKS", config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
         if self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config,
                       by_sms=not fold_blocks):
             return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
@@ -482,14 +500,14 @@ class NativeBackend(Backend):
         return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map),
                              fold_out=fold_out, fold_blocks=fold_blocks)
 
-    def _fold_blocks(self, config: Optional[Config]) -> int:
-        """Fold blocks beside the combine's SMs (see _MIN_FOLD_BLOCKS); 0: the separate fold kernel."""
+    def _side_blocks(self, var: str, config: Optional[Config]) -> int:
+        """Fold / expand blocks beside the kernel's SMs (see _MIN_SIDE_BLOCKS; `var` overrides); 0: none."""
         free = self._device_sms - self._num_sms(config)
-        n = env_number("UCCL_EP_FOLD_BLOCKS", None, int)
+        n = env_number(var, None, int)
         if n is None:
-            return free if free >= _MIN_FOLD_BLOCKS else 0
+            return free if free >= _MIN_SIDE_BLOCKS else 0
         if n < 0:
-            raise ValueError(f"UCCL_EP_FOLD_BLOCKS must be >= 0, got {n}")
+            raise ValueError(f"{var} must be >= 0, got {n}")
         return min(n, free)
 
     def _combine(self, x, handle, topk_weights, biases, config, fold_map, fold_out=None, fold_blocks=0):

@@ -6,10 +6,12 @@ ranks, CUDA events around `--iters` back-to-back calls, as the Megatron dispatch
   expert-major rows when fused) against `dispatch` + `permute.expert_major_map` + `expand_rows`;
 - cached: `dispatch_expert_major_cached` with the copy-out expanding in the kernel (fused) and through the
   separate expand kernel;
-- combine: `combine_expert_major` with the fold inside combine's push (fused), on fold blocks beside the
-  combine's SMs in the same launch (fold_blocks), and through `reduce_rows` first (separate).
-The "auto" column is what the backend picks (UCCL_EP_FUSE_MAX_WIDTH, UCCL_EP_FOLD_BLOCKS: backends/native.py).
-Every fused / fold-block result is first checked bit-exact against the separate path. JSON records with `--json PATH`.
+- combine: `combine_expert_major` with the fold inside combine's push (fused) and through `reduce_rows`
+  first (separate).
+"side_blocks": the expansion / fold on blocks beside the kernel's SMs in the same launch (expand / fold
+blocks). The "auto" column is what the backend picks (UCCL_EP_FUSE_MAX_WIDTH, UCCL_EP_EXPAND_BLOCKS,
+UCCL_EP_FOLD_BLOCKS: backends/native.py). Every fused / side-block result is first checked bit-exact
+against the separate path. JSON records with `--json PATH`.
 """
 from __future__ import annotations
 
@@ -69,8 +71,8 @@ class _Env:
 
 
 FUSED = _Env(UCCL_EP_FUSE_MAX_WIDTH="1e9")
-SEPARATE = _Env(UCCL_EP_FUSE_MAX_WIDTH="0", UCCL_EP_FOLD_BLOCKS="0")
-FOLD_BLOCKS = _Env(UCCL_EP_FUSE_MAX_WIDTH="0")  # the default fold blocks (the SMs the combine leaves free)
+SEPARATE = _Env(UCCL_EP_FUSE_MAX_WIDTH="0", UCCL_EP_FOLD_BLOCKS="0", UCCL_EP_EXPAND_BLOCKS="0")
+SIDE_BLOCKS = _Env(UCCL_EP_FUSE_MAX_WIDTH="0")  # the default expand / fold blocks (the SMs left free)
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -109,10 +111,13 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     y_em = torch.randn(rows, H, generator=g).bfloat16().cuda()
     cached = lambda: buf.dispatch_expert_major_cached(x, handle, em, rows)[0]  # noqa: E731
     combine = lambda: buf.combine_expert_major(y_em, handle, em)[0]  # noqa: E731
+    side_em, side_map, _ = SIDE_BLOCKS(fresh)()
     exact = {"fresh": _bits_equal(x_em, ref_em) and torch.equal(em, ref_map),
+             "fresh_side_blocks": _bits_equal(side_em, ref_em) and torch.equal(side_map, ref_map),
              "cached": _bits_equal(FUSED(cached)(), SEPARATE(cached)()),
+             "cached_side_blocks": _bits_equal(SIDE_BLOCKS(cached)(), SEPARATE(cached)()),
              "combine": _bits_equal(FUSED(combine)(), SEPARATE(combine)()),
-             "combine_fold_blocks": _bits_equal(FOLD_BLOCKS(combine)(), SEPARATE(combine)())}
+             "combine_side_blocks": _bits_equal(SIDE_BLOCKS(combine)(), SEPARATE(combine)())}
     if not all(exact.values()):
         raise RuntimeError(f"rank {rank}: fused expert-major results differ from the separate path: {exact}")
 
@@ -120,11 +125,9 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     records = []
     for sms in [int(s) for s in args.sms.split(",") if s]:
         Buffer.set_num_sms(sms)
-        ops = {"fresh": {"separate": timeit(separate_fresh), "fused": timeit(FUSED(fresh)), "auto": timeit(fresh)},
-               "cached": {"separate": timeit(SEPARATE(cached)), "fused": timeit(FUSED(cached)),
-                          "auto": timeit(cached)},
-               "combine": {"separate": timeit(SEPARATE(combine)), "fused": timeit(FUSED(combine)),
-                           "fold_blocks": timeit(FOLD_BLOCKS(combine)), "auto": timeit(combine)}}
+        ops = {op: {"separate": timeit(separate_fresh if op == "fresh" else SEPARATE(fn)),
+                    "fused": timeit(FUSED(fn)), "side_blocks": timeit(SIDE_BLOCKS(fn)), "auto": timeit(fn)}
+               for op, fn in (("fresh", fresh), ("cached", cached), ("combine", combine))}
         for op, t in ops.items():
             rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms, "num_tokens": T, "hidden": H,
                    "num_experts": E, "num_topk": K, "fold_width": rows / max(num_recv, 1),

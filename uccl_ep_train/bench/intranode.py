@@ -47,7 +47,7 @@ def _parse(argv):
     p.add_argument("--flag-batch", default="",
                    help="comma-separated rows-per-fence values to sweep (UCCL_EP_FLAG_BATCH / _COMBINE_FLAG_BATCH)")
     p.add_argument("--combine-kernel", default="",
-                   help="comma-separated combine kernel variants to sweep (UCCL_EP_COMBINE_KERNEL: 1, 2, 3)")
+                   help="comma-separated combine kernel variants to sweep (UCCL_EP_COMBINE_KERNEL: 1, 2)")
     p.add_argument("--no-api", action="store_true", help="kernel times only (faster sweeps)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="draw GB/s vs SMs into this PNG (needs matplotlib)")
