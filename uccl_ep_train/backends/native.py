@@ -81,6 +81,9 @@ _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one 
 # (benchmarks/results/expert_major_side_blocks_2xH200.json). Fewer than _MIN_SIDE_BLOCKS free SMs: as
 # before (_fuse). _MAX_FOLD_ROWS: kMaxFlagRows (device_utils.cuh).
 _MIN_SIDE_BLOCKS = 8
+# Settings every rank must share (checked when a backend is made): they decide whether a fresh expert-major
+# dispatch packs positions into the id words.
+_WIRE_FORMAT_VARS = ("UCCL_EP_EXPAND_BLOCKS", "UCCL_EP_FUSE_MAX_WIDTH")
 _MAX_FOLD_ROWS = 1 << 20
 
 
@@ -136,15 +139,17 @@ class NativeBackend(Backend):
             raise NotImplementedError(f"native backend: intranode only (at most {max_ranks} ranks on one node), "
                                       f"got {num_ranks} ranks; internode is not implemented yet")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
+        wire = tuple(os.environ.get(v) for v in _WIRE_FORMAT_VARS)
         hosts_sms: list = [None] * num_ranks
-        dist.all_gather_object(hosts_sms, (socket.gethostname(), sms), group=group)
-        hosts = [h for h, _ in hosts_sms]
+        dist.all_gather_object(hosts_sms, (socket.gethostname(), sms, wire), group=group)
+        _check_same_wire_format([w for _, _, w in hosts_sms])
+        hosts = [h for h, _, _ in hosts_sms]
         if len(set(hosts)) > 1:
             raise NotImplementedError(f"native backend: ranks span several hosts ({sorted(set(hosts))}); "
                                       "only the intranode (one NVLink domain) path is implemented")
         self._timeout = _timeout_s()
         # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
-        self._device_sms = min(s for _, s in hosts_sms)
+        self._device_sms = min(s for _, s, _ in hosts_sms)
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
@@ -583,6 +588,15 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
     for i in range(k):  # C(E - epr, k) / C(E, k) as a product
         p_none *= max(num_experts - epr - i, 0) / (num_experts - i)
     return (k / num_ranks) / max(1.0 - p_none, 1e-9)
+
+
+def _check_same_wire_format(per_rank: list) -> None:
+    """Raises, naming the variable, unless every rank's _WIRE_FORMAT_VARS values (one tuple per rank) agree."""
+    for j, var in enumerate(_WIRE_FORMAT_VARS):
+        seen = {values[j] for values in per_rank}
+        if len(seen) > 1:
+            raise ValueError(f"{var} differs between ranks ({sorted(map(str, seen))}): it decides the expert-major "
+                             "dispatch's wire format and must be the same on every rank")
 
 
 def _by_sms(table: tuple, num_sms: int) -> int:
