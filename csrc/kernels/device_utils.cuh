@@ -104,31 +104,22 @@ __device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
-// Polls done() until it holds; every 1024 polls gives up when another wait already failed (claim), and past
-// the deadline reports a timeout (rank, peer, phase, a, b) and gives up. True once done.
-template <typename Done>
-__device__ __forceinline__ bool poll_until(Done done, int64_t timeout_cycles, ErrorRecord* err, int* claim, int rank,
-                                           int peer, int phase, int a, int b) {
-  if (done()) return true;
+// Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
+__device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
+                                          int* claim, int rank, int peer, int phase, int row) {
+  if (ld_acquire_sys_u32(p) == seq) return true;
   const long long start = clock64();
   uint32_t iter = 0;
-  while (!done()) {
+  while (ld_acquire_sys_u32(p) != seq) {
     if ((++iter & 1023u) == 0) {
       if (*(volatile int*)claim != 0) return false;
       if (clock64() - start > timeout_cycles) {
-        report_error(err, claim, kErrTimeout, rank, peer, phase, a, b);
+        report_error(err, claim, kErrTimeout, rank, peer, phase, row, -1);
         return false;
       }
     }
   }
   return true;
-}
-
-// Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
-__device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
-                                          int* claim, int rank, int peer, int phase, int row) {
-  return poll_until([&] { return ld_acquire_sys_u32(p) == seq; }, timeout_cycles, err, claim, rank, peer, phase, row,
-                    -1);
 }
 
 // 16-byte streaming load of data read once.

@@ -8,7 +8,6 @@
 //   3. signal arrival to every peer, wait for the arrivals of every peer's blocks
 //   4. copy out (dispatch) / reduce (combine) from the own buffer, then signal "free" to every peer.
 // No queues, no atomics on data, deterministic order. Rows for the own rank skip the buffer entirely.
-#include <algorithm>
 #include <cstring>
 #include <type_traits>
 
@@ -257,6 +256,16 @@ __device__ __forceinline__ void warp_copy_words(void* dst, const void* src, int6
   for (int i = lane; i < nbytes / 4; i += kWarpSize) d[i] = s[i];
 }
 
+// Row g (from 0) of the receive-order blocks [lo[r], hi[r]) of every rank r but `me`, taken in rank order:
+// its row index; its rank in `r`. g must be below the blocks' total.
+__device__ __forceinline__ int64_t row_of_others(int64_t g, const int* lo, const int* hi, int me, int& r) {
+  for (r = 0;; ++r) {
+    if (r == me) continue;
+    if (g < hi[r] - lo[r]) return lo[r] + g;
+    g -= hi[r] - lo[r];
+  }
+}
+
 template <typename V>
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
   constexpr int kWarps = kDispatchThreads / kWarpSize;
@@ -339,14 +348,8 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         const int n = gather_dests(lane < a.em_k ? own_dest(f, own) : -1, 0);
         warp_push_row<V>(a.x + f * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
       } else {
-        int64_t g = f - a.num_tokens;
-        int src = 0;
-        for (;; ++src) {
-          if (src == me) continue;
-          if (g < s_hi[src] - s_lo[src]) break;
-          g -= s_hi[src] - s_lo[src];
-        }
-        const int64_t i = s_lo[src] + g;
+        int src;
+        const int64_t i = row_of_others(f - a.num_tokens, s_lo, s_hi, me, src);
         const int cached_d = (!a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
         int ok = 1;
         if (lane == 0)
@@ -812,14 +815,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       if ((f + 1) * own / total > a0) {
         i = s_lo[me] + a0;
       } else {
-        int64_t b = f - a0;  // the b-th pushed row
-        int s = 0;
-        for (;; ++s) {
-          if (s == me) continue;
-          if (b < s_hi[s] - s_lo[s]) break;
-          b -= s_hi[s] - s_lo[s];
-        }
-        i = s_lo[s] + b;
+        int s;
+        i = row_of_others(f - a0, s_lo, s_hi, me, s);  // the (f - a0)-th pushed row
       }
       fold_row(i, const_cast<char*>(reinterpret_cast<const char*>(rows + i * H)));
       __threadfence();
