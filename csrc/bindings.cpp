@@ -26,4 +26,5 @@ PYBIND11_MODULE(_native, m) {
   // GPU kernels (csrc/kernels/) register here when compiled in.
   if (register_intranode) register_intranode(m);
   if (register_permute) register_permute(m);
+  if (register_internode) register_internode(m);
 }

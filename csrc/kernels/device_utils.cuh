@@ -7,6 +7,12 @@
 
 #include "common/portability.h"
 
+#if defined(UCCL_EP_WITH_HIP)
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_fp16.h>
+#endif
+
 namespace uccl_ep::intranode {
 
 constexpr int kWarpSize = UCCL_WARP_SIZE;
@@ -34,13 +40,14 @@ struct ErrorRecord {
 };
 
 // The record lives in pinned host memory (plain stores only: PCIe atomics are not everywhere); the claim
-// word that picks the one reporter lives in this rank's device buffer (`claim`).
+// word that picks the one reporter lives in this rank's device buffer (`claim`). `block` names where the
+// wait was (a channel of the internode path); -1: this block.
 __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int code, int rank, int peer, int phase,
-                                             int need, int have) {
+                                             int need, int have, int block = -1) {
   if (atomicCAS(claim, 0, 1) == 0) {
     err->rank = rank;
     err->peer = peer;
-    err->block = (int)blockIdx.x;
+    err->block = block < 0 ? (int)blockIdx.x : block;
     err->phase = phase;
     err->need = need;
     err->have = have;
@@ -71,14 +78,15 @@ __device__ __forceinline__ void signal_add(uint64_t* p) {
 
 // Waits until *p >= target; on deadline (or an error recorded elsewhere) reports and returns false.
 __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int64_t timeout_cycles,
-                                         ErrorRecord* err, int* claim, int rank, int peer, int phase) {
+                                         ErrorRecord* err, int* claim, int rank, int peer, int phase,
+                                         int block = -1) {
   const long long start = clock64();
   uint32_t iter = 0;
   while (ld_acquire_sys(p) < target) {
     if ((++iter & 1023u) == 0) {
       if (*(volatile int*)claim != 0) return false;  // another wait already failed: do not pile up
       if (clock64() - start > timeout_cycles) {
-        report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p));
+        report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p), block);
         return false;
       }
     }
@@ -201,6 +209,31 @@ __device__ __forceinline__ uint16_t float_to_bf16(float f) {
   u += 0x7fffu + ((u >> 16) & 1u);
   return (uint16_t)(u >> 16);
 }
+
+// Row elements as float32 (the reductions' accumulator type): load element i of a row, store a rounded one.
+struct ElemBf16 {
+  static constexpr int kSize = 2;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) {
+    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
+  }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
+    static_cast<uint16_t*>(p)[i] = float_to_bf16(f);
+  }
+};
+struct ElemFp16 {
+  static constexpr int kSize = 2;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) {
+    return __half2float(static_cast<const __half*>(p)[i]);
+  }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
+    static_cast<__half*>(p)[i] = __float2half_rn(f);
+  }
+};
+struct ElemFp32 {
+  static constexpr int kSize = 4;
+  __device__ __forceinline__ static float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
+  __device__ __forceinline__ static void store(void* p, int64_t i, float f) { static_cast<float*>(p)[i] = f; }
+};
 
 // Copies `n` bytes, all threads of the grid cooperating (thread `tid` of `nthreads`), widest aligned vector.
 __device__ __forceinline__ void grid_copy_bytes(void* dst, const void* src, int64_t n, int64_t tid,

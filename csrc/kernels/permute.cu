@@ -5,12 +5,6 @@
 #include "kernels/device_utils.cuh"
 #include "kernels/permute_api.h"
 
-#if defined(UCCL_EP_WITH_HIP)
-#include <hip/hip_fp16.h>
-#else
-#include <cuda_fp16.h>
-#endif
-
 namespace uccl_ep::permute {
 
 constexpr int kThreads = 256;
@@ -58,29 +52,9 @@ __global__ void __launch_bounds__(kThreads) expand_rows_kernel(const V* x, const
   }
 }
 
-struct Bf16 {
-  static constexpr int kSize = 2;
-  __device__ __forceinline__ static float load(const void* p, int64_t i) {
-    return bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-  }
-  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
-    static_cast<uint16_t*>(p)[i] = float_to_bf16(f);
-  }
-};
-struct Fp16 {
-  static constexpr int kSize = 2;
-  __device__ __forceinline__ static float load(const void* p, int64_t i) {
-    return __half2float(static_cast<const __half*>(p)[i]);
-  }
-  __device__ __forceinline__ static void store(void* p, int64_t i, float f) {
-    static_cast<__half*>(p)[i] = __float2half_rn(f);
-  }
-};
-struct Fp32 {
-  static constexpr int kSize = 4;
-  __device__ __forceinline__ static float load(const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }
-  __device__ __forceinline__ static void store(void* p, int64_t i, float f) { static_cast<float*>(p)[i] = f; }
-};
+using Bf16 = intranode::ElemBf16;
+using Fp16 = intranode::ElemFp16;
+using Fp32 = intranode::ElemFp32;
 
 // kVec: true when rows are 16-byte aligned: each thread then sums 16-byte vectors (16 / size elements).
 template <typename T, bool kVec>

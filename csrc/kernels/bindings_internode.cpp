@@ -1,0 +1,66 @@
+// pybind11 face of the internode path: `_native.InternodeBuffer` and the layout helpers.
+// Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream): no libtorch here.
+// Without a GPU compiler nothing is registered, and Python uses the reference backend across nodes.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+#include "kernels/internode_api.h"
+#endif
+
+namespace py = pybind11;
+
+void register_internode(py::module_& m) {
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  namespace in = uccl_ep::internode;
+  using in::InternodeBuffer;
+  m.attr("INTERNODE_MAX_LOCAL") = in::kMaxLocal;
+  m.attr("INTERNODE_MAX_NODES") = in::kMaxNodes;
+  m.attr("INTERNODE_MAX_EXPERTS") = in::kMaxExperts;
+  m.attr("INTERNODE_HEADER_INTS") = in::kHeaderInts;
+  m.def("internode_count_row_ints", &in::count_row_ints, py::arg("num_ranks"), py::arg("num_experts"),
+        py::arg("ranks_per_node"), "ints of a notify count row (num_experts=INTERNODE_MAX_EXPERTS: the row stride)");
+  m.def(
+      "internode_layout",
+      [](const std::vector<int>& rd, int num_ranks, int ranks_per_node, int rank, int64_t x_bytes,
+         int64_t scale_bytes, int num_topk, int64_t y_bytes, int64_t num_recv_rows) {
+        // the bytes one rank needs for a dispatch (x_bytes > 0) or a combine (y_bytes > 0) of these counts
+        const int64_t row = x_bytes > 0 ? in::dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node) : 0;
+        const int64_t crow = y_bytes > 0 ? in::combine_row_bytes(y_bytes, num_topk) : 0;
+        const in::Layout l = in::make_layout(rd, num_ranks, ranks_per_node, rank, row, crow, num_recv_rows);
+        py::dict d;
+        d["rdma_bytes"] = l.rdma_bytes;
+        d["nvl_bytes"] = l.nvl_bytes;
+        d["row_bytes"] = row;
+        d["crow_bytes"] = crow;
+        d["send_row0"] = std::vector<int64_t>(l.send_row0, l.send_row0 + l.num_nodes + 1);
+        d["recv_row0"] = std::vector<int64_t>(l.recv_row0, l.recv_row0 + l.num_nodes + 1);
+        return d;
+      },
+      py::arg("rd"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("x_bytes"),
+      py::arg("scale_bytes"), py::arg("num_topk"), py::arg("y_bytes"), py::arg("num_recv_rows"),
+      "RDMA region / NVL buffer bytes and segment rows of one rank for one call (internode_api.h: make_layout)");
+  py::class_<InternodeBuffer>(m, "InternodeBuffer",
+                              "One rank's NVL buffer, RDMA and flag regions, and the internode kernels")
+      .def(py::init<int, int, int, int, int64_t, int64_t, double>(), py::arg("device"), py::arg("rank"),
+           py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("nvl_bytes"), py::arg("rdma_bytes"),
+           py::arg("timeout_s"))
+      .def("ipc_handle", [](const InternodeBuffer& b) { return py::bytes(b.ipc_handle()); })
+      .def("open_peers", &InternodeBuffer::open_peers, py::arg("handles"))
+      .def("resize_rdma", &InternodeBuffer::resize_rdma, py::arg("bytes"))
+      .def("destroy", &InternodeBuffer::destroy)
+      .def("rdma_ptr", &InternodeBuffer::rdma_ptr)
+      .def("rdma_bytes", &InternodeBuffer::rdma_bytes)
+      .def("flag_ptr", &InternodeBuffer::flag_ptr)
+      .def("flag_bytes", &InternodeBuffer::flag_bytes)
+      .def("nvl_bytes", &InternodeBuffer::nvl_bytes)
+      .def("set_rings", &InternodeBuffer::set_rings, py::arg("rings"))
+      .def("error", &InternodeBuffer::error)
+      .def("notify", &InternodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
+      .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
+      .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &InternodeBuffer::combine, py::call_guard<py::gil_scoped_release>());
+#else
+  (void)m;
+#endif
+}

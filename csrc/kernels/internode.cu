@@ -1,0 +1,513 @@
+// Internode high-throughput kernels: NVLink/xGMI aggregation inside a node, CPU-proxy RDMA between nodes.
+//
+// Dispatch (three launches on the caller's stream):
+//   pack     every token is written once per destination NODE into that node's segment of the send area,
+//            with its positions on the node's ranks; when a chunk of rows is complete, the warp that
+//            completed it pushes ONE write command (the chunk into the recv area of the rank with the same
+//            local index on that node) and one atomic add on the chunk's arrival flag, on the same channel:
+//            the proxy applies them in order, so the flag means "the chunk's bytes are there". Block 0
+//            first starts the op: clears this op's arrival flags, sends READY to every RDMA peer (senders
+//            write into a peer's areas only after its READY for the op: nothing it still reads is
+//            overwritten) and arrives at the node barrier.
+//   forward  once every node peer arrived (their previous ops are done with their NVL buffers), each row
+//            this rank forwards (from each other node once its chunk flag is up; from its own send segment
+//            for its own node) is copied over NVLink/xGMI into the receive rows of its final ranks in the
+//            node, at row_base[source][rank] + position: the same rows as intranode (source rank, then
+//            token). The last block arrives at the node barrier again.
+//   copy-out once every node peer finished forwarding, the landed rows are split into the outputs (top-k
+//            ids become this rank's local expert ids or -1).
+// Combine (three launches): stage (rows into this rank's NVL staging area, node barrier), forward (each
+// forwarded row is the float32 sum of its node ranks' staged rows, in local order; one write + flag per
+// chunk back to the source node's RDMA peer, or straight into this rank's crecv for its own node), reduce
+// (each token sums its nodes' rows in node order, + biases, rounded once).
+//
+// Inter-node bytes move only through proxy commands. Every wait has a deadline and reports rank, peer,
+// channel and phase into the error record (internode_buffer.cu formats it).
+#include "common/check.h"
+#include "kernels/internode_launch.cuh"
+
+namespace uccl_ep::internode {
+namespace {
+
+using intranode::kErrTimeout;
+using intranode::kWarpSize;
+using intranode::ld_acquire_sys;
+using intranode::ld_global_v4;
+using intranode::report_error;
+using intranode::wait_geq;
+
+constexpr int kWarps = kThreads / kWarpSize;
+
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+#if defined(UCCL_EP_WITH_HIP)
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
+__device__ __forceinline__ uint64_t* bar_words(char* nvl) { return reinterpret_cast<uint64_t*>(nvl + kBarOffset); }
+
+// This rank arrives at node barrier `b` (one thread): its earlier writes, and those of the blocks whose
+// completion it observed, are visible to a peer that sees the word.
+__device__ void barrier_arrive(const Common& c, uint64_t b) {
+  __threadfence_system();
+  for (int j = 0; j < c.L; ++j) st_release_sys_u64(bar_words(c.nvl[j]) + c.local, b);
+}
+
+// Every block: waits until every node peer arrived at barrier `b`.
+__device__ bool barrier_wait(const Common& c, uint64_t b, int phase) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    const uint64_t* words = bar_words(c.nvl[c.local]);
+    for (int j = 0; j < c.L && ok; ++j)
+      if (!wait_geq(words + j, b, c.timeout_cycles, c.err, c.claim, c.rank, c.node * c.L + j, phase, 0)) ok = 0;
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// One thread of the last block to finish (of this launch) returns true, after all blocks' writes.
+__device__ bool last_block(const Common& c) {
+  __shared__ int last;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(c.done), 1ULL);
+    last = old == c.done_base + gridDim.x - 1;
+  }
+  __syncthreads();
+  return last && threadIdx.x == 0;
+}
+
+// Pushes n commands on `channel`'s ring; a ring that stays full for the timeout is an error (the proxy
+// thread is gone: the ring is unusable afterwards, and so is the backend).
+__device__ bool push(const Common& c, int channel, const uccl::Command* cmds, int n, int peer, int phase) {
+  if (uccl::ring_push(c.rings.r[channel % c.rings.n], cmds, uint32_t(n), c.ring_spins)) return true;
+  report_error(c.err, c.claim, kErrRingFull, c.rank, peer, phase, n, 0, channel);
+  return false;
+}
+
+// Every block, before it writes any outgoing area: every RDMA peer sent READY for this op. A peer's READY
+// means it finished every earlier op, so it received all this rank's earlier chunks (whose copies may still
+// have been reading these areas) and no longer reads the areas this op writes into at its side.
+__device__ bool wait_peers_ready(const Common& c, int phase) {
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int n = 0; n < c.N && ok; ++n) {
+      if (n == c.node) continue;
+      const int peer = n * c.L + c.local;
+      if (!wait_geq(c.flags + ready_flag(c.num_ranks, peer), c.ops, c.timeout_cycles, c.err, c.claim, c.rank, peer,
+                    phase, 0))
+        ok = 0;
+    }
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// Pushes [write chunk j to node n's RDMA peer, its flag += 1] on the chunk's channel (in this order: the
+// proxy applies the add after the write landed).
+__device__ void send_chunk(const Common& c, int n, int j, int64_t local_off, int64_t remote_off, int64_t bytes,
+                           int64_t flag_word, int phase) {
+  const int peer = n * c.L + c.local;
+  const int channel = 1 + j % c.data_channels;
+  uccl::Command cmds[2] = {};
+  cmds[0].op = uccl::OP_WRITE;
+  cmds[0].dst_rank = uint8_t(peer);
+  cmds[0].channel = uint8_t(channel);
+  cmds[0].region = 0;
+  cmds[0].length = uint32_t(bytes);
+  cmds[0].local_off = uint32_t(local_off);
+  cmds[0].remote_off = uint32_t(remote_off);
+  cmds[1].op = uccl::OP_ATOMIC_ADD;
+  cmds[1].dst_rank = uint8_t(peer);
+  cmds[1].channel = uint8_t(channel);
+  cmds[1].region = 1;
+  cmds[1].length = 1;
+  cmds[1].remote_off = uint32_t(flag_word * 8);
+  uccl::ring_release_data();  // the chunk's rows (this and other warps', fenced before their count) first
+  push(c, channel, cmds, 2, peer, phase);
+}
+
+// Starts an op (block 0, thread 0): clears the arrival flags of this op's chunks (this rank's host flag
+// words, before READY lets anyone set them), READY to every RDMA peer, arrival at the node barrier.
+__device__ void start_op(const Common& c, int64_t first_flag_of_node0, const int* nchunks, int phase) {
+  for (int n = 0; n < c.N; ++n)
+    for (int j = 0; j < nchunks[n]; ++j) c.flags[first_flag_of_node0 + int64_t(n) * kMaxChunks + j] = 0;
+  __threadfence_system();
+  for (int n = 0; n < c.N; ++n) {
+    if (n == c.node) continue;
+    uccl::Command cmd = {};
+    cmd.op = uccl::OP_ATOMIC_ADD;
+    cmd.dst_rank = uint8_t(n * c.L + c.local);
+    cmd.channel = 0;
+    cmd.region = 1;
+    cmd.length = 1;
+    cmd.remote_off = uint32_t(ready_flag(c.num_ranks, c.rank) * 8);
+    if (!push(c, 0, &cmd, 1, n * c.L + c.local, phase)) return;
+  }
+  barrier_arrive(c, c.barrier);
+}
+
+// Counts one finished row of chunk (n, j); true for the lane-0 call that completed the chunk.
+__device__ bool chunk_done(const Common& c, int n, int j, int rows_in_chunk) {
+  __threadfence();  // this row's stores before the count (the completing warp fences at system scope)
+  return atomicAdd(c.chunk_count + n * kMaxChunks + j, 1) + 1 == rows_in_chunk;
+}
+
+__device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k) {
+  int n = 0;
+  while (n + 1 < N && row0[n + 1] <= k) ++n;
+  return n;
+}
+
+__device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
+  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(bytes)) & 15u) == 0) {
+    for (int64_t v = lane; v < bytes / 16; v += kWarpSize)
+      reinterpret_cast<int4*>(dst)[v] = ld_global_v4(reinterpret_cast<const int4*>(src) + v);
+  } else {
+    for (int64_t i = lane; i < bytes; i += kWarpSize) dst[i] = src[i];
+  }
+}
+
+// ---- notify ---------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
+  const Common& c = a.c;
+  int* out = reinterpret_cast<int*>(c.rdma + a.out_off);
+  int* own = reinterpret_cast<int*>(c.rdma + a.in_off) + int64_t(c.rank) * a.stride;
+  const int R = c.num_ranks, N = c.N;
+  for (int i = threadIdx.x; i < a.row_ints; i += blockDim.x) {
+    int v;
+    if (i < kHeaderInts) v = a.header[i];
+    else if (i < kHeaderInts + R) v = a.per_rank[i - kHeaderInts];
+    else if (i < kHeaderInts + R + N) v = a.per_node[i - kHeaderInts - R];
+    else v = a.per_expert[i - kHeaderInts - R - N];
+    out[i] = v;
+    own[i] = v;
+  }
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  uccl::ring_release_data();
+  for (int s = 1; s < R; ++s) {
+    const int dst = (c.rank + s) % R;  // staggered: ranks do not all start with rank 0
+    uccl::Command cmds[2] = {};
+    cmds[0].op = uccl::OP_WRITE;
+    cmds[0].dst_rank = uint8_t(dst);
+    cmds[0].length = uint32_t(a.row_ints * 4);
+    cmds[0].local_off = uint32_t(a.out_off);
+    cmds[0].remote_off = uint32_t(a.in_off + int64_t(c.rank) * a.stride * 4);
+    cmds[1].op = uccl::OP_ATOMIC_ADD;
+    cmds[1].dst_rank = uint8_t(dst);
+    cmds[1].region = 1;
+    cmds[1].length = 1;
+    cmds[1].remote_off = uint32_t(notify_flag(c.rank) * 8);
+    if (!push(c, 0, cmds, 2, dst, kPhaseNotify)) return;
+  }
+}
+
+// ---- dispatch -------------------------------------------------------------------------------------------
+struct RowFormat {  // byte offsets inside a dispatch row (dispatch_row_bytes)
+  int64_t scales, ids, weights, src, pos;
+  __device__ RowFormat(int64_t x_bytes, int64_t scale_bytes, int k) {
+    scales = x_bytes;
+    ids = scales + scale_bytes;
+    weights = ids + 4 * k;
+    src = weights + 4 * k;
+    pos = src + 8;
+  }
+};
+
+__global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a) {
+  const Common& c = a.c;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    start_op(c, dispatch_flag(c.num_ranks, 0, 0), a.t.nchunks_recv, kPhaseDispatchSend);
+  if (!wait_peers_ready(c, kPhaseDispatchSend)) return;
+  const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  char* send = c.rdma + a.send_off;
+  for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
+    for (int n = 0; n < c.N; ++n) {
+      const int head = a.node_head[t * c.N + n];
+      if (head < 0) continue;
+      const int64_t row = a.t.send_row0[n] + head;
+      char* p = send + row * a.row_bytes;
+      warp_copy(p, a.x + t * a.x_bytes, a.x_bytes, lane);
+      if (a.scale_bytes) warp_copy(p + f.scales, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
+      for (int k = lane; k < a.num_topk; k += kWarpSize) {
+        reinterpret_cast<int*>(p + f.ids)[k] = int(a.topk_idx[t * a.num_topk + k]);
+        reinterpret_cast<float*>(p + f.weights)[k] = a.topk_w != nullptr ? a.topk_w[t * a.num_topk + k] : 0.f;
+      }
+      if (lane == 0) {
+        reinterpret_cast<int*>(p + f.src)[0] = int(t);
+        reinterpret_cast<int*>(p + f.src)[1] = c.rank;
+      }
+      for (int j = lane; j < c.L; j += kWarpSize)
+        reinterpret_cast<int*>(p + f.pos)[j] = a.send_pos[t * c.num_ranks + n * c.L + j];
+      __syncwarp();
+      if (lane == 0 && n != c.node) {
+        const int jc = head / a.chunk_rows;
+        const int64_t seg_rows = a.t.send_row0[n + 1] - a.t.send_row0[n];
+        const int rows = int(seg_rows - int64_t(jc) * a.chunk_rows < a.chunk_rows ? seg_rows - int64_t(jc) * a.chunk_rows
+                                                                                  : a.chunk_rows);
+        if (chunk_done(c, n, jc, rows)) {
+          const int64_t first = a.t.send_row0[n] + int64_t(jc) * a.chunk_rows;
+          send_chunk(c, n, jc, a.send_off + first * a.row_bytes,
+                     a.t.remote_in[n] + int64_t(jc) * a.chunk_rows * a.row_bytes, rows * a.row_bytes,
+                     dispatch_flag(c.num_ranks, c.node, jc), kPhaseDispatchSend);
+        }
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs a) {
+  const Common& c = a.c;
+  if (!barrier_wait(c, c.barrier, kPhaseDispatchForward)) return;
+  const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int64_t total = a.t.recv_row0[c.N];
+  int seen_n = -1, seen_j = -1;  // the chunk whose flag this warp already saw
+  bool ok = true;
+  for (int64_t k = gwarp; k < total && ok; k += nwarps) {
+    const int n = segment_of(a.t.recv_row0, c.N, k);
+    const int64_t i = k - a.t.recv_row0[n];
+    const char* p;
+    if (n == c.node) {
+      p = c.rdma + a.send_off + (a.t.send_row0[n] + i) * a.row_bytes;
+    } else {
+      const int j = int(i / a.chunk_rows);
+      if (n != seen_n || j != seen_j) {
+        int good = 1;
+        if (lane == 0)
+          good = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
+                          n * c.L + c.local, kPhaseDispatchForward, 1 + j % c.data_channels);
+        ok = intranode::warp_shfl(good, 0) != 0;
+        if (!ok) break;
+        __threadfence_system();  // acquire side of the proxy's write-then-flag
+        seen_n = n;
+        seen_j = j;
+      }
+      p = c.rdma + a.recv_off + k * a.row_bytes;
+    }
+    const int src = n * c.L + c.local;
+    int dst_row = -1;
+    if (lane < c.L) {
+      const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
+      dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
+      a.fwd_head[k * c.L + lane] = dst_row;
+    }
+    int rows[kMaxLocal];
+    for (int j = 0; j < c.L; ++j) rows[j] = intranode::warp_shfl(dst_row, j);
+    if ((a.row_bytes & 15) == 0) {
+      for (int64_t v = lane; v < a.row_bytes / 16; v += kWarpSize) {
+        const int4 val = ld_global_v4(reinterpret_cast<const int4*>(p) + v);
+        for (int j = 0; j < c.L; ++j)
+          if (rows[j] >= 0)
+            reinterpret_cast<int4*>(c.nvl[j] + a.nvl_recv_off + int64_t(rows[j]) * a.row_bytes)[v] = val;
+      }
+    }
+  }
+  if (last_block(c)) barrier_arrive(c, c.barrier + 1);
+}
+
+__global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArgs a) {
+  const Common& c = a.c;
+  if (!barrier_wait(c, c.barrier + 1, kPhaseDispatchCopyOut)) return;
+  const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const char* area = c.nvl[c.local] + a.nvl_recv_off;
+  const int lo = c.rank * a.experts_per_rank;
+  for (int64_t i = gwarp; i < a.out_rows; i += nwarps) {
+    const bool real = i < a.num_recv;
+    const char* p = area + i * a.row_bytes;
+    if (a.recv_x != nullptr) {
+      if (real) warp_copy(a.recv_x + i * a.x_bytes, p, a.x_bytes, lane);
+      else intranode::grid_zero_bytes(a.recv_x + i * a.x_bytes, a.x_bytes, lane, kWarpSize);
+    }
+    if (a.recv_scales != nullptr) {
+      if (real) warp_copy(a.recv_scales + i * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
+      else intranode::grid_zero_bytes(a.recv_scales + i * a.scale_bytes, a.scale_bytes, lane, kWarpSize);
+    }
+    if (a.recv_idx != nullptr) {
+      for (int k = lane; k < a.num_topk; k += kWarpSize) {
+        int local = -1;
+        float w = 0.f;
+        if (real) {
+          const int e = reinterpret_cast<const int*>(p + f.ids)[k] - lo;
+          if (e >= 0 && e < a.experts_per_rank) {
+            local = e;
+            w = reinterpret_cast<const float*>(p + f.weights)[k];
+          }
+        }
+        a.recv_idx[i * a.num_topk + k] = local;
+        if (a.recv_w != nullptr) a.recv_w[i * a.num_topk + k] = w;
+      }
+    }
+    if (a.recv_src != nullptr && lane < 2) a.recv_src[i * 2 + lane] = real ? reinterpret_cast<const int*>(p + f.src)[lane] : -1;
+  }
+}
+
+// ---- combine --------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, int elem_bytes) {
+  const Common& c = a.c;
+  if (blockIdx.x == 0 && threadIdx.x == 0)
+    start_op(c, combine_flag(c.num_ranks, c.N, 0, 0), a.t.nchunks_send, kPhaseCombineStage);
+  if (!barrier_wait(c, c.barrier, kPhaseCombineStage)) return;  // peers no longer read the staging rows
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int64_t y_bytes = int64_t(a.hidden) * elem_bytes;
+  char* stage = c.nvl[c.local] + a.nvl_stage_off;
+  for (int64_t i = gwarp; i < a.num_recv; i += nwarps) {
+    char* p = stage + i * a.crow_bytes;
+    warp_copy(p, a.x + i * y_bytes, y_bytes, lane);
+    for (int k = lane; k < a.num_topk; k += kWarpSize)
+      reinterpret_cast<float*>(p + y_bytes)[k] = a.topk_w[i * a.num_topk + k];
+  }
+  if (last_block(c)) barrier_arrive(c, c.barrier + 1);
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
+  const Common& c = a.c;
+  if (!barrier_wait(c, c.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, kPhaseCombineForward)) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int64_t y_bytes = int64_t(a.hidden) * T::kSize;
+  const int64_t total = a.t.recv_row0[c.N];
+  for (int64_t k = gwarp; k < total; k += nwarps) {
+    const int n = segment_of(a.t.recv_row0, c.N, k);
+    const int64_t i = k - a.t.recv_row0[n];
+    int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
+    const char* srcs[kMaxLocal];
+    int m = 0;
+    for (int j = 0; j < c.L; ++j) {
+      const int r = intranode::warp_shfl(dst_row, j);
+      if (r >= 0) srcs[m++] = c.nvl[j] + a.nvl_stage_off + int64_t(r) * a.crow_bytes;
+    }
+    char* out = n == c.node ? c.rdma + a.crecv_off + (a.t.send_row0[n] + i) * a.crow_bytes
+                            : c.rdma + a.csend_off + k * a.crow_bytes;
+    for (int64_t e = lane; e < a.hidden; e += kWarpSize) {
+      float s = 0.f;
+      for (int q = 0; q < m; ++q) s += T::load(srcs[q], e);
+      T::store(out, e, s);
+    }
+    for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
+      float s = 0.f;
+      for (int q = 0; q < m; ++q) s += reinterpret_cast<const float*>(srcs[q] + y_bytes)[kk];
+      reinterpret_cast<float*>(out + y_bytes)[kk] = s;
+    }
+    __syncwarp();
+    if (lane == 0 && n != c.node) {
+      const int jc = int(i / a.chunk_rows);
+      const int64_t seg_rows = a.t.recv_row0[n + 1] - a.t.recv_row0[n];
+      const int rows = int(seg_rows - int64_t(jc) * a.chunk_rows < a.chunk_rows ? seg_rows - int64_t(jc) * a.chunk_rows
+                                                                                  : a.chunk_rows);
+      if (chunk_done(c, n, jc, rows)) {
+        const int64_t first = a.t.recv_row0[n] + int64_t(jc) * a.chunk_rows;
+        send_chunk(c, n, jc, a.csend_off + first * a.crow_bytes,
+                   a.t.remote_in[n] + int64_t(jc) * a.chunk_rows * a.crow_bytes, rows * a.crow_bytes,
+                   combine_flag(c.num_ranks, c.N, c.node, jc), kPhaseCombineForward);
+      }
+    }
+  }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
+  const Common& c = a.c;
+  __shared__ int ok;
+  if (threadIdx.x == 0) {
+    ok = 1;
+    for (int n = 0; n < c.N && ok; ++n) {
+      if (n == c.node) continue;
+      for (int j = 0; j < a.t.nchunks_send[n] && ok; ++j)
+        if (!wait_geq(c.flags + combine_flag(c.num_ranks, c.N, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
+                      n * c.L + c.local, kPhaseCombineReduce, 1 + j % c.data_channels))
+          ok = 0;
+    }
+    __threadfence_system();
+  }
+  __syncthreads();
+  if (!ok) return;
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  const int64_t y_bytes = int64_t(a.hidden) * T::kSize;
+  const char* crecv = c.rdma + a.crecv_off;
+  for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
+    const char* rows[kMaxNodes];
+    int m = 0;
+    for (int n = 0; n < c.N; ++n) {
+      const int head = a.node_head[t * c.N + n];
+      if (head >= 0) rows[m++] = crecv + (a.t.send_row0[n] + head) * a.crow_bytes;
+    }
+    for (int64_t e = lane; e < a.hidden; e += kWarpSize) {
+      float s = 0.f;
+      for (int q = 0; q < m; ++q) s += T::load(rows[q], e);
+      if (a.bias0 != nullptr) s += T::load(a.bias0 + t * y_bytes, e);
+      if (a.bias1 != nullptr) s += T::load(a.bias1 + t * y_bytes, e);
+      T::store(a.out + t * y_bytes, e, s);
+    }
+    if (a.out_w != nullptr)
+      for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
+        float s = 0.f;
+        for (int q = 0; q < m; ++q) s += reinterpret_cast<const float*>(rows[q] + y_bytes)[kk];
+        a.out_w[t * a.num_topk + kk] = s;
+      }
+  }
+}
+
+void check_launch(const char* what) {
+  const gpuError_t e = gpuGetLastError();
+  UCCL_CHECK(e == gpuSuccess, "internode " << what << ": kernel launch failed: " << gpuGetErrorString(e));
+}
+
+template <typename T>
+void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
+  combine_forward_kernel<T><<<num_sms, kThreads, 0, stream>>>(a);
+  check_launch("combine (forward)");
+  combine_reduce_kernel<T><<<num_sms, kThreads, 0, stream>>>(a);
+}
+
+}  // namespace
+
+void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
+  notify_kernel<<<1, kThreads, 0, stream>>>(a);
+  check_launch("notify");
+}
+
+void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream) {
+  UCCL_CHECK_GPU(gpuMemsetAsync(a.c.chunk_count, 0, sizeof(int) * kMaxNodes * kMaxChunks, stream));
+  dispatch_pack_kernel<<<num_sms, kThreads, 0, stream>>>(a);
+  check_launch("dispatch (pack)");
+  dispatch_forward_kernel<<<num_sms, kThreads, 0, stream>>>(a);
+  check_launch("dispatch (forward)");
+  dispatch_copy_out_kernel<<<num_sms, kThreads, 0, stream>>>(a);
+  check_launch("dispatch (copy-out)");
+}
+
+void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream) {
+  UCCL_CHECK_GPU(gpuMemsetAsync(a.c.chunk_count, 0, sizeof(int) * kMaxNodes * kMaxChunks, stream));
+  const int elem = a.dtype == 2 ? 4 : 2;
+  combine_stage_kernel<<<num_sms, kThreads, 0, stream>>>(a, elem);
+  check_launch("combine (stage)");
+  switch (a.dtype) {
+    case 0: launch_combine_typed<intranode::ElemBf16>(a, num_sms, stream); break;
+    case 1: launch_combine_typed<intranode::ElemFp16>(a, num_sms, stream); break;
+    default: launch_combine_typed<intranode::ElemFp32>(a, num_sms, stream); break;
+  }
+  check_launch("combine (reduce)");
+}
+
+}  // namespace uccl_ep::internode

@@ -1,0 +1,157 @@
+// Host-side interface of the internode high-throughput path: an NVLink/xGMI aggregation stage inside each
+// node, CPU-proxy RDMA between nodes (docs/internode.md).
+//
+// Plain C++ (no GPU headers), so the pybind11 bindings compile with the host compiler; the implementation
+// lives in internode_buffer.cu (host) and internode.cu (kernels), built only when nvcc or hipcc is found.
+// Pointers and streams cross this boundary as integers: the native module never sees torch.
+//
+// Topology: rank = node * L + local (L = ranks per node, 1..kMaxLocal, chosen at run time). Between nodes
+// a rank only talks to the ranks with its local index (its "RDMA peers"), through proxy commands; inside a
+// node it reads and writes its node peers' buffers through CUDA/HIP IPC.
+//
+// Memory of one rank:
+//   RDMA region (GPU, registered with the proxies as region 0, the same size on every rank):
+//     notify  [2 parities][R] count rows (one per source rank) + this rank's outgoing row
+//     send    dispatch rows this rank packs, one segment per destination node (own node included)
+//     recv    dispatch rows landing from the RDMA peer of each other node
+//     csend   combine rows this rank reduced for each other node's RDMA peer
+//     crecv   combine rows landing back, one segment per node (own node's written locally)
+//   flag region (pinned host memory, mapped; region 1): arrival counters the proxies add to in order
+//   NVL buffer (GPU, IPC-shared inside the node): barrier words, the dispatch receive rows, the combine
+//     staging rows the node peers read.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace uccl_ep::internode {
+
+struct Common;  // kernel arguments every launch shares (internode_launch.cuh)
+
+constexpr int kMaxLocal = 8;        // ranks per node (one NVLink / xGMI domain)
+constexpr int kMaxNodes = 32;       // nodes (the per-node tables travel as kernel arguments)
+constexpr int kMaxRanks = 256;      // a command's destination rank is one byte
+constexpr int kMaxChunks = 1024;    // RDMA chunks per (source node, call): chunks grow to fit
+constexpr int kMaxRings = 16;       // proxy threads (rings) a kernel can push into
+constexpr int kHeaderInts = 8;      // count row header: tokens, x bytes, scale bytes, top-k, weights, experts, ...
+constexpr int kMaxExperts = 2048;   // count rows have room for this many experts (the notify area never moves)
+
+// Bytes of one dispatch row: x | scales | top-k ids (int32) | weights (float32) | source token | source rank |
+// the row's position among the tokens sent to each rank of the destination node (int32 x L); 16-aligned.
+int64_t dispatch_row_bytes(int64_t x_bytes, int64_t scale_bytes, int num_topk, int ranks_per_node);
+// Bytes of one combine row: y (x's dtype) | weights (float32 x num_topk); 16-aligned.
+int64_t combine_row_bytes(int64_t y_bytes, int num_topk);
+// Ints of one notify count row: header | per-rank counts | per-node counts | per-expert counts. Rows sit
+// count_row_ints(R, kMaxExperts, L) ints apart (the stride), whatever the call's number of experts.
+int64_t count_row_ints(int num_ranks, int num_experts, int ranks_per_node);
+
+// Where everything of one rank lives for one call (byte offsets; "row0" arrays are row indices of each
+// node's segment). Computed from the global per-node send counts rd[s * N + n] (tokens rank s sends to
+// node n) that notify gives every rank, so a sender computes its receivers' offsets the same way.
+struct Layout {
+  int num_nodes = 0;
+  int64_t row_bytes = 0, crow_bytes = 0, count_stride = 0;  // count_stride: bytes between count rows
+  int64_t notify_off = 0, send_off = 0, recv_off = 0, csend_off = 0, crecv_off = 0, rdma_bytes = 0;
+  int64_t send_row0[kMaxNodes + 1] = {};  // this rank's tokens for node n (segment n of send and crecv)
+  int64_t recv_row0[kMaxNodes + 1] = {};  // rows from node n's RDMA peer (segments of recv, csend; forwarded rows)
+  int64_t nvl_bytes = 0;  // NVL buffer this rank needs: header + two halves of num_recv_rows rows
+};
+Layout make_layout(const std::vector<int>& rd, int num_ranks, int ranks_per_node, int rank, int64_t row_bytes,
+                   int64_t crow_bytes, int64_t num_recv_rows);
+
+class InternodeBuffer {
+ public:
+  // Allocates the NVL buffer (nvl_bytes, IPC-shareable), the RDMA region (rdma_bytes) and the flag region.
+  InternodeBuffer(int device, int rank, int num_ranks, int ranks_per_node, int64_t nvl_bytes, int64_t rdma_bytes,
+                  double timeout_s);
+  ~InternodeBuffer();
+  InternodeBuffer(const InternodeBuffer&) = delete;
+  InternodeBuffer& operator=(const InternodeBuffer&) = delete;
+
+  std::string ipc_handle() const;
+  // The NVL buffers' IPC handles of this node's ranks, in local order (own included).
+  void open_peers(const std::vector<std::string>& handles);
+  // Replaces the RDMA region by one of `bytes` (the proxies must be rebuilt over it: collective).
+  void resize_rdma(int64_t bytes);
+  void destroy();
+
+  int64_t rdma_ptr() const { return reinterpret_cast<int64_t>(rdma_); }
+  int64_t rdma_bytes() const { return rdma_bytes_; }
+  int64_t flag_ptr() const { return reinterpret_cast<int64_t>(flags_host_); }
+  int64_t flag_bytes() const;
+  int64_t nvl_bytes() const { return nvl_bytes_; }
+  // The two halves of the NVL buffer after the header: receive rows, combine staging rows. The same offsets
+  // on every rank (every rank's buffer has the same size: growth is collective).
+  int64_t nvl_recv_off() const;
+  int64_t nvl_stage_off() const;
+
+  // The proxy rings kernels push into: device descriptors (slots, claim, tail_cache, tail, flushed, echo,
+  // capacity, publish: 0 fence / 1 vector), one per proxy thread; channel c goes through ring c % count.
+  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+
+  std::string error() const;
+
+  // Fresh dispatch, step 1: this rank's count row (header, per-rank / per-node / per-expert counts, device
+  // int32 tensors) into every rank's notify slot through the proxies. Then wait_counts (host): waits for
+  // every rank's row (deadline), copies the R rows to host_out (int32 [R, row stride], see count_row_ints).
+  void notify(const std::vector<int>& header, int64_t per_rank, int64_t per_node, int64_t per_expert,
+              int num_experts, int64_t stream);
+  void wait_counts(int64_t host_out, int64_t stream);
+
+  // Dispatch after notify (or cached): packs and sends rows to other nodes (RDMA), forwards rows over NVLink
+  // to their final ranks, copies the landed rows out. rd: global per-node counts (see make_layout);
+  // row_base: device int32 [R, L]: first receive row of source s on local rank j of this node;
+  // send_pos: device int32 [T, R] (row of token t among rows sent to r, -1); node_head: device int32 [T, N]
+  // (row of t among tokens sent to node n, -1). Outputs (0 to skip): recv_x [out_rows, x_bytes],
+  // recv_scales, recv_topk_idx (int64 local ids, -1), recv_topk_w (float32, 0 where -1), recv_src_meta
+  // ([out_rows, 2] int32: source token, source rank), fwd_head (int32 [forwarded rows, L]).
+  void dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
+                int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
+                int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv, int64_t out_rows,
+                int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_w,
+                int64_t recv_src_meta, int64_t fwd_head, int num_sms, int chunk_rows, int64_t stream);
+
+  // Combine: x [num_recv rows, hidden] (dtype 0 bf16, 1 fp16, 2 fp32) in dispatch's receive order is staged,
+  // each forwarded row is reduced over the node's ranks (float32, local order) and sent back to its source
+  // node's RDMA peer (one write per chunk), and each token sums its nodes' rows (float32, node order) +
+  // bias0 + bias1. fwd_head / node_head from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
+  void combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
+               int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head, int64_t bias0, int64_t bias1,
+               int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
+
+  int rank() const { return rank_; }
+
+ private:
+  struct RingFields {  // a proxy ring's device descriptor (uccl::RingDesc) as Python hands it over
+    uint64_t slots, claim, tail_cache, tail, flushed, echo;
+    uint32_t capacity, publish;
+  };
+  void check_ready(const char* what) const;
+  Common common() const;
+  // The tables of one call: this rank's layout, and where its rows land on each RDMA peer.
+  void fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
+                   int64_t num_recv, int chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
+  void alloc_rdma(int64_t bytes);
+  int device_ = 0, rank_ = 0, num_ranks_ = 1, local_ = 0, node_ = 0, ranks_per_node_ = 1, num_nodes_ = 1;
+  int num_device_sms_ = 0;
+  int64_t nvl_bytes_ = 0, rdma_bytes_ = 0;
+  void* nvl_ = nullptr;                 // this rank's NVL buffer
+  void* peers_[kMaxLocal] = {};         // node peers' NVL buffers as mapped here (own included)
+  bool opened_ = false;
+  void* rdma_ = nullptr;                // RDMA region (region 0)
+  void* flags_host_ = nullptr;          // flag region (region 1), pinned + mapped
+  void* flags_dev_ = nullptr;
+  void* err_host_ = nullptr;            // error record, pinned + mapped
+  void* err_dev_ = nullptr;
+  std::vector<RingFields> rings_;
+  int64_t timeout_cycles_ = 0;
+  double timeout_s_ = 0;
+  // Counters every rank advances identically (host side; the kernels take their current values).
+  uint64_t ops_ = 0;          // ops started (each sends one READY to every RDMA peer)
+  uint64_t notifies_ = 0;     // fresh dispatches (one count row from every rank each)
+  uint64_t barriers_ = 0;     // node barriers passed
+  uint64_t done_ = 0;         // blocks that finished a kernel with a last-block step (local counter)
+};
+
+}  // namespace uccl_ep::internode

@@ -1,0 +1,447 @@
+// InternodeBuffer: one rank's NVL buffer (IPC-shared in its node), RDMA region and flag region (both
+// registered with the CPU proxies by Python), and the launchers of the internode ops (internode_api.h).
+#include <chrono>
+#include <cstring>
+#include <sstream>
+#include <thread>
+
+#include "common/check.h"
+#include "kernels/internode_launch.cuh"
+
+namespace uccl_ep::internode {
+
+namespace {
+int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+gpuStream_t as_stream(int64_t s) { return reinterpret_cast<gpuStream_t>(s); }
+template <typename T>
+T* as_ptr(int64_t p) {
+  return reinterpret_cast<T*>(p);
+}
+int64_t chunks(int64_t rows, int chunk_rows) { return (rows + chunk_rows - 1) / chunk_rows; }
+}  // namespace
+
+int64_t dispatch_row_bytes(int64_t x_bytes, int64_t scale_bytes, int num_topk, int ranks_per_node) {
+  return align_up(x_bytes + scale_bytes + 8 * int64_t(num_topk) + 8 + 4 * int64_t(ranks_per_node), 16);
+}
+
+int64_t combine_row_bytes(int64_t y_bytes, int num_topk) { return align_up(y_bytes + 4 * int64_t(num_topk), 16); }
+
+int64_t count_row_ints(int num_ranks, int num_experts, int ranks_per_node) {
+  return kHeaderInts + num_ranks + num_ranks / ranks_per_node + num_experts;
+}
+
+Layout make_layout(const std::vector<int>& rd, int R, int L, int rank, int64_t row_bytes, int64_t crow_bytes,
+                   int64_t num_recv_rows) {
+  UCCL_CHECK(L >= 1 && L <= kMaxLocal && R % L == 0, "internode layout: ranks per node " << L << " must divide "
+                                                                                        << R << " and be 1.." << kMaxLocal);
+  const int N = R / L;
+  UCCL_CHECK(N <= kMaxNodes, "internode layout: " << N << " nodes; at most " << kMaxNodes << " are supported");
+  UCCL_CHECK((int64_t)rd.size() == (int64_t)R * N, "internode layout: rd has " << rd.size() << " entries, expected "
+                                                                               << R * N);
+  Layout l;
+  l.num_nodes = N;
+  l.row_bytes = row_bytes;
+  l.crow_bytes = crow_bytes;
+  const int node = rank / L, local = rank % L;
+  for (int n = 0; n < N; ++n) {
+    l.send_row0[n + 1] = l.send_row0[n] + rd[(int64_t)rank * N + n];
+    l.recv_row0[n + 1] = l.recv_row0[n] + rd[(int64_t)(n * L + local) * N + node];
+  }
+  l.count_stride = 4 * count_row_ints(R, kMaxExperts, L);
+  // notify: the outgoing row, then 2 parities x R incoming rows; it never overlaps what the ops write
+  // (peers send count rows before any READY)
+  l.notify_off = 0;
+  l.send_off = align_up(l.count_stride * (1 + 2 * (int64_t)R), 256);
+  l.recv_off = align_up(l.send_off + l.send_row0[N] * row_bytes, 256);
+  l.csend_off = align_up(l.recv_off + l.recv_row0[N] * row_bytes, 256);
+  l.crecv_off = align_up(l.csend_off + l.recv_row0[N] * crow_bytes, 256);
+  l.rdma_bytes = align_up(l.crecv_off + l.send_row0[N] * crow_bytes, 256);
+  l.nvl_bytes = kNvlHeaderBytes + 2 * align_up(num_recv_rows * std::max(row_bytes, crow_bytes), 256);
+  return l;
+}
+
+InternodeBuffer::InternodeBuffer(int device, int rank, int num_ranks, int ranks_per_node, int64_t nvl_bytes,
+                                 int64_t rdma_bytes, double timeout_s)
+    : device_(device), rank_(rank), num_ranks_(num_ranks), ranks_per_node_(ranks_per_node), timeout_s_(timeout_s) {
+  UCCL_CHECK(num_ranks >= 2 && num_ranks <= kMaxRanks, "internode buffer: num_ranks " << num_ranks << " outside [2, "
+                                                                                      << kMaxRanks << "]");
+  UCCL_CHECK(ranks_per_node >= 1 && ranks_per_node <= kMaxLocal && num_ranks % ranks_per_node == 0,
+             "internode buffer: ranks_per_node " << ranks_per_node << " must be 1.." << kMaxLocal << " and divide "
+                                                 << num_ranks);
+  UCCL_CHECK(rank >= 0 && rank < num_ranks, "internode buffer: rank " << rank << " outside [0, " << num_ranks << ")");
+  num_nodes_ = num_ranks / ranks_per_node;
+  UCCL_CHECK(num_nodes_ <= kMaxNodes, "internode buffer: " << num_nodes_ << " nodes; at most " << kMaxNodes);
+  node_ = rank / ranks_per_node;
+  local_ = rank % ranks_per_node;
+  nvl_bytes_ = std::max(nvl_bytes, kNvlHeaderBytes + (int64_t(1) << 20));
+  UCCL_CHECK_GPU(gpuSetDevice(device));
+  int clock_khz = 0;
+#if defined(UCCL_EP_WITH_HIP)
+  UCCL_CHECK_GPU(hipDeviceGetAttribute(&clock_khz, hipDeviceAttributeClockRate, device));
+  UCCL_CHECK_GPU(hipDeviceGetAttribute(&num_device_sms_, hipDeviceAttributeMultiprocessorCount, device));
+#else
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device));
+#endif
+  if (clock_khz <= 0) clock_khz = 2000000;
+  timeout_cycles_ = (int64_t)(timeout_s * (double)clock_khz * 1000.0);
+  try {
+    UCCL_CHECK_GPU(gpuMalloc(&nvl_, (size_t)nvl_bytes_));
+    UCCL_CHECK_GPU(gpuMemset(nvl_, 0, (size_t)nvl_bytes_));  // barrier words start at 0 before peers map it
+    const size_t fb = (size_t)flag_bytes();
+    UCCL_CHECK_GPU(gpuHostAlloc(&flags_host_, fb, gpuHostAllocMapped | gpuHostAllocPortable));
+    std::memset(flags_host_, 0, fb);
+    UCCL_CHECK_GPU(gpuHostGetDevicePointer(&flags_dev_, flags_host_, 0));
+    UCCL_CHECK_GPU(gpuHostAlloc(&err_host_, sizeof(ErrorRecord), gpuHostAllocMapped | gpuHostAllocPortable));
+    std::memset(err_host_, 0, sizeof(ErrorRecord));
+    UCCL_CHECK_GPU(gpuHostGetDevicePointer(&err_dev_, err_host_, 0));
+    alloc_rdma(rdma_bytes);
+    UCCL_CHECK_GPU(gpuDeviceSynchronize());
+  } catch (...) {
+    destroy();
+    throw;
+  }
+  peers_[local_] = nvl_;
+}
+
+InternodeBuffer::~InternodeBuffer() {
+  try {
+    destroy();
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "uccl_ep_train native: ~InternodeBuffer: %s\n", ex.what());
+  }
+}
+
+int64_t InternodeBuffer::nvl_recv_off() const { return kNvlHeaderBytes; }
+int64_t InternodeBuffer::nvl_stage_off() const { return kNvlHeaderBytes + (nvl_bytes_ - kNvlHeaderBytes) / 512 * 256; }
+
+int64_t InternodeBuffer::flag_bytes() const { return 8 * flag_words(num_ranks_, num_nodes_); }
+
+void InternodeBuffer::alloc_rdma(int64_t bytes) {
+  UCCL_CHECK(bytes > 0 && bytes < (int64_t(1) << 32), "internode buffer: num_rdma_bytes " << bytes
+                                                                                          << " must be in (0, 4 GiB)");
+  UCCL_CHECK_GPU(gpuMalloc(&rdma_, (size_t)bytes));
+  UCCL_CHECK_GPU(gpuMemset(rdma_, 0, (size_t)bytes));
+  rdma_bytes_ = bytes;
+}
+
+void InternodeBuffer::resize_rdma(int64_t bytes) {
+  UCCL_CHECK(nvl_ != nullptr, "internode buffer: destroyed");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  UCCL_CHECK_GPU(gpuDeviceSynchronize());
+  if (rdma_ != nullptr) UCCL_CHECK_GPU(gpuFree(rdma_));
+  rdma_ = nullptr;
+  rings_.clear();  // the proxies over the old region are gone
+  alloc_rdma(bytes);
+}
+
+std::string InternodeBuffer::ipc_handle() const {
+  UCCL_CHECK(nvl_ != nullptr, "internode buffer: destroyed");
+  gpuIpcMemHandle_t h;
+  UCCL_CHECK_GPU(gpuIpcGetMemHandle(&h, nvl_));
+  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+}
+
+void InternodeBuffer::open_peers(const std::vector<std::string>& handles) {
+  UCCL_CHECK(nvl_ != nullptr, "internode buffer: destroyed");
+  UCCL_CHECK(!opened_, "internode buffer: peers already opened");
+  UCCL_CHECK((int)handles.size() == ranks_per_node_, "internode buffer: expected " << ranks_per_node_
+                                                                                   << " IPC handles, got " << handles.size());
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  for (int j = 0; j < ranks_per_node_; ++j) {
+    if (j == local_) continue;
+    UCCL_CHECK(handles[j].size() == sizeof(gpuIpcMemHandle_t), "internode buffer: IPC handle of local rank " << j
+                                                                                                            << " has the wrong size");
+    gpuIpcMemHandle_t h;
+    std::memcpy(&h, handles[j].data(), sizeof(h));
+    void* p = nullptr;
+    const gpuError_t e = gpuIpcOpenMemHandle(&p, h, gpuIpcMemLazyEnablePeerAccess);
+    UCCL_CHECK(e == gpuSuccess, "internode buffer: rank " << rank_ << " could not map the NVL buffer of rank "
+                                                          << node_ * ranks_per_node_ + j << " (cudaIpcOpenMemHandle: "
+                                                          << gpuGetErrorString(e) << ")");
+    peers_[j] = p;
+  }
+  opened_ = true;
+}
+
+void InternodeBuffer::destroy() {
+  gpuError_t first = gpuSuccess;
+  auto keep = [&first](gpuError_t e) {
+    if (first == gpuSuccess) first = e;
+  };
+  if (nvl_ != nullptr || rdma_ != nullptr || flags_host_ != nullptr || err_host_ != nullptr) (void)gpuSetDevice(device_);
+  for (int j = 0; j < kMaxLocal; ++j) {
+    if (j != local_ && peers_[j] != nullptr) keep(gpuIpcCloseMemHandle(peers_[j]));
+    peers_[j] = nullptr;
+  }
+  opened_ = false;
+  rings_.clear();
+  if (nvl_ != nullptr) keep(gpuFree(nvl_));
+  if (rdma_ != nullptr) keep(gpuFree(rdma_));
+  if (flags_host_ != nullptr) keep(gpuFreeHost(flags_host_));
+  if (err_host_ != nullptr) keep(gpuFreeHost(err_host_));
+  nvl_ = rdma_ = flags_host_ = flags_dev_ = err_host_ = err_dev_ = nullptr;
+  if (first != gpuSuccess) UCCL_THROW("internode buffer: releasing resources failed: " << gpuGetErrorString(first));
+}
+
+void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) {
+  UCCL_CHECK(!rings.empty() && (int)rings.size() <= kMaxRings, "internode buffer: " << rings.size() << " rings; 1.."
+                                                                                    << kMaxRings << " supported");
+  rings_.clear();
+  for (const auto& r : rings) {
+    UCCL_CHECK(r.size() == 8, "internode buffer: a ring descriptor has 8 fields, got " << r.size());
+    rings_.push_back(RingFields{uint64_t(r[0]), uint64_t(r[1]), uint64_t(r[2]), uint64_t(r[3]), uint64_t(r[4]),
+                          uint64_t(r[5]), uint32_t(r[6]), uint32_t(r[7])});
+  }
+}
+
+void InternodeBuffer::check_ready(const char* what) const {
+  UCCL_CHECK(nvl_ != nullptr && rdma_ != nullptr, what << ": the internode buffer was destroyed");
+  UCCL_CHECK(opened_, what << ": the node peers' NVL buffers are not opened yet");
+  UCCL_CHECK(!rings_.empty(), what << ": no proxy rings (set_rings)");
+}
+
+std::string InternodeBuffer::error() const {
+  if (err_host_ == nullptr) return "";
+  const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
+  if (r->code <= 0) return "";
+  static const char* phases[] = {"notify", "dispatch (send)", "dispatch (forward)", "dispatch (copy-out)",
+                                 "combine (stage)", "combine (forward)", "combine (reduce)"};
+  const char* phase = (r->phase >= kPhaseNotify && r->phase <= kPhaseCombineReduce) ? phases[r->phase - kPhaseNotify] : "?";
+  const int L = ranks_per_node_;
+  std::ostringstream os;
+  if (r->code == intranode::kErrTimeout) {
+    os << "timeout on rank " << r->rank << " (node " << r->rank / L << ") waiting for rank " << r->peer << " (node "
+       << r->peer / L << ") on channel " << r->block << " in phase '" << phase << "' (signal " << r->have << " < "
+       << r->need << " after " << timeout_s_ << " s, UCCL_EP_TIMEOUT_S); is every rank running the same op, and "
+       << "are the proxies alive?";
+  } else if (r->code == kErrRingFull) {
+    os << "rank " << r->rank << " (node " << r->rank / L << "): the proxy ring of channel " << r->block
+       << " stayed full for " << timeout_s_ << " s in phase '" << phase << "' (sending to rank " << r->peer
+       << "): the proxy thread is not draining it";
+  } else {
+    os << "error code " << r->code << " on rank " << r->rank << " in phase '" << phase << "'";
+  }
+  return os.str();
+}
+
+// What every kernel of this rank gets for its next launch.
+Common InternodeBuffer::common() const {
+  Common c{};
+  c.rank = rank_;
+  c.num_ranks = num_ranks_;
+  c.L = ranks_per_node_;
+  c.N = num_nodes_;
+  c.node = node_;
+  c.local = local_;
+  c.timeout_cycles = timeout_cycles_;
+  c.ring_spins = (unsigned long long)(timeout_s_ * 1e6) + 1;  // a host-tail poll is >= ~1 us over PCIe
+  c.err = static_cast<ErrorRecord*>(err_dev_);
+  c.claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
+  c.flags = static_cast<uint64_t*>(flags_dev_);
+  c.rings.n = (int)rings_.size();
+  for (size_t i = 0; i < rings_.size(); ++i) {
+    const RingFields& r = rings_[i];
+    uccl::RingDesc& d = c.rings.r[i];
+    d.slots = reinterpret_cast<uccl::Command*>(r.slots);
+    d.claim = reinterpret_cast<unsigned long long*>(r.claim);
+    d.tail_cache = reinterpret_cast<unsigned long long*>(r.tail_cache);
+    d.tail = reinterpret_cast<unsigned long long*>(r.tail);
+    d.flushed = reinterpret_cast<unsigned long long*>(r.flushed);
+    d.echo = reinterpret_cast<unsigned long long*>(r.echo);
+    d.capacity = r.capacity;
+    d.mask = r.capacity - 1;
+    d.publish = r.publish;
+  }
+  // one data channel per ring (channel 0, control, shares ring 0), at most the 63 non-control channels
+  c.data_channels = std::min<int>((int)rings_.size(), uccl::kMaxChannels - 1);
+  for (int j = 0; j < ranks_per_node_; ++j) c.nvl[j] = static_cast<char*>(peers_[j]);
+  c.rdma = static_cast<char*>(rdma_);
+  c.done = reinterpret_cast<uint64_t*>(static_cast<char*>(nvl_) + kDoneOffset);
+  c.done_base = done_;
+  c.chunk_count = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kChunkCountOffset);
+  c.ops = ops_;
+  c.barrier = barriers_ + 1;
+  return c;
+}
+
+void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, int64_t per_node, int64_t per_expert,
+                             int num_experts, int64_t stream) {
+  check_ready("dispatch (notify)");
+  UCCL_CHECK((int)header.size() == kHeaderInts, "notify: header has " << header.size() << " ints, expected "
+                                                                       << kHeaderInts);
+  UCCL_CHECK(num_experts >= num_ranks_ && num_experts <= kMaxExperts, "dispatch: num_experts " << num_experts
+                                                                                                << " outside [" << num_ranks_ << ", " << kMaxExperts << "]");
+  const int64_t row_ints = count_row_ints(num_ranks_, num_experts, ranks_per_node_);
+  const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
+  const int64_t need = 4 * stride * (1 + 2 * (int64_t)num_ranks_);
+  UCCL_CHECK(need <= rdma_bytes_, "notify: the RDMA region (" << rdma_bytes_ << " bytes) is smaller than the "
+                                                              << need << " bytes the count rows need");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  NotifyArgs a{};
+  a.c = common();
+  a.row_ints = (int)row_ints;
+  a.num_experts = num_experts;
+  for (int i = 0; i < kHeaderInts; ++i) a.header[i] = header[i];
+  a.per_rank = as_ptr<const int>(per_rank);
+  a.per_node = as_ptr<const int>(per_node);
+  a.per_expert = as_ptr<const int>(per_expert);
+  a.out_off = 0;
+  a.stride = (int)stride;
+  a.in_off = 4 * stride * (1 + (int64_t)(notifies_ % 2) * num_ranks_);
+  launch_notify(a, as_stream(stream));
+  notifies_ += 1;
+}
+
+void InternodeBuffer::wait_counts(int64_t host_out, int64_t stream) {
+  check_ready("dispatch (notify)");
+  UCCL_CHECK(notifies_ > 0, "wait_counts: no notify was issued");
+  const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
+  const volatile int64_t* flags = static_cast<const volatile int64_t*>(flags_host_);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
+  for (int s = 0; s < num_ranks_; ++s) {
+    if (s == rank_) continue;
+    uint32_t spins = 0;
+    while ((uint64_t)flags[notify_flag(s)] < notifies_) {
+      const std::string e = error();
+      if (!e.empty()) UCCL_THROW(e);
+      if ((++spins & 1023u) == 0) {
+        if (std::chrono::steady_clock::now() > deadline)
+          UCCL_THROW("timeout on rank " << rank_ << " (node " << node_ << ") waiting for the counts of rank " << s
+                                        << " (node " << s / ranks_per_node_ << ") on channel 0 in phase 'notify' after "
+                                        << timeout_s_ << " s (UCCL_EP_TIMEOUT_S); is every rank calling dispatch, "
+                                        << "and are the proxies alive?");
+        std::this_thread::yield();
+      }
+    }
+  }
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  const int64_t in_off = 4 * stride * (1 + (int64_t)((notifies_ - 1) % 2) * num_ranks_);
+  UCCL_CHECK_GPU(gpuMemcpyAsync(as_ptr<void>(host_out), static_cast<char*>(rdma_) + in_off,
+                                (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, as_stream(stream)));
+  UCCL_CHECK_GPU(gpuStreamSynchronize(as_stream(stream)));
+}
+
+void InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
+                                  int64_t num_recv, int chunk_rows, bool combine, NodeTables* t, Layout* mine) const {
+  const int R = num_ranks_, L = ranks_per_node_, N = num_nodes_;
+  *mine = make_layout(rd, R, L, rank_, row_bytes, crow_bytes, num_recv);
+  UCCL_CHECK(mine->rdma_bytes <= rdma_bytes_, "internode: this call needs " << mine->rdma_bytes << " bytes of RDMA region on rank "
+                                                                            << rank_ << ", it has " << rdma_bytes_);
+  UCCL_CHECK(num_recv * std::max(row_bytes, crow_bytes) <= nvl_stage_off() - nvl_recv_off(),
+             "internode: this call needs " << mine->nvl_bytes << " bytes of NVL buffer on rank " << rank_ << ", it has "
+                                           << nvl_bytes_);
+  *t = NodeTables{};
+  for (int n = 0; n <= N; ++n) {
+    t->send_row0[n] = mine->send_row0[n];
+    t->recv_row0[n] = mine->recv_row0[n];
+  }
+  for (int n = 0; n < N; ++n) {
+    t->nchunks_send[n] = (int)chunks(mine->send_row0[n + 1] - mine->send_row0[n], chunk_rows);
+    t->nchunks_recv[n] = (int)chunks(mine->recv_row0[n + 1] - mine->recv_row0[n], chunk_rows);
+    if (n == node_) continue;
+    const Layout peer = make_layout(rd, R, L, n * L + local_, row_bytes, crow_bytes, 0);
+    t->remote_in[n] = combine ? peer.crecv_off + peer.send_row0[node_] * crow_bytes
+                              : peer.recv_off + peer.recv_row0[node_] * row_bytes;
+  }
+}
+
+// Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks
+// chunks. Every rank derives it from the same global counts, so senders and receivers agree.
+static int effective_chunk_rows(const std::vector<int>& rd, int requested) {
+  int most = 0;
+  for (int v : rd) most = std::max(most, v);
+  return std::max(std::max(requested, 1), (most + kMaxChunks - 1) / kMaxChunks);
+}
+
+void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
+                               int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
+                               int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv,
+                               int64_t out_rows, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
+                               int64_t recv_topk_w, int64_t recv_src_meta, int64_t fwd_head, int num_sms, int chunk_rows,
+                               int64_t stream) {
+  check_ready("dispatch");
+  UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
+                                                                               << num_device_sms_ << "]");
+  UCCL_CHECK(num_experts % num_ranks_ == 0, "dispatch: num_experts " << num_experts << " not divisible by " << num_ranks_);
+  UCCL_CHECK(out_rows >= num_recv, "dispatch: out_rows " << out_rows << " < received rows " << num_recv);
+  UCCL_CHECK(x_bytes % 16 == 0 && scale_bytes % 4 == 0, "dispatch: row bytes " << x_bytes << " (x) must be a multiple "
+                                                                               << "of 16 and " << scale_bytes << " (scales) of 4");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  DispatchArgs a{};
+  Layout me;
+  const int64_t row_bytes = dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node_);
+  a.chunk_rows = effective_chunk_rows(rd, chunk_rows);
+  fill_tables(rd, row_bytes, 0, num_recv, a.chunk_rows, false, &a.t, &me);
+  ops_ += 1;
+  a.c = common();
+  a.send_off = me.send_off;
+  a.recv_off = me.recv_off;
+  a.row_bytes = row_bytes;
+  a.nvl_recv_off = nvl_recv_off();
+  a.num_tokens = num_tokens;
+  a.num_topk = num_topk;
+  a.experts_per_rank = num_experts / num_ranks_;
+  a.x = as_ptr<const char>(x);
+  a.x_bytes = x_bytes;
+  a.scales = as_ptr<const char>(scales);
+  a.scale_bytes = scale_bytes;
+  a.topk_idx = as_ptr<const int64_t>(topk_idx);
+  a.topk_w = as_ptr<const float>(topk_w);
+  a.send_pos = as_ptr<const int>(send_pos);
+  a.node_head = as_ptr<const int>(node_head);
+  a.row_base = as_ptr<const int>(row_base);
+  a.num_recv = num_recv;
+  a.out_rows = out_rows;
+  a.recv_x = as_ptr<char>(recv_x);
+  a.recv_scales = as_ptr<char>(recv_scales);
+  a.recv_idx = as_ptr<int64_t>(recv_topk_idx);
+  a.recv_w = as_ptr<float>(recv_topk_w);
+  a.recv_src = as_ptr<int>(recv_src_meta);
+  a.fwd_head = as_ptr<int>(fwd_head);
+  launch_dispatch(a, num_sms, as_stream(stream));
+  done_ += (uint64_t)num_sms;  // the forward kernel counts its blocks
+  barriers_ += 2;              // arrived at the op's start and after the forward
+}
+
+void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden,
+                              int64_t topk_w, int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head,
+                              int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows,
+                              int64_t stream) {
+  check_ready("combine");
+  UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
+                                                                              << num_device_sms_ << "]");
+  UCCL_CHECK(dtype >= 0 && dtype <= 2, "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
+  UCCL_CHECK(topk_w != 0 || num_topk == 0, "combine: num_topk " << num_topk << " without weights");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  CombineArgs a{};
+  Layout me;
+  const int64_t crow_bytes = combine_row_bytes(int64_t(hidden) * (dtype == 2 ? 4 : 2), num_topk);
+  a.chunk_rows = effective_chunk_rows(rd, chunk_rows);
+  fill_tables(rd, 0, crow_bytes, num_recv, a.chunk_rows, true, &a.t, &me);
+  ops_ += 1;
+  a.c = common();
+  a.csend_off = me.csend_off;
+  a.crecv_off = me.crecv_off;
+  a.crow_bytes = crow_bytes;
+  a.nvl_stage_off = nvl_stage_off();
+  a.num_tokens = num_tokens;
+  a.num_topk = num_topk;
+  a.hidden = hidden;
+  a.dtype = dtype;
+  a.x = as_ptr<const char>(x);
+  a.topk_w = as_ptr<const float>(topk_w);
+  a.num_recv = num_recv;
+  a.node_head = as_ptr<const int>(node_head);
+  a.fwd_head = as_ptr<const int>(fwd_head);
+  a.bias0 = as_ptr<const char>(bias0);
+  a.bias1 = as_ptr<const char>(bias1);
+  a.out = as_ptr<char>(out);
+  a.out_w = as_ptr<float>(out_w);
+  launch_combine(a, num_sms, as_stream(stream));
+  done_ += (uint64_t)num_sms;  // the stage kernel counts its blocks
+  barriers_ += 2;
+}
+
+}  // namespace uccl_ep::internode

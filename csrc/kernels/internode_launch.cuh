@@ -1,0 +1,138 @@
+// Kernel arguments and launchers of the internode path (internal to csrc/kernels; see internode_api.h).
+#pragma once
+
+#include <cstdint>
+
+#include "common/portability.h"
+#include "kernels/device_utils.cuh"
+#include "kernels/internode_api.h"
+#include "proxy/ring.h"
+
+namespace uccl_ep::internode {
+
+using intranode::ErrorRecord;
+
+constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
+
+// NVL buffer header (byte offsets; local words except bar, which node peers write).
+constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at
+constexpr int64_t kDoneOffset = 256;         // uint64: blocks of this rank that finished a last-block kernel
+constexpr int64_t kClaimOffset = 512;        // int: the first error claims the report
+constexpr int64_t kChunkCountOffset = 4096;  // int [kMaxNodes * kMaxChunks]: rows done per chunk (per kernel)
+constexpr int64_t kNvlHeaderBytes = kChunkCountOffset + int64_t(kMaxNodes) * kMaxChunks * 4;
+
+// Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.
+//   [0, R)                notify rows arrived from rank s (cumulative)
+//   [R, 2R)               READY markers from rank s (cumulative: one per op)
+//   [2R + n*kMaxChunks+j] dispatch chunk j from node n landed (reset each op)
+//   [2R + (N+n)*kMaxChunks + j] combine chunk j from node n landed (reset each op)
+__host__ __device__ inline int64_t notify_flag(int s) { return s; }
+__host__ __device__ inline int64_t ready_flag(int R, int s) { return R + s; }
+__host__ __device__ inline int64_t dispatch_flag(int R, int n, int j) { return 2 * int64_t(R) + int64_t(n) * kMaxChunks + j; }
+__host__ __device__ inline int64_t combine_flag(int R, int N, int n, int j) {
+  return 2 * int64_t(R) + int64_t(N + n) * kMaxChunks + j;
+}
+inline int64_t flag_words(int R, int N) { return 2 * int64_t(R) + 2 * int64_t(N) * kMaxChunks; }
+
+// Phases named in errors (ErrorRecord::phase).
+enum Phase : int {
+  kPhaseNotify = 11,
+  kPhaseDispatchSend = 12,
+  kPhaseDispatchForward = 13,
+  kPhaseDispatchCopyOut = 14,
+  kPhaseCombineStage = 15,
+  kPhaseCombineForward = 16,
+  kPhaseCombineReduce = 17,
+};
+// ErrorRecord::code beyond the intranode ones
+constexpr int kErrRingFull = 10;  // a ring stayed full for the whole timeout (proxy thread dead or stuck)
+
+struct RingSet {
+  uccl::RingDesc r[kMaxRings];
+  int n;
+};
+
+// What every internode kernel gets.
+struct Common {
+  int rank, num_ranks, L, N, node, local;
+  int64_t timeout_cycles;
+  unsigned long long ring_spins;  // host-tail polls before a full ring is an error (~ the timeout)
+  ErrorRecord* err;
+  int* claim;
+  uint64_t* flags;  // the flag region, device view
+  RingSet rings;
+  int data_channels;  // chunk j of a stream goes on channel 1 + j % data_channels; channel 0: control
+  char* nvl[kMaxLocal];  // node peers' NVL buffers (own at [local])
+  char* rdma;            // this rank's RDMA region
+  uint64_t* done;        // local block-completion counter
+  uint64_t done_base;    // its value before this launch
+  int* chunk_count;      // local [kMaxNodes * kMaxChunks], zeroed before each kernel that counts
+  uint64_t ops;          // ops started so far, this one included (READY target)
+  uint64_t barrier;      // node barrier this kernel arrives at / waits for
+};
+
+struct NotifyArgs {
+  Common c;
+  int row_ints, stride, num_experts;  // ints sent; ints between rows
+  int header[kHeaderInts];
+  const int* per_rank;
+  const int* per_node;
+  const int* per_expert;
+  int64_t out_off, in_off;  // this rank's outgoing row; the receive slots [R] of this parity
+};
+
+// Per-node tables of one call (row indices, byte offsets in the RDMA region).
+struct NodeTables {
+  int64_t send_row0[kMaxNodes + 1];    // this rank's segment for node n (send area, crecv area)
+  int64_t recv_row0[kMaxNodes + 1];    // rows forwarded from node n (recv area, csend area)
+  int64_t remote_in[kMaxNodes];        // byte offset, in node n's RDMA peer, where this rank's rows land
+  int nchunks_send[kMaxNodes];         // chunks of this rank's segment for node n
+  int nchunks_recv[kMaxNodes];         // chunks coming from node n
+};
+
+struct DispatchArgs {
+  Common c;
+  NodeTables t;
+  int64_t send_off, recv_off, row_bytes, nvl_recv_off;
+  int chunk_rows;
+  int num_tokens, num_topk, experts_per_rank;
+  const char* x;
+  int64_t x_bytes;
+  const char* scales;
+  int64_t scale_bytes;
+  const int64_t* topk_idx;
+  const float* topk_w;
+  const int* send_pos;   // [T, R]
+  const int* node_head;  // [T, N]
+  const int* row_base;   // [R, L]
+  int64_t num_recv, out_rows;
+  char* recv_x;
+  char* recv_scales;
+  int64_t* recv_idx;
+  float* recv_w;
+  int* recv_src;  // [out_rows, 2]
+  int* fwd_head;  // [forwarded rows, L]
+};
+
+struct CombineArgs {
+  Common c;
+  NodeTables t;
+  int64_t csend_off, crecv_off, crow_bytes, nvl_stage_off;
+  int chunk_rows;
+  int num_tokens, num_topk, hidden, dtype;
+  const char* x;
+  const float* topk_w;
+  int64_t num_recv;
+  const int* node_head;  // [T, N]
+  const int* fwd_head;   // [forwarded rows, L]
+  const char* bias0;
+  const char* bias1;
+  char* out;
+  float* out_w;
+};
+
+void launch_notify(const NotifyArgs& a, gpuStream_t stream);
+void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream);  // pack+send, forward, copy-out
+void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream);    // stage, forward, reduce
+
+}  // namespace uccl_ep::internode
