@@ -1,7 +1,7 @@
 """`uccl-ep-train` command line: each subcommand lives in its own module with a `main(argv) -> int`.
 
     train          the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
-    bench NAME     benchmarks (uccl_ep_train.bench.NAME): intranode, megatron, proxy, ...
+    bench NAME     benchmarks (uccl_ep_train.bench.NAME; `bench --help` lists them)
     doctor         RDMA NICs, GPUs, native module, transports on this machine
     plan           validate a recipe against a cluster shape, print launch command and memory estimate
     pretrain-gpt   Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
@@ -20,6 +20,21 @@ COMMANDS = {
     "deep-ep-path": "uccl_ep_train.compat",
 }
 
+# `uccl-ep-train bench NAME` runs uccl_ep_train.bench.NAME (dashes as underscores); listed by `bench --help`
+BENCHMARKS = {
+    "intranode": "HT dispatch/combine on this node's GPUs (NVLink), DeepEP's GB/s convention, NCCL beside it",
+    "internode": "HT dispatch/combine across (emulated) nodes: CPU proxies + NVLink, RDMA and NVL GB/s",
+    "megatron": "the Megatron dispatcher round trip (uccl, alltoall, flex) at the DeepSeek-V3 layer shape",
+    "expert-major": "expert-major dispatch/combine, permutation fused into the kernels vs separate",
+    "proxy": "GPU->CPU command channel: commands/s, pickup latency, ipc/fabric bandwidth",
+}
+
+
+def _bench_usage() -> str:
+    width = max(map(len, BENCHMARKS))
+    return "usage: uccl-ep-train bench NAME [args]   (NAME --help for its options)\n\n" + "\n".join(
+        f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items())
+
 
 def _usage() -> str:
     return (__doc__ or "").strip()
@@ -32,8 +47,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
+        if rest and rest[0] in ("-h", "--help"):
+            print(_bench_usage())
+            return 0
         if not rest or rest[0].startswith("-"):
-            print("usage: uccl-ep-train bench NAME [args]   (NAME: a module of uccl_ep_train.bench)", file=sys.stderr)
+            print(_bench_usage(), file=sys.stderr)
             return 2
         module = "uccl_ep_train.bench." + rest[0].replace("-", "_")
         rest = rest[1:]

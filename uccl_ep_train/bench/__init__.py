@@ -2,12 +2,34 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
+import subprocess
+from datetime import datetime, timezone
+
+# DeepSeek-V3's MoE layer, the shape every benchmark that routes tokens defaults to.
+LAYER_SHAPE = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
 
 
 def add_layer_shape_args(p: argparse.ArgumentParser) -> None:
     """The MoE layer shape the benchmarks default to: DeepSeek-V3 (4096 tokens/rank, hidden 7168, 256
     experts, top-8), one definition for every benchmark that routes tokens."""
-    p.add_argument("--num-tokens", type=int, default=4096)
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--num-experts", type=int, default=256)
-    p.add_argument("--num-topk", type=int, default=8)
+    for name, default in LAYER_SHAPE.items():
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+
+
+def git_commit() -> str:
+    """HEAD of the git tree this package lives in, "unknown" outside one (an installed wheel, no git)."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+
+
+def run_context(command: str, argv: list[str]) -> dict:
+    """What a record needs to be reproduced: the UTC date, the commit, and the command line as the user
+    types it (`uccl-ep-train <command> <argv>`, no interpreter or install path)."""
+    return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
+            "command": shlex.join(["uccl-ep-train", *command.split(), *argv])}

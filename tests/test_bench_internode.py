@@ -1,0 +1,70 @@
+"""`uccl-ep-train bench internode` on CPU ranks: records, RDMA bytes from the routing, the CLI listing."""
+from __future__ import annotations
+
+import json
+
+import torch
+
+REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "device", "gpus",
+            "date", "commit", "command", "timing", "backend", "num_tokens", "hidden", "num_experts", "num_topk",
+            "rdma_bytes", "proxy_bytes", "proxy_commands_per_s")
+SHAPE = {"num_tokens": 64, "hidden": 256, "num_experts": 16, "num_topk": 4}
+
+
+def _remote_tokens(rank: int, world: int, per_node: int) -> int:
+    """Tokens of `rank` x other nodes holding at least one of their experts, counted token by token."""
+    from uccl_ep_train.bench.internode import make_inputs
+
+    _, topk_idx, _ = make_inputs(rank, SHAPE, torch.device("cpu"))
+    experts_per_rank = SHAPE["num_experts"] // world
+    count = 0
+    for experts in topk_idx.tolist():
+        nodes = {e // experts_per_rank // per_node for e in experts if e >= 0}
+        count += len(nodes - {rank // per_node})
+    return count
+
+
+def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are child processes
+    if torch.cuda.is_available():
+        import pytest
+        pytest.skip("the CPU shape and backend; GPU runs are measured by hand")
+    from uccl_ep_train.cli import main
+
+    out = tmp_path / "internode.json"
+    argv = ["--ranks", "4", "--ranks-per-node", "2", "--num-tokens", "64", "--hidden", "256", "--num-experts", "16",
+            "--num-topk", "4", "--iters", "2", "--warmup", "1", "--json", str(out)]
+    assert main(["bench", "internode", *argv]) == 0
+    records = json.loads(out.read_text())
+    assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fp8", "combine", "alltoall"]
+    H, K = SHAPE["hidden"], SHAPE["num_topk"]
+    payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
+    remote = [_remote_tokens(r, 4, 2) for r in range(4)]
+    assert all(0 < n <= SHAPE["num_tokens"] for n in remote)
+    for r in records:
+        missing = [k for k in REQUIRED if k not in r]
+        assert not missing, f"{r['op']}: missing {missing}"
+        assert (r["bench"], r["ranks"], r["ranks_per_node"], r["nodes"]) == ("internode", 4, 2, 2)
+        assert (r["device"], r["gpus"], r["timing"]) == ("cpu", 0, "api")
+        assert {k: r[k] for k in SHAPE} == SHAPE
+        assert r["command"] == "uccl-ep-train bench internode " + " ".join(argv)
+        assert r["date"] and r["commit"]
+        assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
+        assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
+        if r["op"] == "alltoall":
+            assert r["backend"] == "gloo" and r["sms"] == 0
+            assert r["rdma_bytes"] == r["nvl_bytes"] // 2  # half of every rank's slices go to the other node
+            continue
+        assert r["backend"] == "reference" and r["sms"] == 24
+        assert r["rdma_bytes_per_rank"] == [n * payload[r["op"]] for n in remote]
+        assert r["rdma_bytes"] == sum(r["rdma_bytes_per_rank"]) / 4
+    assert "RDMA GB/s" in capfd.readouterr().out
+
+
+def test_bench_help_lists_internode(capsys):
+    from uccl_ep_train.cli import main
+
+    assert main(["bench", "--help"]) == 0
+    text = capsys.readouterr().out
+    for name in ("intranode", "internode", "megatron", "expert-major", "proxy"):
+        assert f"  {name} " in text
+    assert main(["bench"]) == 2

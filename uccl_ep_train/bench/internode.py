@@ -1,0 +1,401 @@
+"""`uccl-ep-train bench internode`: high-throughput dispatch/combine across nodes (CPU proxies + NVLink).
+
+Ranks form nodes of `--ranks-per-node` consecutive ranks (UCCL_EP_RANKS_PER_NODE in every rank; under
+torchrun LOCAL_WORLD_SIZE unless the flag is given), so one host can play several nodes: the bytes between
+them then go through the CPU proxies (the `ipc` transport) as they would through RDMA between hosts. More
+ranks than GPUs share the GPUs (rank r on GPU r % count) over a gloo group with CUDA tensors
+(UCCL_EP_DEVICE=cuda); run NVIDIA MPS for that (a warning says when it is not running).
+
+Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16 dispatch, FP8 dispatch
+(e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights; µs per call = median over
+`--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included).
+- RDMA GB/s: bytes this rank's tokens cross to other nodes per call / time. One copy of a token crosses
+  to each other node holding at least one of its experts (counted from the routing), carrying the token's
+  payload: hidden x element size + float32 scales (FP8) + int32 top-k ids + float32 top-k weights
+  (combine: the reduced row + its weights coming back). DeepEP's test_internode counts hidden bytes only
+  and includes the own node; ours counts what leaves the node.
+- Measured through the proxies, when the backend reports it (`proxy_stats`): bytes per call to the ranks
+  of other nodes and commands/s (all destinations).
+- NVL GB/s: bytes this rank receives (all rows, own node included; hidden + scales, as bench intranode)
+  / time.
+NCCL all_to_all_single of the same bytes is the yardstick (op "alltoall"; skipped on a gloo group with
+CUDA tensors). Without GPUs it runs gloo ranks on CPU (reference backend) at a small default shape.
+`--json PATH` writes one record per (op, SMs), averaged over ranks.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import statistics
+import sys
+import time
+import traceback
+from datetime import timedelta
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import LAYER_SHAPE, add_layer_shape_args, run_context
+from ..localhost import spawn_ranks
+from ..topology import MAX_RANKS_PER_NODE
+
+FP8_BLOCK = 128
+CPU_LAYER_SHAPE = {"num_tokens": 128, "hidden": 512, "num_experts": 32, "num_topk": 4}  # gloo ranks on CPU
+SEED = 1234  # rank r routes with torch.Generator().manual_seed(SEED + r): see make_inputs
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench internode", description=__doc__.split("\n")[0])
+    p.add_argument("--ranks", type=int, default=None, help="ranks to spawn (default: visible GPUs, at least 2; "
+                                                           "4 on CPU)")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: half the ranks)")
+    add_layer_shape_args(p)
+    p.set_defaults(**{k: None for k in LAYER_SHAPE})  # resolved per device: DeepSeek-V3 on GPUs, small on CPU
+    p.add_argument("--sms", default="24", help="comma-separated SM counts (Config.num_sms) to sweep")
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--backend", default="auto", choices=("auto", "native", "reference"), help="UCCL_EP_BACKEND")
+    p.add_argument("--num-nvl-bytes", type=float, default=0, help="NVLink buffer bytes (default: what the shape needs)")
+    p.add_argument("--num-rdma-bytes", type=float, default=0, help="RDMA buffer bytes (default: what the shape needs)")
+    p.add_argument("--no-fp8", action="store_true")
+    p.add_argument("--no-alltoall", action="store_true", help="skip the all_to_all_single comparison")
+    p.add_argument("--json", default=None, help="write the records here")
+    return p
+
+
+def resolve_shape(args, cuda: bool) -> dict:
+    """The layer shape: flags given win, the rest from DeepSeek-V3 on GPUs or CPU_LAYER_SHAPE on CPU."""
+    base = LAYER_SHAPE if cuda else CPU_LAYER_SHAPE
+    return {k: getattr(args, k) if getattr(args, k) is not None else base[k] for k in LAYER_SHAPE}
+
+
+def make_inputs(rank: int, shape: dict, device: torch.device):
+    """This rank's tokens and routing (CPU generator, so every device routes alike): x [T, H] bf16, topk_idx
+    [T, K] int64 (K distinct experts per token), topk_weights [T, K] float32."""
+    T, H, E, K = shape["num_tokens"], shape["hidden"], shape["num_experts"], shape["num_topk"]
+    g = torch.Generator().manual_seed(SEED + rank)
+    topk_idx = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int64)
+    topk_w = torch.rand(T, K, generator=g)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    return x.to(device), topk_idx.to(device), topk_w.to(device)
+
+
+def tokens_per_node(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ranks_per_node: int) -> torch.Tensor:
+    """[num_nodes] int64: tokens with at least one expert on each node (DeepEP's num_tokens_per_rdma_rank)."""
+    num_nodes = num_ranks // ranks_per_node
+    node = topk_idx // (num_experts // num_ranks) // ranks_per_node
+    node = torch.where(topk_idx >= 0, node, num_nodes)  # -1 (no expert) goes to a column dropped below
+    hit = torch.zeros(topk_idx.size(0), num_nodes + 1, dtype=torch.bool, device=topk_idx.device)
+    hit.scatter_(1, node, True)
+    return hit[:, :num_nodes].sum(dim=0).cpu()
+
+
+def payload_bytes(op: str, hidden: int, num_topk: int) -> int:
+    """Bytes of one token's copy crossing to another node: hidden x element size, float32 scales (FP8),
+    int32 top-k ids and float32 top-k weights (dispatch); the reduced bf16 row and its weights (combine)."""
+    if op == "dispatch_bf16":
+        return hidden * 2 + num_topk * (4 + 4)
+    if op == "dispatch_fp8":
+        return hidden + hidden // FP8_BLOCK * 4 + num_topk * (4 + 4)
+    if op == "combine":
+        return hidden * 2 + num_topk * 4
+    raise ValueError(f"payload_bytes: unknown op {op!r}")
+
+
+def rdma_bytes(op: str, topk_idx: torch.Tensor, shape: dict, num_ranks: int, ranks_per_node: int,
+               rank: int) -> int:
+    """Bytes this rank's tokens cross to (dispatch) or get back from (combine) other nodes per call."""
+    per_node = tokens_per_node(topk_idx, shape["num_experts"], num_ranks, ranks_per_node)
+    remote = int(per_node.sum()) - int(per_node[rank // ranks_per_node])
+    return remote * payload_bytes(op, shape["hidden"], shape["num_topk"])
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: bool,
+                stats: Optional[Callable[[], tuple[int, int]]] = None) -> tuple[list[float], Optional[tuple]]:
+    """Per-call µs of `iters` back-to-back calls after `warmup` (CUDA events around each call; wall clock on
+    CPU), started together on every rank; with `stats`, its (bytes, commands) difference over the timed calls."""
+    for _ in range(warmup):
+        fn()
+    _sync(cuda)
+    dist.barrier(group=group)
+    _sync(cuda)
+    before = stats() if stats else None
+    if cuda:
+        marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for start, end in marks:
+            start.record()
+            fn()
+            end.record()
+        torch.cuda.synchronize()
+        us = [start.elapsed_time(end) * 1e3 for start, end in marks]
+    else:
+        us = []
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            us.append((time.perf_counter() - t0) * 1e6)
+    delta = None
+    if stats:
+        after = stats()
+        delta = (after[0] - before[0], after[1] - before[1])
+    return us, delta
+
+
+def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
+    from .. import Buffer
+    from ..fp8 import fp8_dtype_for, per_token_cast_to_fp8
+    from ..topology import detect_topology
+
+    if args.backend != "auto":
+        os.environ["UCCL_EP_BACKEND"] = args.backend
+    cuda = device.type == "cuda"
+    topo = detect_topology(group)
+    L, nodes = topo.ranks_per_node, topo.num_nodes
+    T, H, E, K = shape["num_tokens"], shape["hidden"], shape["num_experts"], shape["num_topk"]
+    x, topk_idx, topk_w = make_inputs(rank, shape, device)
+    x_fp8 = per_token_cast_to_fp8(x, dtype=fp8_dtype_for(device))
+
+    row = H * 2 + H // FP8_BLOCK * 4 + K * 12 + 16
+    nvl = int(args.num_nvl_bytes) or world * T * row + (64 << 20)
+    rdma = int(args.num_rdma_bytes) or (2 * nodes * T * row + (64 << 20) if nodes > 1 else 0)
+    buf = Buffer(group, nvl, rdma, explicitly_destroy=True)
+    # the layout and the fresh dispatch exactly as DeepEP's tests/test_internode.py passes them
+    num_tokens_per_rank, num_tokens_per_rdma_rank, num_tokens_per_expert, is_token_in_rank, _ = \
+        buf.get_dispatch_layout(topk_idx, E)
+    per_node = tokens_per_node(topk_idx, E, world, L)
+    if num_tokens_per_rdma_rank is not None and not torch.equal(num_tokens_per_rdma_rank.cpu().long(), per_node):
+        raise RuntimeError(f"rank {rank}: get_dispatch_layout's num_tokens_per_rdma_rank "
+                           f"{num_tokens_per_rdma_rank.tolist()} != tokens per node from the routing {per_node.tolist()}")
+    sms_list = [int(s) for s in args.sms.split(",") if s]
+    cfg0 = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms_list[0])
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(
+        x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
+        is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert, topk_idx=topk_idx,
+        topk_weights=topk_w, config=cfg0)
+    num_recv = recv_x.size(0)
+    nvl_bytes = {"dispatch_bf16": num_recv * H * 2, "dispatch_fp8": num_recv * (H + H // FP8_BLOCK * 4),
+                 "combine": num_recv * H * 2}
+
+    proxy_stats = getattr(buf.backend, "proxy_stats", None)
+    remote_ranks = [r for r in range(world) if topo.node_of(r) != topo.node_of(rank)]
+
+    def proxy_totals() -> tuple[int, int]:
+        s = proxy_stats()
+        return sum(int(s["bytes_to"][r]) for r in remote_ranks), sum(int(c) for c in s["commands_to"])
+
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    where: list = [None] * world
+    dist.all_gather_object(where, (socket.gethostname(), device.index if cuda else -1), group=group)
+    gpus = len(set(where)) if cuda else 0
+    common = {"bench": "internode", "ranks": world, "ranks_per_node": L, "nodes": nodes, "device": name,
+              "gpus": gpus, "timing": "api", "group": str(dist.get_backend(group)), **shape}
+    records = []
+    for sms in sms_list:
+        dcfg = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms)
+        ccfg = dataclasses.replace(Buffer.get_combine_config(world), num_sms=sms)
+        runs = [("dispatch_bf16", lambda: buf.dispatch(x, handle=handle, config=dcfg))]
+        if not args.no_fp8:
+            runs.append(("dispatch_fp8", lambda: buf.dispatch(x_fp8, handle=handle, config=dcfg)))
+        runs.append(("combine", lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg)))
+        for op, fn in runs:
+            us, delta = _time_calls(fn, args.iters, args.warmup, group, cuda, proxy_totals if proxy_stats else None)
+            med = statistics.median(us)
+            rb = rdma_bytes(op, topk_idx, shape, world, L, rank)
+            records.append({**common, "op": op, "rank": rank, "sms": sms, "us": med, "backend": buf.backend_name,
+                            "rdma_bytes": rb, "nvl_bytes": nvl_bytes[op], "gbps": rb / med / 1e3,
+                            "nvl_gbps": nvl_bytes[op] / med / 1e3,
+                            "proxy_bytes": delta[0] / args.iters if delta else None,
+                            "proxy_commands_per_s": delta[1] / (sum(us) * 1e-6) if delta else None})
+
+    if not args.no_alltoall:
+        if str(dist.get_backend(group)) == "gloo" and cuda:
+            if rank == 0:
+                print("[internode] alltoall: skipped (gloo group with CUDA tensors: ranks share GPUs)", flush=True)
+        else:
+            # the bytes the ranks receive in a BF16 dispatch, the same on every rank (equal splits need it)
+            total = torch.tensor([nvl_bytes["dispatch_bf16"]], dtype=torch.int64, device=device)
+            dist.all_reduce(total, group=group)
+            n = max(int(total.item()) // world // 2 // world * world, world)
+            dtype = torch.bfloat16 if cuda else torch.float32
+            inp = torch.randn(n, device=device).to(dtype)
+            out = torch.empty_like(inp)
+            nbytes = n * inp.element_size()
+            remote = nbytes * (world - L) // world  # the slices bound for other nodes' ranks
+            us, _ = _time_calls(lambda: dist.all_to_all_single(out, inp, group=group), args.iters, args.warmup,
+                                group, cuda)
+            med = statistics.median(us)
+            records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "us": med,
+                            "backend": str(dist.get_backend(group)), "rdma_bytes": remote, "nvl_bytes": nbytes,
+                            "gbps": remote / med / 1e3, "nvl_gbps": nbytes / med / 1e3, "proxy_bytes": None,
+                            "proxy_commands_per_s": None})
+    _sync(cuda)
+    dist.barrier(group=group)
+    buf.destroy()
+    return records
+
+
+def _worker(rank: int, world: int, port: int, args, shape: dict, q) -> None:
+    try:
+        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
+        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+        init = f"tcp://127.0.0.1:{port}"
+        timeout = timedelta(minutes=10)
+        if torch.cuda.is_available():
+            gpus = torch.cuda.device_count()
+            device = torch.device("cuda", rank % gpus)
+            torch.cuda.set_device(device)
+            if world > gpus:  # ranks share GPUs: NCCL refuses two ranks per GPU
+                os.environ["UCCL_EP_DEVICE"] = "cuda"
+                dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+            else:
+                dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timeout,
+                                        device_id=device)
+        else:
+            device = torch.device("cpu")
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        try:
+            records = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, "ok", records))
+    except BaseException:  # report, do not hang the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    """One record per (op, SMs): means over ranks, the slowest rank's GB/s, the per-rank RDMA bytes."""
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["op"], r["sms"]), []).append(r)
+    order = {"dispatch_bf16": 0, "dispatch_fp8": 1, "combine": 2, "alltoall": 3}
+    out = []
+    for (op, sms), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "alltoall", kv[0][1],
+                                                                 order.get(kv[0][0], 9))):
+        rs = sorted(rs, key=lambda r: r["rank"])
+        n = len(rs)
+        mean = lambda key: sum(r[key] for r in rs) / n  # noqa: E731
+        base = {k: v for k, v in rs[0].items() if k != "rank"}
+        base.update(us=mean("us"), us_max=max(r["us"] for r in rs), gbps=mean("gbps"),
+                    gbps_min=min(r["gbps"] for r in rs), nvl_gbps=mean("nvl_gbps"),
+                    nvl_gbps_min=min(r["nvl_gbps"] for r in rs), rdma_bytes=mean("rdma_bytes"),
+                    rdma_bytes_per_rank=[r["rdma_bytes"] for r in rs], nvl_bytes=mean("nvl_bytes"))
+        for key in ("proxy_bytes", "proxy_commands_per_s"):
+            base[key] = mean(key) if all(r[key] is not None for r in rs) else None
+        out.append(base)
+    return out
+
+
+def _print(summary: list[dict]) -> None:
+    if not summary:
+        return
+    s = next((r for r in summary if r["op"] != "alltoall"), summary[0])
+    print(f"[internode] {s['ranks']} ranks = {s['nodes']} nodes x {s['ranks_per_node']}, {s['gpus']} GPUs "
+          f"({s['device']}), {s['group']} group, backend {s['backend']}, tokens {s['num_tokens']}, hidden {s['hidden']}, "
+          f"experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
+    print(f"{'op':<15}{'SMs':>5}{'µs':>11}{'RDMA GB/s':>17}{'NVL GB/s':>17}{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
+    for r in summary:
+        pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
+        pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
+        print(f"{r['op']:<15}{r['sms']:>5}{r['us']:>11.1f}{r['gbps']:>9.4g} ({r['gbps_min']:>5.4g})"
+              f"{r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}", flush=True)
+
+
+def _check_sharing(world: int) -> None:
+    gpus = torch.cuda.device_count()
+    if world <= gpus:
+        return
+    print(f"[internode] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
+          file=sys.stderr)
+    try:
+        from ..gpu_sharing import mps_active
+    except ImportError:
+        print("[internode] warning: cannot check NVIDIA MPS (uccl_ep_train.gpu_sharing is missing); ranks sharing a "
+              "GPU without MPS time-slice it", file=sys.stderr)
+        return
+    if not mps_active():
+        print("[internode] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "
+              "wait for each other can stall (start it with `nvidia-cuda-mps-control -d`)", file=sys.stderr)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    shape = resolve_shape(args, cuda)
+    if args.iters < 1 or args.warmup < 0:
+        parser.error("--iters must be >= 1 and --warmup >= 0")
+    try:
+        sms = [int(s) for s in args.sms.split(",") if s]
+    except ValueError:
+        parser.error(f"--sms: comma-separated ints, got {args.sms!r}")
+    if not sms or any(s <= 0 or s % 2 for s in sms):
+        parser.error(f"--sms: positive even SM counts, got {args.sms!r}")
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else (
+        args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4))
+    if world < 2:
+        parser.error(f"--ranks: need at least 2 ranks, got {world}")
+    if shape["num_experts"] % world:
+        parser.error(f"--num-experts ({shape['num_experts']}) must be divisible by the number of ranks ({world})")
+    if not 1 <= shape["num_topk"] <= shape["num_experts"] or shape["hidden"] % FP8_BLOCK or shape["num_tokens"] < 1:
+        parser.error(f"layer shape: need 1 <= --num-topk <= --num-experts, --hidden a multiple of {FP8_BLOCK}, "
+                     f"--num-tokens >= 1; got {shape}")
+    if args.ranks_per_node is None and not torchrun:
+        args.ranks_per_node = max(world // 2, 1)
+    if args.ranks_per_node is not None and (not 1 <= args.ranks_per_node <= MAX_RANKS_PER_NODE
+                                            or world % args.ranks_per_node):
+        parser.error(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
+                     f"({world}), got {args.ranks_per_node}")
+    context = run_context("bench internode", argv)
+
+    if torchrun:  # one rank per process, one GPU each; nodes from LOCAL_WORLD_SIZE unless --ranks-per-node
+        rank = int(os.environ["RANK"])
+        if args.ranks_per_node is not None:
+            os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+        if cuda:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
+            torch.cuda.set_device(device)
+        else:
+            device = torch.device("cpu")
+        dist.init_process_group("nccl" if cuda else "gloo")
+        try:
+            mine = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
+            gathered: list = [None] * world
+            dist.all_gather_object(gathered, mine)
+        finally:
+            dist.destroy_process_group()
+        if rank != 0:
+            return 0
+        records = [r for rs in gathered for r in rs]
+    else:
+        if cuda:
+            _check_sharing(world)
+        out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args, shape), timeout=1800)
+        records = [r for rank in sorted(out) for r in out[rank]]
+    summary = [{**r, **context} for r in summarise(records)]
+    _print(summary)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"[internode] wrote {len(summary)} records to {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
