@@ -195,3 +195,75 @@ def test_a_rank_failing_at_bootstrap_fails_every_rank_without_hanging():
     res = spawn_ranks(_bootstrap_fail_worker, 2, lambda r, port: (r, port), timeout=90)
     assert "no-such-provider" in res[1]
     assert "bootstrap failed on rank 1" in res[0] and "no-such-provider" in res[0]
+
+
+def _sizes_to(src, dst):
+    """Write lengths rank `src` sends to `dst`: a different total per (src, dst), every ring used."""
+    return [64 * (dst + 1) + 8 * src + 3 * k for k in range(5)]
+
+
+def _per_destination_worker(rank, world, port, q):
+    os.environ["FI_PROVIDER"] = "tcp"
+    os.environ["FI_TCP_IFACE"] = "lo"
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    try:
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        threads, slot = 2, 2048
+        recv_base = world * slot
+        buf = np.zeros(2 * world * slot, np.uint8)   # [send area per destination | receive area per source]
+        counters = np.zeros(world, np.int64)
+        for d in range(world):
+            buf[d * slot: (d + 1) * slot] = (np.arange(slot) + 13 * rank + d) % 251 + 1
+        g = P.ProxyGroup(rank, world, {0: buf, 1: counters}, transport="fabric", num_threads=threads,
+                         provider="tcp", pin_threads=False, timeout_s=60)
+        try:
+            rows = {t: [] for t in range(threads)}
+            for d in range(world):
+                for k, n in enumerate(_sizes_to(rank, d)):   # channel k: spread over both threads
+                    off = sum(_sizes_to(rank, d)[:k])
+                    rows[k % threads].append((P.OP_WRITE if k % 2 else P.OP_WRITE_IMM, d, k, 0, n,
+                                              d * slot + off, recv_base + rank * slot + off))
+                rows[0].append((P.OP_WRITE_IMM, d, 0, 0, 0, 0, recv_base))          # zero-length signal
+                rows[1].append((P.OP_ATOMIC_ADD, d, 1, 1, 5, 0, 8 * rank))
+                rows[1].append((P.OP_BARRIER, d, 1, 0, 0, 0, 0))
+            rows[0].append((P.OP_NOP, 0, 0, 0, 99, 0, 0))                           # goes nowhere
+            for t in range(threads):
+                rows[t].append((P.OP_FLUSH, 0, t, 0, 0, 0, 0))
+                g.push(t, P.make_commands(rows[t]))
+            # The flush runs on the sending thread after every earlier command of its ring was posted and
+            # completed, so the counts read after it are final.
+            g.wait_flushed(0, 1, timeout_s=60)
+            g.wait_flushed(1, world + 1, timeout_s=60)   # a barrier also bumps `flushed`
+            for s in range(world):                       # and the peers' operations reached us
+                for ch, ops in ((0, 2), (1, 3), (2, 1), (3, 1), (4, 1)):
+                    g.wait_seq(s, ch, ops, timeout_s=60, phase="per-destination")
+            g.check()
+            stats = g.stats()
+            for s in range(world):
+                assert counters[s] == 5 and g.barrier_count(s) == 1
+                assert [g.imm_count(s, c) for c in range(5)] == [2, 0, 1, 0, 1]
+                sizes = _sizes_to(s, rank)
+                got = buf[recv_base + s * slot: recv_base + s * slot + sum(sizes)]
+                np.testing.assert_array_equal(got, (np.arange(sum(sizes)) + 13 * s + rank) % 251 + 1)
+            dist.barrier()   # peers finished waiting on our operations before anyone tears down
+        finally:
+            g.close()
+        dist.destroy_process_group()
+        q.put((rank, "ok", stats))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def test_stats_count_bytes_and_commands_per_destination():
+    world = 3
+    out = spawn_ranks(_per_destination_worker, world, lambda r, port: (r, world, port), timeout=120)
+    for rank, st in out.items():
+        want_bytes = [sum(_sizes_to(rank, d)) for d in range(world)]
+        assert st["bytes_to"] == want_bytes, (rank, st["bytes_to"], want_bytes)
+        # per destination: 5 writes, the zero-length OP_WRITE_IMM, one atomic add, one barrier marker
+        assert st["commands_to"] == [8] * world, (rank, st["commands_to"])
+        assert st["bytes"] == sum(want_bytes)
+        assert st["writes"] == 6 * world and st["atomics"] == world
+        assert st["commands"] == 8 * world + 1 + 2   # + the NOP and the two flushes, which go nowhere
+        assert st["nops"] == 1 and st["rejected"] == 0

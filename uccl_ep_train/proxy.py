@@ -218,6 +218,25 @@ class ProxyGroup:
         return self._native.signals(device)
 
     def stats(self) -> dict:
+        """Counters summed over this rank's proxy threads (each thread counts its own, without locked
+        instructions; a snapshot taken while commands flow may be a few operations behind):
+
+        - `commands`: commands taken from the rings (every opcode, rejected ones included).
+        - `writes` / `atomics` / `flushes` / `nops`: OP_WRITE + OP_WRITE_IMM posted / OP_ATOMIC_ADD posted /
+          OP_FLUSH + OP_BARRIER executed (each bumps its ring's `flushed`) / OP_NOP echoed.
+        - `rejected`: commands refused (the first error is in `check()`).
+        - `bytes`: payload bytes of the writes posted, all destinations together.
+        - `bytes_to`, `commands_to`: lists indexed by destination rank (length world, this rank included):
+          payload bytes of the writes posted to that rank, and the operations posted to it (writes,
+          atomic adds, barrier markers; NOP, FLUSH and rejected commands go nowhere and are not counted).
+          Zero-length writes count as commands with 0 bytes. With ranks of different nodes, the entries
+          of the other nodes' ranks are exactly what crossed the node boundary through the proxies.
+        - `local_completions`: operations the transport reported complete at this end.
+        - `arrivals`: remote operations received (before ordering); `out_of_order`: how many of them
+          arrived ahead of their turn and waited in the ordering window.
+        - `fault_held`: completions held back by fault injection (UCCL_EP_FAULT).
+        - `idle_sleeps`: adaptive-sleep naps taken (UCCL_RDMA_ADAPTIVE_SLEEP); 0 when spinning.
+        """
         return self._native.stats()
 
     def config(self) -> dict:

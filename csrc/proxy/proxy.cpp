@@ -134,6 +134,8 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   next_seq_.assign(size_t(cfg.world) * kMaxChannels, 0);
   inflight_.assign(cfg.world, 0);
   inflight_bytes_.assign(cfg.world, 0);
+  bytes_to_ = std::vector<std::atomic<uint64_t>>(size_t(cfg.world));  // value-initialised: zeros
+  commands_to_ = std::vector<std::atomic<uint64_t>>(size_t(cfg.world));
   scratch_.reserve(256);
 }
 
@@ -161,7 +163,11 @@ ProxyStats ProxyThread::stats() const {
   s.bytes = bytes_;
   s.local_completions = local_;
   s.arrivals = arrivals_;
+  s.out_of_order = out_of_order_;
+  s.fault_held = fault_held_;
   s.idle_sleeps = idle_sleeps_;
+  for (const auto& b : bytes_to_) s.bytes_to.push_back(b.load(std::memory_order_relaxed));
+  for (const auto& c : commands_to_) s.commands_to.push_back(c.load(std::memory_order_relaxed));
   return s;
 }
 
@@ -293,6 +299,8 @@ bool ProxyThread::handle(const Command& c, bool* stall, uint64_t pickup_ticks) {
     bump(flushes_);
     transport_->atomic_add(dst, kNoRegion, 0, 0, imm, wr);
   }
+  bump(commands_to_[dst]);
+  bump(bytes_to_[dst], bytes);
   seq = (seq + 1) & kSeqMask;
   ++inflight_[dst];
   inflight_bytes_[dst] += bytes;
@@ -582,6 +590,8 @@ void Proxy::set_error(const std::string& e) {
 
 ProxyStats Proxy::stats() const {
   ProxyStats s;
+  s.bytes_to.assign(size_t(cfg_.world), 0);
+  s.commands_to.assign(size_t(cfg_.world), 0);
   for (const auto& t : threads_) {
     ProxyStats x = t->stats();
     s.commands += x.commands;
@@ -593,9 +603,13 @@ ProxyStats Proxy::stats() const {
     s.bytes += x.bytes;
     s.local_completions += x.local_completions;
     s.arrivals += x.arrivals;
-    s.out_of_order += t->out_of_order_.load(std::memory_order_relaxed);
-    s.fault_held += t->fault_held_.load(std::memory_order_relaxed);
+    s.out_of_order += x.out_of_order;
+    s.fault_held += x.fault_held;
     s.idle_sleeps += x.idle_sleeps;
+    for (size_t d = 0; d < s.bytes_to.size(); ++d) {
+      s.bytes_to[d] += x.bytes_to[d];
+      s.commands_to[d] += x.commands_to[d];
+    }
   }
   return s;
 }
