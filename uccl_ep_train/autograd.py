@@ -16,7 +16,7 @@ import torch
 
 from . import validation
 from .buffer import Buffer
-from .handles import IntranodeHandle
+from .handles import HTHandle
 
 
 class Dispatch(torch.autograd.Function):
@@ -25,11 +25,11 @@ class Dispatch(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                 num_experts: int, expert_alignment: int = 1, num_worst_tokens: int = 0):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        per_rank, per_node, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
         recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
-            x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-            topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=expert_alignment,
-            num_worst_tokens=num_worst_tokens)
+            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+            expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens)
         ctx.buffer, ctx.handle = buffer, handle
         ctx.save_for_backward(recv_idx)
         ctx.mark_non_differentiable(recv_idx)
@@ -50,7 +50,7 @@ class Combine(torch.autograd.Function):
     """x (in dispatch's receive order) -> combined_x on the tokens' home ranks."""
 
     @staticmethod
-    def forward(ctx: Any, buffer: Buffer, x: torch.Tensor, handle: IntranodeHandle,
+    def forward(ctx: Any, buffer: Buffer, x: torch.Tensor, handle: HTHandle,
                 bias: Optional[torch.Tensor] = None):
         combined, _, _ = buffer.combine(x, handle, bias=bias)
         ctx.buffer, ctx.handle = buffer, handle
@@ -71,7 +71,7 @@ def dispatch(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor, topk_weigh
     return Dispatch.apply(buffer, x, topk_idx, topk_weights, num_experts, expert_alignment, num_worst_tokens)
 
 
-def combine(buffer: Buffer, x: torch.Tensor, handle: IntranodeHandle, bias: Optional[torch.Tensor] = None):
+def combine(buffer: Buffer, x: torch.Tensor, handle: HTHandle, bias: Optional[torch.Tensor] = None):
     """Differentiable combine: returns combined_x `[num_tokens, hidden]`."""
     return Combine.apply(buffer, x, handle, bias)
 
@@ -106,7 +106,7 @@ class CombineExpertMajor(torch.autograd.Function):
     """y_em (expert-major rows) -> combined_x on the tokens' home ranks."""
 
     @staticmethod
-    def forward(ctx: Any, buffer: Buffer, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor):
+    def forward(ctx: Any, buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor):
         combined, _, _ = buffer.combine_expert_major(y_em, handle, em_map)
         ctx.buffer, ctx.handle, ctx.rows = buffer, handle, y_em.size(0)
         ctx.save_for_backward(em_map)
@@ -128,6 +128,6 @@ def dispatch_expert_major(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tenso
     return DispatchExpertMajor.apply(buffer, x, topk_idx, topk_weights, num_experts)
 
 
-def combine_expert_major(buffer: Buffer, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor):
+def combine_expert_major(buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor):
     """Differentiable expert-major combine: returns combined_x `[num_tokens, hidden]`."""
     return CombineExpertMajor.apply(buffer, y_em, handle, em_map)

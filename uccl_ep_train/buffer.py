@@ -5,9 +5,11 @@ communication, runs the backend on a communication stream (CUDA) with DeepEP's e
 (`previous_event`, `async_finish`, `allocate_on_comm_stream`), and returns DeepEP's tuples.
 Ours on top: the expert-major pair (`dispatch_expert_major`, `dispatch_expert_major_cached`,
 `combine_expert_major`), which moves rows straight into/out of the order experts consume.
-Backend choice: `native` when the native module, its kernels and GPUs are present, `reference`
-(torch.distributed) otherwise; `UCCL_EP_BACKEND=reference|native` forces one. `Buffer.backend_name` says
-which one is in use.
+Backend choice: `native` when the native module, its kernels and GPUs are present (across nodes: when it
+also has the internode path), `reference` (torch.distributed) otherwise; `UCCL_EP_BACKEND=reference|native`
+forces one. `Buffer.backend_name` says which one is in use. Which ranks form a node is decided once, at
+construction (`Buffer.topology`, see topology.py): on several nodes the layout has a per-node count and
+dispatch returns an InternodeHandle.
 """
 from __future__ import annotations
 
@@ -24,7 +26,8 @@ from .backends.base import Backend
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, Config, default_config
 from .events import EventHandle, EventOverlap
 from .fp8 import FP8_BLOCK
-from .handles import IntranodeHandle, LowLatencyHandle, check_intranode_handle, check_low_latency_handle
+from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
+from .topology import Topology, detect_topology
 
 log = logging.getLogger("uccl_ep_train")
 _buffer_ids = itertools.count(1)
@@ -40,7 +43,19 @@ def _group_device(group: dist.ProcessGroup) -> torch.device:
     return torch.device("cpu")
 
 
-def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device) -> Backend:
+def _native_internode_backend() -> tuple[Optional[type], str]:
+    """(NativeInternodeBackend, "") when its module loads and reports internode support, else (None, why)."""
+    try:
+        from .backends.internode import NativeInternodeBackend, internode_available
+    except ImportError as exc:
+        return None, f"the internode backend cannot load: {exc}"
+    if not internode_available():
+        return None, "the native module was built without the internode path"
+    return NativeInternodeBackend, ""
+
+
+def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
+                  topology: Topology) -> Backend:
     choice = os.environ.get("UCCL_EP_BACKEND", "auto").lower()
     if choice not in ("auto", "reference", "native"):
         raise ValueError(f"UCCL_EP_BACKEND must be auto, reference or native, got {choice!r}")
@@ -51,14 +66,25 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
             if choice == "native":
                 raise RuntimeError(f"UCCL_EP_BACKEND=native but the native backend cannot load: {exc}") from exc
         else:
-            if native_available():
+            if not native_available():
+                if choice == "native":
+                    raise RuntimeError("UCCL_EP_BACKEND=native but the native module was built without GPU kernels")
+            elif not topology.internode:  # the intranode kernels serve one node only
                 return NativeBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device)
-            if choice == "native":
-                raise RuntimeError("UCCL_EP_BACKEND=native but the native module was built without GPU kernels")
+            else:
+                internode, why = _native_internode_backend()
+                if internode is not None:
+                    return internode(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
+                                     topology=topology)
+                if choice == "native":
+                    raise RuntimeError(f"UCCL_EP_BACKEND=native but the ranks span {topology.num_nodes} nodes "
+                                       f"({topology.ranks_per_node} ranks each) and {why}; use "
+                                       f"UCCL_EP_BACKEND=reference, or UCCL_EP_RANKS_PER_NODE={num_ranks} if "
+                                       f"they share one NVLink/xGMI domain")
     elif choice == "native":
         raise RuntimeError("UCCL_EP_BACKEND=native needs CUDA/HIP GPUs and an NCCL group")
     from .backends.reference import ReferenceBackend
-    return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device)
+    return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology=topology)
 
 
 class Buffer:
@@ -67,6 +93,7 @@ class Buffer:
     Attributes:
         num_sms: SMs used by the high-throughput kernels (class-wide, `set_num_sms`).
         rank, group_size, group: this rank, the number of ranks, the process group.
+        topology: which ranks form a node (`topology.num_nodes`, `.ranks_per_node`; see topology.py).
         num_nvl_bytes, num_rdma_bytes: buffer sizes for NVLink and RDMA (also LL) traffic.
         backend_name: 'native' or 'reference'.
     """
@@ -112,8 +139,10 @@ class Buffer:
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
         self._sync_event: Optional[EventHandle] = None  # after the last call run on the current stream
+        self.topology: Topology = detect_topology(group)  # collective: before the backend, which needs it
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
-                                                         self.num_nvl_bytes, self.num_rdma_bytes, self.device)
+                                                         self.num_nvl_bytes, self.num_rdma_bytes, self.device,
+                                                         self.topology)
         self.backend_name = self._backend.name
         self._ll_backend: Optional[Backend] = None  # made on first low-latency use
         if self.backend_name not in _announced and self.rank == 0:
@@ -149,7 +178,7 @@ class Buffer:
         if self._ll_backend is None:
             from .backends.reference import ReferenceBackend
             self._ll_backend = ReferenceBackend(self.group, self.rank, self.group_size, self.id, self.num_nvl_bytes,
-                                                self.num_rdma_bytes, self.device)
+                                                self.num_rdma_bytes, self.device, topology=self.topology)
             if self.rank == 0:
                 log.info("uccl_ep_train: %s backend has no low-latency kernels; LL calls use the reference backend",
                          backend.name)
@@ -284,7 +313,9 @@ class Buffer:
 
         Returns:
             num_tokens_per_rank: `[num_ranks]` int32, tokens this rank sends to each rank.
-            num_tokens_per_rdma_rank: None (intranode).
+            num_tokens_per_rdma_rank: `[num_nodes]` int32 when the ranks span several nodes
+                (`self.topology`): tokens with at least one destination rank on node n, each token counted
+                once per node (what crosses to that node); None on one node.
             num_tokens_per_expert: `[num_experts]` int32, tokens this rank sends to each expert.
             is_token_in_rank: `[num_tokens, num_ranks]` bool, whether a token goes to a rank.
             event: the event after the computation.
@@ -293,12 +324,17 @@ class Buffer:
         V.check_topk(topk_idx, None, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0)
         V.check_device(topk_idx, "topk_idx", self.device)
         backend = self.backend
-        (per_rank, per_expert, in_rank), event = self._run(
-            lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,), previous_event,
-            async_finish, allocate_on_comm_stream, checks=lambda: V.check_expert_range(topk_idx, num_experts))
-        return per_rank, None, per_expert, in_rank, event
 
-    def dispatch(self, x: XType, handle: Optional[IntranodeHandle] = None,
+        def run():
+            per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
+            return per_rank, backend.tokens_per_node(in_rank), per_expert, in_rank
+
+        (per_rank, per_node, per_expert, in_rank), event = self._run(
+            run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
+            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+        return per_rank, per_node, per_expert, in_rank, event
+
+    def dispatch(self, x: XType, handle: Optional[HTHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
                  is_token_in_rank: Optional[torch.Tensor] = None,
@@ -314,7 +350,8 @@ class Buffer:
                 (`[num_tokens, hidden]` float8 e4m3, `[num_tokens, hidden // 128]` float32 scales).
             handle: a handle from an earlier dispatch: reuse its layout (cached mode, no top-k arguments).
             num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert: from `get_dispatch_layout`.
-            num_tokens_per_rdma_rank: internode layout (must be None: intranode).
+            num_tokens_per_rdma_rank: from `get_dispatch_layout` too: `[num_nodes]` int32, required when the
+                ranks span several nodes (`self.topology`), None on one node and in cached mode.
             topk_idx: `[num_tokens, num_topk]` int64 expert ids, -1 for none. topk_weights: same shape, float32.
             expert_alignment: round each per-expert receive count up to a multiple of this.
             num_worst_tokens: if > 0, pad outputs to this many rows (no CPU sync for sizes); the
@@ -326,20 +363,24 @@ class Buffer:
             recv_topk_idx: `[num_recv, num_topk]` int64 local expert ids, -1 where the expert is elsewhere.
             recv_topk_weights: `[num_recv, num_topk]` float32, 0 where recv_topk_idx is -1.
             num_recv_tokens_per_expert_list: Python list of per-local-expert counts (aligned).
-            handle: for combine and cached dispatch; handle[0] is the rank prefix matrix.
+            handle: for combine and cached dispatch. On one node an IntranodeHandle (handle[0] is the rank
+                prefix matrix); across nodes an InternodeHandle with DeepEP's 10 internode items (handle[0] is
+                is_token_in_rank; docs/api.md, "Internode"). The received rows are the same either way.
             event: the event after the kernels.
         """
         data, scales = V.split_x(x)
         V.check_device(data, "x", self.device)
         config = self._config(config, self.get_dispatch_config)
-        if num_tokens_per_rdma_rank is not None:
-            raise NotImplementedError("dispatch: num_tokens_per_rdma_rank (internode layout) is not supported yet")
+        if num_tokens_per_rdma_rank is not None and not self.topology.internode:
+            raise ValueError("dispatch: num_tokens_per_rdma_rank must be None: this Buffer's ranks are on one node "
+                             "(get_dispatch_layout returns None for it then)")
         backend = self.backend
         if handle is not None:
-            handle = check_intranode_handle(handle, self.id)
+            handle = check_ht_handle(handle, self.id)
             for name, v in (("topk_idx", topk_idx), ("topk_weights", topk_weights),
-                            ("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
-                            ("num_tokens_per_expert", num_tokens_per_expert)):
+                            ("num_tokens_per_rank", num_tokens_per_rank),
+                            ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank),
+                            ("is_token_in_rank", is_token_in_rank), ("num_tokens_per_expert", num_tokens_per_expert)):
                 if v is not None:
                     raise ValueError(f"dispatch: {name} must be None with a cached handle")
             if data.size(0) != handle.num_tokens:
@@ -354,6 +395,7 @@ class Buffer:
                              "required without a handle (get them from get_dispatch_layout)")
         num_tokens = data.size(0)
         V.check_layout(num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_tokens, self.group_size)
+        self._check_rdma_layout(num_tokens_per_rdma_rank)
         num_experts = num_tokens_per_expert.size(0)
         if topk_idx is not None:
             V.check_topk(topk_idx, topk_weights, num_tokens)
@@ -363,7 +405,8 @@ class Buffer:
         V.check_non_negative_int(num_worst_tokens, "num_worst_tokens")
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                         ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
-                        ("topk_weights", topk_weights), ("x scales", scales)):
+                        ("topk_weights", topk_weights), ("x scales", scales),
+                        ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank)):
             V.check_device(t, name, self.device)
 
         def checks() -> None:  # values: read in stream order, after previous_event
@@ -374,18 +417,38 @@ class Buffer:
                 if not torch.equal(sent, num_tokens_per_rank):
                     raise ValueError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
                                      f"is_token_in_rank, which sends {sent.tolist()}")
+                per_node = backend.tokens_per_node(is_token_in_rank)
+                if per_node is not None and not torch.equal(per_node, num_tokens_per_rdma_rank):
+                    raise ValueError(f"num_tokens_per_rdma_rank: {num_tokens_per_rdma_rank.tolist()} disagrees "
+                                     f"with is_token_in_rank, which sends {per_node.tolist()} tokens per node")
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(
             lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                     num_tokens_per_expert, expert_alignment, num_worst_tokens, config),
-            (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert),
+                                     num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
+                                     num_tokens_per_rdma_rank),
+            (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
+             num_tokens_per_rdma_rank),
             previous_event, async_finish, allocate_on_comm_stream, checks=checks)
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert, handle = result
         recv = (recv_x, recv_scales) if scales is not None else recv_x
         return recv, recv_topk_idx, recv_topk_weights, per_expert, handle, event
 
-    def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights: Optional[torch.Tensor] = None,
+    def _check_rdma_layout(self, num_tokens_per_rdma_rank: Optional[torch.Tensor]) -> None:
+        """A fresh dispatch across nodes needs the per-node counts (its sends to other nodes are sized by
+        them); their shape here, their values with the other value checks."""
+        if not self.topology.internode:
+            return
+        if num_tokens_per_rdma_rank is None:
+            raise ValueError(f"dispatch: num_tokens_per_rdma_rank is required: this Buffer's ranks span "
+                             f"{self.topology.num_nodes} nodes (get it from get_dispatch_layout, which returns "
+                             f"it second)")
+        V.check_tensor(num_tokens_per_rdma_rank, "num_tokens_per_rdma_rank", (torch.int32,), 1)
+        if num_tokens_per_rdma_rank.size(0) != self.topology.num_nodes:
+            raise ValueError(f"num_tokens_per_rdma_rank: expected [{self.topology.num_nodes}] (one count per "
+                             f"node), got {list(num_tokens_per_rdma_rank.shape)}")
+
+    def combine(self, x: torch.Tensor, handle: HTHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
                 async_finish: bool = False, allocate_on_comm_stream: bool = False
@@ -403,7 +466,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
-        handle = check_intranode_handle(handle, self.id)
+        handle = check_ht_handle(handle, self.id)
         V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
         V.check_device(x, "x", self.device)
         if x.size(0) < handle.num_recv_tokens:
@@ -472,7 +535,7 @@ class Buffer:
             checks=lambda: V.check_expert_range(topk_idx, num_experts))
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
 
-    def dispatch_expert_major_cached(self, x: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+    def dispatch_expert_major_cached(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                                      num_rows: int, config: Optional[Config] = None,
                                      previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                                      allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, EventOverlap]:
@@ -490,7 +553,7 @@ class Buffer:
         Returns:
             x_em `[num_rows, hidden]`, event.
         """
-        handle = check_intranode_handle(handle, self.id)
+        handle = check_ht_handle(handle, self.id)
         _check_unquantized(x, "dispatch_expert_major_cached")
         V.check_device(x, "x", self.device)
         if x.size(0) != handle.num_tokens:
@@ -506,7 +569,7 @@ class Buffer:
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows"))
         return x_em, event
 
-    def combine_expert_major(self, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+    def combine_expert_major(self, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                              topk_weights: Optional[torch.Tensor] = None, config: Optional[Config] = None,
                              previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                              allocate_on_comm_stream: bool = False
@@ -525,7 +588,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
-        handle = check_intranode_handle(handle, self.id)
+        handle = check_ht_handle(handle, self.id)
         V.check_tensor(y_em, "y_em", V.FLOAT_DTYPES, 2)
         V.check_device(y_em, "y_em", self.device)
         rows = y_em.size(0)

@@ -19,40 +19,55 @@ import torch
 
 from .. import permute
 from ..config import Config
-from ..handles import IntranodeHandle, LowLatencyHandle
+from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens
+from ..topology import Topology
 
 
 class Backend(abc.ABC):
     name: str = "abstract"
     supports_low_latency: bool = True  # False: Buffer serves low-latency calls with the reference backend
 
-    def __init__(self, group, rank: int, num_ranks: int, owner: int, num_nvl_bytes: int, num_rdma_bytes: int):
+    def __init__(self, group, rank: int, num_ranks: int, owner: int, num_nvl_bytes: int, num_rdma_bytes: int, *,
+                 topology: Optional[Topology] = None):
+        """topology: which ranks form a node (Buffer detects it once); None means all ranks on one node."""
         self.group, self.rank, self.num_ranks, self.owner = group, rank, num_ranks, owner
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
+        self.topology = topology if topology is not None else Topology(num_ranks, num_ranks)
 
     # ---- high throughput -------------------------------------------------------------------------------
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [N, R] bool)."""
+        """-> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
+
+    def tokens_per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
+        """num_tokens_per_rdma_rank: [num_nodes] int32, tokens with at least one destination rank on node n
+        (each token counted once per node); None on one node, as DeepEP returns it. The layout's internode
+        part, the same for every backend (one may override it with a kernel giving the same values)."""
+        if not self.topology.internode:
+            return None
+        return nodes_of_tokens(is_token_in_rank, self.topology.num_nodes).sum(dim=0, dtype=torch.int32)
 
     @abc.abstractmethod
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
-                 num_worst_tokens: int, config: Config
+                 num_worst_tokens: int, config: Config, num_tokens_per_rdma_rank: Optional[torch.Tensor]
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
-                            list[int], IntranodeHandle]:
+                            list[int], HTHandle]:
         """Fresh dispatch -> (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
-        num_recv_tokens_per_expert_list, handle). Receive order: source rank, then source token index."""
+        num_recv_tokens_per_expert_list, handle). Receive order: source rank, then source token index (on
+        one node and across nodes alike). `num_tokens_per_rdma_rank` ([num_nodes] int32, `tokens_per_node`)
+        is given exactly when `self.topology.internode`; the handle is then an InternodeHandle, else an
+        IntranodeHandle."""
 
     @abc.abstractmethod
-    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: IntranodeHandle,
+    def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: HTHandle,
                         config: Config) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Dispatch with the layout of `handle` (no counts exchange) -> (recv_x, recv_x_scales)."""
 
     @abc.abstractmethod
-    def combine(self, x: torch.Tensor, handle: IntranodeHandle, topk_weights: Optional[torch.Tensor],
+    def combine(self, x: torch.Tensor, handle: HTHandle, topk_weights: Optional[torch.Tensor],
                 bias_0: Optional[torch.Tensor], bias_1: Optional[torch.Tensor], config: Config
                 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Sum, per original token, the rows it was sent as (+ biases) -> (combined_x, combined_topk_weights)."""
@@ -62,7 +77,7 @@ class Backend(abc.ABC):
                               num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
                               num_tokens_per_expert: torch.Tensor, config: Config
                               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor,
-                                         IntranodeHandle]:
+                                         HTHandle]:
         """Fresh dispatch straight into expert-major order -> (x_em [M, H], recv_topk_idx [n, K] int64 local
         ids (-1 elsewhere), recv_topk_weights [n, K] float32 (zeros without weights), tokens_per_expert
         list[int] (exact counts, M = sum), em_map [n, K] int32, handle).
@@ -73,11 +88,11 @@ class Backend(abc.ABC):
         Default: `dispatch` (expert_alignment=1, num_worst_tokens=0), the map, a non-autograd expand."""
         recv_x, _, recv_idx, recv_w, counts, handle = self.dispatch(
             x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1, 0,
-            config)
+            config, self.tokens_per_node(is_token_in_rank))
         em_map = permute.expert_major_map(recv_idx, counts)
         return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
 
-    def cached_dispatch_expert_major(self, x: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+    def cached_dispatch_expert_major(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                                      num_rows: int, config: Config) -> torch.Tensor:
         """Dispatch with the layout of `handle` (no counts exchange), each received row i landing at the
         expert-major rows em_map[i, :] names -> x_em [num_rows, H]. em_map names every row once.
@@ -85,7 +100,7 @@ class Backend(abc.ABC):
         recv_x, _ = self.cached_dispatch(x, None, handle, config)
         return permute.expand_rows_raw(recv_x, em_map, num_rows)
 
-    def combine_expert_major(self, y_em: torch.Tensor, handle: IntranodeHandle, em_map: torch.Tensor,
+    def combine_expert_major(self, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                              topk_weights: Optional[torch.Tensor], config: Config
                              ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """Fold expert-major rows back per received row (row i = sum of y_em[em_map[i, :]], float32 in slot

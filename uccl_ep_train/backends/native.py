@@ -322,7 +322,7 @@ class NativeBackend(Backend):
             private=NativeHandleState(c.out_rows, c.max_recv, c.max_send, worst), channels=c.channels)
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank):
         self._check()
         x = _aligned(x)
         n = x.size(0)

@@ -5,8 +5,10 @@ obviously-correct over fast: per-token data (x, scales, top-k ids, weights, sour
 one byte row per (token, destination rank) and moved by one `all_to_all_single`; counts travel first in a
 small all-gather (the "notify" phase), which the host reads to size the receive.
 
-Order rules (DeepEP's): received rows are grouped by source rank, then source token index. Low-latency
-rows of one local expert are grouped by source rank, then token index.
+Order rules (DeepEP's): received rows are grouped by source rank, then source token index, whether or not
+the ranks span several nodes (the rows are the same; only the handle differs: an InternodeHandle, whose
+items need the routing of this rank's same-index peers, gathered here). Low-latency rows of one local
+expert are grouped by source rank, then token index.
 """
 from __future__ import annotations
 
@@ -16,7 +18,9 @@ import torch
 
 from ..config import Config
 from ..fp8 import per_token_cast_to_fp8
-from ..handles import IntranodeHandle, LowLatencyHandle, prefix_matrix_from_counts
+from ..handles import (InternodeHandle, IntranodeHandle, LowLatencyHandle, prefix_matrix_from_counts,
+                       rows_per_source, send_head_of, send_positions)
+from ..topology import Topology
 from .base import Backend
 from .collectives import Comm
 from .rows import pack_rows, unpack_rows
@@ -31,17 +35,12 @@ def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def send_positions(is_token_in_rank: torch.Tensor) -> torch.Tensor:
-    """send_head[t][r] = position of token t among the rows sent to rank r (token order), or -1."""
-    mask = is_token_in_rank.to(torch.int32)
-    return torch.where(is_token_in_rank, torch.cumsum(mask, dim=0, dtype=torch.int32) - 1, -1).to(torch.int32)
-
-
 class ReferenceBackend(Backend):
     name = "reference"
 
-    def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device: torch.device):
-        super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes)
+    def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device: torch.device, *,
+                 topology: Optional[Topology] = None):
+        super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
         self.device = device
         self.comm = Comm(group, rank, num_ranks, device)
         self._ll_combine_buffers: dict[tuple, torch.Tensor] = {}
@@ -72,18 +71,19 @@ class ReferenceBackend(Backend):
 
     # ---- high throughput -------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config: Config):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config: Config, num_tokens_per_rdma_rank):
         R, me = self.num_ranks, self.rank
         num_experts = num_tokens_per_expert.numel()
         num_local = num_experts // R
         header = [num_experts, x.size(1), _DTYPE_CODES[x.dtype], 0 if topk_idx is None else topk_idx.size(1),
                   0 if x_scales is None else 1, int(topk_weights is not None)]
-        gathered = self._notify(header, torch.cat([num_tokens_per_rank, num_tokens_per_expert]), "dispatch")
+        num_tokens = num_tokens_per_rank.new_tensor([x.size(0)])
+        gathered = self._notify(header, torch.cat([num_tokens_per_rank, num_tokens_per_expert, num_tokens]),
+                                "dispatch")
         counts = gathered[:, :R]  # counts[i][r]: tokens rank i sends to rank r
         recv_counts = counts[:, me].tolist()
         per_expert = gathered[:, R + me * num_local: R + (me + 1) * num_local].sum(dim=0).tolist()
 
-        send_head = send_positions(is_token_in_rank)
         token_ids, dest = self._send_order(is_token_in_rank)
         cols = [x[token_ids], None if x_scales is None else x_scales[token_ids]]
         if topk_idx is not None:
@@ -118,11 +118,28 @@ class ReferenceBackend(Backend):
             recv_src_idx = _pad_rows(recv_src_idx, num_worst_tokens, -1)
             per_expert_list = []
 
-        prefix = prefix_matrix_from_counts(counts).to(x.device)
-        handle = IntranodeHandle.with_one_channel(
-            prefix, num_tokens_per_rank, me, recv_src_idx, is_token_in_rank, send_head,
-            num_recv_tokens=num_worst_tokens or num_recv, num_tokens=x.size(0), owner=self.owner)
+        if self.topology.internode:
+            same_index = self._same_index_routing(is_token_in_rank, int(gathered[:, -1].max()))
+            handle = InternodeHandle.with_one_channel(
+                counts, num_tokens_per_rdma_rank, is_token_in_rank, same_index, self.topology, me, recv_src_idx,
+                num_tokens=x.size(0), owner=self.owner)
+        else:
+            handle = IntranodeHandle.with_one_channel(
+                prefix_matrix_from_counts(counts).to(x.device), num_tokens_per_rank, me, recv_src_idx,
+                is_token_in_rank, send_positions(is_token_in_rank), num_recv_tokens=num_worst_tokens or num_recv,
+                num_tokens=x.size(0), owner=self.owner)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
+
+    def _same_index_routing(self, is_token_in_rank: torch.Tensor, max_tokens: int) -> torch.Tensor:
+        """[num_nodes, max_tokens, R] bool: is_token_in_rank of the rank with this rank's local index on each
+        node (rows past its token count False), for InternodeHandle.send_nvl_head. A host all-gather of
+        every rank's routing: the oracle favours plain over lean."""
+        topo = self.topology
+        padded = torch.zeros((max_tokens, self.num_ranks), dtype=torch.uint8, device=is_token_in_rank.device)
+        padded[: is_token_in_rank.size(0)] = is_token_in_rank
+        routing = self.comm.all_gather(padded, "dispatch: routing of same-index ranks")
+        peers = [topo.rank_of(n, topo.local_of(self.rank)) for n in range(topo.num_nodes)]
+        return routing[peers].bool()
 
     @staticmethod
     def _send_order(is_token_in_rank: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,16 +147,12 @@ class ReferenceBackend(Backend):
         dest, token_ids = torch.nonzero(is_token_in_rank.t(), as_tuple=True)
         return token_ids, dest
 
-    def _recv_counts(self, handle: IntranodeHandle) -> list[int]:
-        col = handle.rank_prefix_matrix[:, self.rank].to(torch.int64)
-        return torch.diff(col, prepend=col.new_zeros(1)).tolist()
-
     def cached_dispatch(self, x, x_scales, handle, config):
         self._notify([0, x.size(1), _DTYPE_CODES[x.dtype], 0, int(x_scales is not None)], None, "cached dispatch")
         token_ids, _ = self._send_order(handle.is_token_in_rank)
         rows, specs = pack_rows([x[token_ids], None if x_scales is None else x_scales[token_ids]])
         send_counts = handle.is_token_in_rank.sum(dim=0).tolist()
-        recv = unpack_rows(self.comm.all_to_all_rows(rows, send_counts, self._recv_counts(handle),
+        recv = unpack_rows(self.comm.all_to_all_rows(rows, send_counts, rows_per_source(handle, self.rank).tolist(),
                                                      "cached dispatch: payload"), specs)
         rows_out = handle.num_recv_tokens  # padded like the dispatch that made the handle
         return _pad_rows(recv[0], rows_out, 0), _pad_rows(recv[1] if x_scales is not None else None, rows_out, 0)
@@ -147,17 +160,18 @@ class ReferenceBackend(Backend):
     def combine(self, x, handle, topk_weights, bias_0, bias_1, config):
         self._notify([0, x.size(1), _DTYPE_CODES[x.dtype], 0 if topk_weights is None else topk_weights.size(1), 0,
                       int(topk_weights is not None)], None, "combine")
-        n = sum(self._recv_counts(handle))  # valid rows; the rest is num_worst_tokens padding
+        recv_counts = rows_per_source(handle, self.rank).tolist()
+        n = sum(recv_counts)  # valid rows; the rest is num_worst_tokens padding
         rows, specs = pack_rows([x[:n], None if topk_weights is None else topk_weights[:n]])
         back_counts = handle.is_token_in_rank.sum(dim=0).tolist()
-        back = unpack_rows(self.comm.all_to_all_rows(rows, self._recv_counts(handle), back_counts,
-                                                     "combine: payload"), specs)
+        back = unpack_rows(self.comm.all_to_all_rows(rows, recv_counts, back_counts, "combine: payload"), specs)
+        send_head = send_head_of(handle)
         acc = torch.zeros((handle.num_tokens, x.size(1)), dtype=torch.float32, device=x.device)
         acc_w = None if topk_weights is None else torch.zeros(
             (handle.num_tokens, topk_weights.size(1)), dtype=torch.float32, device=x.device)
         start = 0
         for r, count in enumerate(back_counts):  # reduce in rank order: deterministic
-            pos = handle.send_head[:, r]
+            pos = send_head[:, r]
             sel = torch.nonzero(pos >= 0, as_tuple=True)[0]
             acc[sel] += back[0][start:start + count][pos[sel].long()].float()
             if acc_w is not None:
