@@ -225,8 +225,9 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             # the bytes the ranks receive in a BF16 dispatch, the same on every rank (equal splits need it)
             total = torch.tensor([nvl_bytes["dispatch_bf16"]], dtype=torch.int64, device=device)
             dist.all_reduce(total, group=group)
-            n = max(int(total.item()) // world // 2 // world * world, world)
-            dtype = torch.bfloat16 if cuda else torch.float32
+            dtype = torch.bfloat16 if cuda else torch.float32  # gloo: float32
+            elem = torch.empty((), dtype=dtype).element_size()
+            n = max(int(total.item()) // world // elem // world * world, world)
             inp = torch.randn(n, device=device).to(dtype)
             out = torch.empty_like(inp)
             nbytes = n * inp.element_size()
