@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "device", "gpus",
@@ -26,7 +27,6 @@ def _remote_tokens(rank: int, world: int, per_node: int) -> int:
 
 def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are child processes
     if torch.cuda.is_available():
-        import pytest
         pytest.skip("the CPU shape and backend; GPU runs are measured by hand")
     from uccl_ep_train.cli import main
 

@@ -175,7 +175,8 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     per_node = tokens_per_node(topk_idx, E, world, L)
     if num_tokens_per_rdma_rank is not None and not torch.equal(num_tokens_per_rdma_rank.cpu().long(), per_node):
         raise RuntimeError(f"rank {rank}: get_dispatch_layout's num_tokens_per_rdma_rank "
-                           f"{num_tokens_per_rdma_rank.tolist()} != tokens per node from the routing {per_node.tolist()}")
+                           f"{num_tokens_per_rdma_rank.tolist()} != tokens per node from the routing "
+                           f"{per_node.tolist()}")
     sms_list = [int(s) for s in args.sms.split(",") if s]
     cfg0 = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms_list[0])
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(
@@ -305,8 +306,8 @@ def _print(summary: list[dict]) -> None:
         return
     s = next((r for r in summary if r["op"] != "alltoall"), summary[0])
     print(f"[internode] {s['ranks']} ranks = {s['nodes']} nodes x {s['ranks_per_node']}, {s['gpus']} GPUs "
-          f"({s['device']}), {s['group']} group, backend {s['backend']}, tokens {s['num_tokens']}, hidden {s['hidden']}, "
-          f"experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
+          f"({s['device']}), {s['group']} group, backend {s['backend']}, tokens {s['num_tokens']}, "
+          f"hidden {s['hidden']}, experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
     print(f"{'op':<15}{'SMs':>5}{'µs':>11}{'RDMA GB/s':>17}{'NVL GB/s':>17}{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
     for r in summary:
         pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
@@ -329,7 +330,7 @@ def _check_sharing(world: int) -> None:
         return
     if not mps_active():
         print("[internode] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "
-              "wait for each other can stall (start it with `nvidia-cuda-mps-control -d`)", file=sys.stderr)
+              "wait for each other crawl (`bash scripts/mps.sh start`, then export what it prints)", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
