@@ -1,4 +1,5 @@
-"""Spawn N ranks (gloo on CPU, NCCL on GPUs) running one function; failures come back with tracebacks."""
+"""Spawn N ranks (gloo on CPU, NCCL on GPUs, or gloo with CUDA tensors for several ranks per GPU) running
+one function; failures come back with tracebacks."""
 from __future__ import annotations
 
 import os
@@ -13,14 +14,27 @@ import torch.multiprocessing as mp
 from uccl_ep_train.localhost import free_loopback_port
 
 
-def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: tuple, env: dict, q,
-            hard_exit: bool) -> None:
+def _gpu_of(rank: int, world: int, ranks_per_gpu: int | None, backend: str) -> int:
+    """The GPU rank `rank` uses: rank // ranks_per_gpu when given, else rank % the GPUs present."""
+    count = torch.cuda.device_count()
+    gpu = rank // ranks_per_gpu if ranks_per_gpu else rank % max(count, 1)
+    if gpu >= count:
+        raise RuntimeError(f"rank {rank} of {world} needs GPU {gpu} ({ranks_per_gpu} ranks per GPU) but this "
+                           f"machine has {count}")
+    shared = ranks_per_gpu > 1 if ranks_per_gpu else world > count
+    if shared and backend == "nccl":
+        raise RuntimeError(f"NCCL refuses several ranks on one GPU ({world} ranks, {count} GPUs): "
+                           "run_ranks(..., backend='gloo')")
+    return gpu
+
+
+def _worker(rank: int, world: int, port: int, device: str, backend: str, ranks_per_gpu: int | None,
+            fn: Callable, args: tuple, env: dict, q, hard_exit: bool) -> None:
     os.environ.update(env)
     try:
         torch.set_num_threads(1)
-        backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(_gpu_of(rank, world, ranks_per_gpu, backend))
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=timedelta(seconds=120))
         result = fn(rank, world, device, *args)
@@ -41,16 +55,29 @@ def _worker(rank: int, world: int, port: int, device: str, fn: Callable, args: t
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout: float = 240,
-              env: dict | None = None, hard_exit: bool = False) -> list[Any]:
+              env: dict | None = None, hard_exit: bool = False, backend: str | None = None,
+              ranks_per_gpu: int | None = None) -> list[Any]:
     """Run fn(rank, world, device, *args) on `world` spawned ranks; returns per-rank results.
+
+    device "cpu": gloo. device "cuda": each rank selects its GPU (torch.cuda.set_device) before the
+    group starts: rank // ranks_per_gpu when given, else rank % the GPUs present. backend: default NCCL
+    for "cuda", gloo for "cpu"; backend="gloo" with device="cuda" runs several ranks on one GPU (NCCL
+    refuses that) with CUDA tensors in the ranks (UCCL_EP_DEVICE=cuda is set for them), which must then
+    run under MPS (the `mps` fixture).
     hard_exit: ranks leave without destroying the process group (for tests that break it)."""
+    backend = backend or ("nccl" if device == "cuda" else "gloo")
+    if backend not in ("gloo", "nccl") or (backend == "nccl" and device != "cuda"):
+        raise ValueError(f"run_ranks: backend {backend!r} with device {device!r}")
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_loopback_port()
     base_env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NCCL_NVLS_ENABLE": "0",
                 "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
+    if device == "cuda" and backend == "gloo":  # Buffers keep CUDA tensors over the gloo group
+        base_env["UCCL_EP_DEVICE"] = "cuda"
     base_env.update(env or {})
-    procs = [ctx.Process(target=_worker, args=(r, world, port, device, fn, args, base_env, q, hard_exit), daemon=True)
+    procs = [ctx.Process(target=_worker, daemon=True,
+                         args=(r, world, port, device, backend, ranks_per_gpu, fn, args, base_env, q, hard_exit))
              for r in range(world)]
     for p in procs:
         p.start()
