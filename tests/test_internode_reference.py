@@ -10,6 +10,8 @@ and every InternodeHandle item are checked against a brute-force computation fro
 from __future__ import annotations
 
 import os
+import sys
+import types
 
 import pytest
 import torch
@@ -200,26 +202,41 @@ def _check_case(buf: Buffer, ref: Buffer, rank: int, world: int, topo: Topology,
     _check_errors(buf, ref, x, layout, per_node, handle)
 
 
-def _check_internode(rank: int, world: int, device: str, ranks_per_node: int) -> int:
-    group = dist.new_group(list(range(world)))
+# (nodes, ranks per node): each on the first nodes * ranks_per_node ranks of one 6-rank run (one spawn)
+CONFIGS = [(2, 1), (2, 2), (4, 1), (3, 2)]
+
+
+def _check_config(group: dist.ProcessGroup, topo: Topology) -> None:
+    rank, world = group.rank(), group.size()
+    os.environ["UCCL_EP_RANKS_PER_NODE"] = str(topo.ranks_per_node)
     buf = Buffer(group, int(1e6), 0)
-    os.environ["UCCL_EP_RANKS_PER_NODE"] = str(world)  # every rank: one node, the receive-order reference
+    os.environ["UCCL_EP_RANKS_PER_NODE"] = str(world)  # one node: the receive-order reference
     ref = Buffer(group, int(1e6), 0)
-    topo = Topology(world, ranks_per_node)
     assert buf.topology == topo and buf.backend_name == "reference" and not ref.topology.internode
     for case in CASES:
         _check_case(buf, ref, rank, world, topo, case)
     buf.destroy()
     ref.destroy()
-    return len(CASES)
 
 
-@pytest.mark.parametrize("nodes,ranks_per_node", [(2, 1), (2, 2), (3, 2), (4, 1)])
-def test_internode_matches_intranode_and_brute_force(nodes, ranks_per_node):
-    world = nodes * ranks_per_node
-    results = run_ranks(_check_internode, world, ranks_per_node,
-                        env={"UCCL_EP_RANKS_PER_NODE": str(ranks_per_node)})
-    assert results == [len(CASES)] * world
+def _check_internode(rank: int, world: int, device: str) -> list:
+    done = []
+    for nodes, ranks_per_node in CONFIGS:
+        size = nodes * ranks_per_node
+        group = dist.new_group(list(range(size)))  # collective over the world: every rank makes every group
+        if rank < size:
+            try:
+                _check_config(group, Topology(size, ranks_per_node))
+            except Exception as exc:
+                raise AssertionError(f"{nodes} nodes x {ranks_per_node} ranks failed") from exc
+            done.append((nodes, ranks_per_node))
+    return done
+
+
+def test_internode_matches_intranode_and_brute_force():
+    world = max(n * l for n, l in CONFIGS)
+    results = run_ranks(_check_internode, world)
+    assert results == [[(n, l) for n, l in CONFIGS if r < n * l] for r in range(world)]
 
 
 def test_topology_from_environment_and_host_names(monkeypatch):
@@ -241,3 +258,30 @@ def test_topology_from_environment_and_host_names(monkeypatch):
     monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", "two")
     with pytest.raises(ValueError, match="UCCL_EP_RANKS_PER_NODE='two' is not an int"):
         _this_rank(0)
+
+
+def test_backend_choice_across_nodes(monkeypatch):
+    """GPU ranks on several nodes get the native internode backend when it is there; else the reference
+    backend in auto mode and a RuntimeError saying why under UCCL_EP_BACKEND=native (availability faked:
+    nothing here touches a GPU)."""
+    from uccl_ep_train.backends import native
+    from uccl_ep_train.buffer import _make_backend
+
+    class FakeInternode:
+        def __init__(self, *args, topology):
+            self.args, self.topology = args, topology
+
+    fake = types.ModuleType("uccl_ep_train.backends.internode")
+    fake.NativeInternodeBackend, fake.internode_available = FakeInternode, lambda: False
+    monkeypatch.setitem(sys.modules, "uccl_ep_train.backends.internode", fake)
+    monkeypatch.setattr(native, "native_available", lambda: True)
+    topo, device = Topology(4, 2), torch.device("cuda", 0)
+    args = (None, 0, 4, 1, 0, 0, device, topo)
+    monkeypatch.setenv("UCCL_EP_BACKEND", "native")
+    with pytest.raises(RuntimeError, match="span 2 nodes .*without the internode path"):
+        _make_backend(*args)
+    monkeypatch.setenv("UCCL_EP_BACKEND", "auto")
+    assert _make_backend(*args).name == "reference"
+    fake.internode_available = lambda: True
+    chosen = _make_backend(*args)
+    assert isinstance(chosen, FakeInternode) and chosen.topology is topo and chosen.args[-1] == device

@@ -95,10 +95,10 @@ class InternodeHandle(NamedTuple):
         node, local = topology.node_of(rank), topology.local_of(rank)
         received = counts[:, rank]
         recv_prefix = torch.cumsum(received, 0)
-        valid = int(recv_prefix[-1])
-        src_rank = torch.full_like(recv_src_idx, -1, dtype=torch.int32)
-        src_rank[:valid] = torch.repeat_interleave(torch.arange(counts.size(0), device=dev, dtype=torch.int32),
-                                                   received)
+        rows = torch.arange(recv_src_idx.size(0), device=dev)
+        # received rows are grouped by source rank: row i comes from the first source whose prefix passes i
+        src_rank = torch.where(rows < recv_prefix[-1], torch.searchsorted(recv_prefix, rows, right=True), -1)
+        src_rank = src_rank.to(torch.int32)
         recv_src_meta = torch.stack([recv_src_idx.to(torch.int32), src_rank], dim=1).contiguous().view(torch.uint8)
         # forwarded rows: tokens of rank (n, local) bound for this node, landing at the first row of their
         # source on local rank j plus their position among the tokens that source sends there
