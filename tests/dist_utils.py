@@ -73,8 +73,9 @@ def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout
     port = free_loopback_port()
     base_env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NCCL_NVLS_ENABLE": "0",
                 "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
-    if device == "cuda" and backend == "gloo":  # Buffers keep CUDA tensors over the gloo group
-        base_env["UCCL_EP_DEVICE"] = "cuda"
+    if device == "cuda" and backend == "gloo":  # Buffers keep CUDA tensors over the gloo group; ranks that
+        base_env["UCCL_EP_DEVICE"] = "cuda"     # share a GPU load modules eagerly (gpu_sharing.sharing_verdict)
+        base_env["CUDA_MODULE_LOADING"] = "EAGER"
     base_env.update(env or {})
     procs = [ctx.Process(target=_worker, daemon=True,
                          args=(r, world, port, device, backend, ranks_per_gpu, fn, args, base_env, q, hard_exit))

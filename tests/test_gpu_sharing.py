@@ -18,8 +18,16 @@ from uccl_ep_train.gpu_sharing import RankGpu, sharing_verdict
 MPS_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "mps.sh"
 
 
-def _r(host="h0", gpu="GPU-a", mps=False, allow=False):
-    return RankGpu(host, gpu, mps, allow)
+def _r(host="h0", gpu="GPU-a", mps=False, allow=False, eager=True):
+    return RankGpu(host, gpu, mps, allow, eager)
+
+
+def test_ranks_sharing_a_gpu_must_load_modules_eagerly():
+    n, err = sharing_verdict([_r(mps=True), _r(mps=True, eager=False), _r(gpu="GPU-b", eager=False)], "x")
+    assert n == 2 and err.startswith("x: ranks [1] share a GPU with other ranks but load CUDA modules lazily")
+    assert "CUDA_MODULE_LOADING=EAGER" in err
+    assert sharing_verdict([_r(mps=True), _r(mps=True)], "x") == (2, None)
+    assert sharing_verdict([_r(mps=True, allow=True, eager=False)] * 2, "x") == (2, None)
 
 
 # ---- the rule ------------------------------------------------------------------------------------------

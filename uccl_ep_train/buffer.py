@@ -26,6 +26,7 @@ from .backends.base import Backend
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, Config, default_config
 from .events import EventHandle, EventOverlap
 from .fp8 import FP8_BLOCK
+from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
 from .topology import Topology, detect_topology
 
@@ -34,13 +35,6 @@ _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
-
-
-def _group_device(group: dist.ProcessGroup) -> torch.device:
-    backend = str(dist.get_backend(group)).lower()
-    if "nccl" in backend or "cuda" in backend:
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def _native_internode_backend() -> tuple[Optional[type], str]:
@@ -134,7 +128,7 @@ class Buffer:
         self.num_qps_per_rank = num_qps_per_rank
         self.allow_nvlink_for_low_latency_mode = allow_nvlink_for_low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.device = _group_device(group)
+        self.device = group_device(group)
         self.id = next(_buffer_ids)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)

@@ -70,6 +70,7 @@ class RankGpu(NamedTuple):
     gpu: Optional[str]  # the GPU's UUID; None for a rank without a CUDA device
     mps: bool           # mps_active() on that rank
     allow: bool         # UCCL_EP_ALLOW_SHARED_GPU=1 on that rank
+    eager: bool = True  # CUDA_MODULE_LOADING=EAGER on that rank (see sharing_verdict)
 
 
 def gpu_uuid(device: torch.device) -> Optional[str]:
@@ -83,7 +84,8 @@ def gpu_uuid(device: torch.device) -> Optional[str]:
 def local_report(device: torch.device) -> RankGpu:
     """This rank's RankGpu for `device`."""
     return RankGpu(socket.gethostname(), gpu_uuid(device), mps_active(),
-                   os.environ.get(ALLOW_SHARED_GPU_ENV) == "1")
+                   os.environ.get(ALLOW_SHARED_GPU_ENV) == "1",
+                   os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER")
 
 
 def gather_reports(group: Any, device: torch.device) -> list[RankGpu]:
@@ -110,13 +112,26 @@ def sharing_verdict(reports: Sequence[RankGpu], what: str) -> tuple[int, Optiona
     """The pure decision behind `check_gpu_sharing`: (largest number of ranks on one GPU, error or None).
 
     Ranks share a GPU when they report the same (host, GPU UUID). The error names each shared GPU whose
-    ranks do not all see MPS running, unless every rank set UCCL_EP_ALLOW_SHARED_GPU=1. Every rank gets the
-    same reports, hence the same verdict."""
+    ranks do not all see MPS running, unless every rank set UCCL_EP_ALLOW_SHARED_GPU=1. Ranks sharing a GPU
+    must also load their CUDA modules eagerly (CUDA_MODULE_LOADING=EAGER, set before CUDA starts): under MPS
+    the ranks' kernels run in one server context, and a kernel loaded lazily while another rank's kernel
+    spins waiting for this rank waits for that kernel to finish -- measured on one H100: the second op of
+    two ranks hung until the timeout, with EAGER it passed. Every rank gets the same reports, hence the same
+    verdict."""
     by_gpu = ranks_by_gpu(reports)
     per_gpu = max((len(ranks) for ranks in by_gpu.values()), default=1)
+    if all(r.allow for r in reports):
+        return per_gpu, None
     unserved = [(key, ranks) for key, ranks in by_gpu.items()
                 if len(ranks) > 1 and not all(reports[r].mps for r in ranks)]
-    if not unserved or all(r.allow for r in reports):
+    lazy = sorted(r for ranks in by_gpu.values() if len(ranks) > 1 for r in ranks if not reports[r].eager)
+    if not unserved and lazy:
+        return per_gpu, (
+            f"{what}: ranks {lazy} share a GPU with other ranks but load CUDA modules lazily; set "
+            f"CUDA_MODULE_LOADING=EAGER in their environment before CUDA starts (a kernel loaded lazily while "
+            f"another rank's kernel spins on this one would wait for it forever). {ALLOW_SHARED_GPU_ENV}=1 on "
+            f"every rank skips this check (debugging only).")
+    if not unserved:
         return per_gpu, None
     shared = "; ".join(f"ranks {ranks} share GPU {gpu} on {host} (MPS not running for ranks "
                        f"{[r for r in ranks if not reports[r].mps]})" for (host, gpu), ranks in unserved)

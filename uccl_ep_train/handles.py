@@ -75,24 +75,25 @@ class InternodeHandle(NamedTuple):
 
     @classmethod
     def with_one_channel(cls, counts: torch.Tensor, num_tokens_per_rdma_rank: torch.Tensor,
-                         is_token_in_rank: torch.Tensor, same_index_in_rank: torch.Tensor, topology: Topology,
-                         rank: int, recv_src_idx: torch.Tensor, num_tokens: int, owner: int,
-                         private: Any = None) -> "InternodeHandle":
+                         is_token_in_rank: torch.Tensor, forwarded_per_node: torch.Tensor,
+                         send_nvl_head: torch.Tensor, topology: Topology, rank: int, recv_src_idx: torch.Tensor,
+                         num_tokens: int, owner: int, private: Any = None,
+                         send_rdma_head: Optional[torch.Tensor] = None) -> "InternodeHandle":
         """The handle of a dispatch whose rows move as one channel per rank pair (every backend builds it
         here, so the items mean the same everywhere).
 
         counts: [R, R] counts[s][r] = tokens rank s sends to rank r (every rank's num_tokens_per_rank).
         num_tokens_per_rdma_rank: [N] this rank's tokens per node (get_dispatch_layout's).
         is_token_in_rank: [T, R] bool, this rank's routing.
-        same_index_in_rank: [N, T', R] bool: the routing of rank (n, this rank's local index) for every
-            node n (this rank's own at n = its node), rows past a rank's token count False: the rows this
-            rank forwards come from those ranks, and send_nvl_head needs where they land.
+        forwarded_per_node, send_nvl_head: [N] rows this rank forwards from each node and [those rows, L]
+            where each lands (the native kernels write the latter; `forwarded_rows` computes both from the
+            same-index ranks' routing).
         recv_src_idx: [num_recv_tokens] int32 source token index per received row, -1 for padding rows
-            (num_recv_tokens = rows dispatch returned)."""
+            (num_recv_tokens = rows dispatch returned).
+        send_rdma_head: [T, N] int32 when the caller has it already (else derived from is_token_in_rank)."""
         N, L = topology.num_nodes, topology.ranks_per_node
         dev = is_token_in_rank.device
         counts = counts.to(device=dev, dtype=torch.int64)
-        node, local = topology.node_of(rank), topology.local_of(rank)
         received = counts[:, rank]
         recv_prefix = torch.cumsum(received, 0)
         rows = torch.arange(recv_src_idx.size(0), device=dev)
@@ -100,14 +101,9 @@ class InternodeHandle(NamedTuple):
         src_rank = torch.where(rows < recv_prefix[-1], torch.searchsorted(recv_prefix, rows, right=True), -1)
         src_rank = src_rank.to(torch.int32)
         recv_src_meta = torch.stack([recv_src_idx.to(torch.int32), src_rank], dim=1).contiguous().view(torch.uint8)
-        # forwarded rows: tokens of rank (n, local) bound for this node, landing at the first row of their
-        # source on local rank j plus their position among the tokens that source sends there
-        to_my_node = same_index_in_rank[:, :, node * L:(node + 1) * L]
-        starts = (torch.cumsum(counts, 0) - counts)[[topology.rank_of(n, local) for n in range(N)],
-                                                    node * L:(node + 1) * L]
-        nvl_head = torch.where(to_my_node, starts.unsqueeze(1) + send_positions(to_my_node), -1).to(torch.int32)
-        forwarded = to_my_node.any(dim=-1)
-        recv_rdma = forwarded.sum(dim=1, dtype=torch.int32)
+        recv_rdma = forwarded_per_node.to(device=dev, dtype=torch.int32)
+        if send_rdma_head is None:
+            send_rdma_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
         return cls(is_token_in_rank,
                    num_tokens_per_rdma_rank.to(torch.int32).reshape(N, 1).clone(),
                    counts[rank].to(torch.int32).reshape(-1, 1),
@@ -116,8 +112,8 @@ class InternodeHandle(NamedTuple):
                    (recv_prefix - received).to(torch.int32).reshape(-1, 1),
                    recv_prefix.to(torch.int32),
                    recv_src_meta,
-                   send_positions(nodes_of_tokens(is_token_in_rank, N)),
-                   nvl_head[forwarded],
+                   send_rdma_head,
+                   send_nvl_head,
                    recv_src_idx.size(0), num_tokens, L, owner, private)
 
     @property
@@ -180,6 +176,23 @@ def nodes_of_tokens(is_token_in_rank: torch.Tensor, num_nodes: int) -> torch.Ten
     consecutive blocks of ranks, topology.py)."""
     T, R = is_token_in_rank.shape
     return is_token_in_rank.view(T, num_nodes, R // num_nodes).any(dim=-1)
+
+
+def forwarded_rows(counts: torch.Tensor, same_index_in_rank: torch.Tensor, topology: Topology,
+                   rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows forwarded from each node [N] int32, send_nvl_head [those rows, L] int32) of `rank`, from the
+    routing of the ranks with its local index: same_index_in_rank [N, T', R] bool, node n's rank at [n], rows
+    past a rank's token count False. A forwarded row is a token of rank (n, local) with a destination on this
+    node; on local rank j it lands at the first row of its source there plus its position among the tokens
+    that source sends to j."""
+    N, L = topology.num_nodes, topology.ranks_per_node
+    node, local = topology.node_of(rank), topology.local_of(rank)
+    counts = counts.to(device=same_index_in_rank.device, dtype=torch.int64)
+    to_my_node = same_index_in_rank[:, :, node * L:(node + 1) * L]
+    starts = (torch.cumsum(counts, 0) - counts)[[topology.rank_of(n, local) for n in range(N)], node * L:(node + 1) * L]
+    nvl_head = torch.where(to_my_node, starts.unsqueeze(1) + send_positions(to_my_node), -1).to(torch.int32)
+    forwarded = to_my_node.any(dim=-1)
+    return forwarded.sum(dim=1, dtype=torch.int32), nvl_head[forwarded]
 
 
 def rows_per_source(handle: HTHandle, rank: int) -> torch.Tensor:

@@ -29,6 +29,9 @@ class Topology:
         if not 1 <= self.ranks_per_node <= self.num_ranks or self.num_ranks % self.ranks_per_node:
             raise ValueError(f"ranks_per_node ({self.ranks_per_node}) must divide the number of ranks "
                              f"({self.num_ranks}) (UCCL_EP_RANKS_PER_NODE / LOCAL_WORLD_SIZE)")
+        if self.ranks_per_node > MAX_RANKS_PER_NODE:
+            raise ValueError(f"ranks_per_node ({self.ranks_per_node}): a node holds at most {MAX_RANKS_PER_NODE} "
+                             "ranks (one NVLink / xGMI domain); set UCCL_EP_RANKS_PER_NODE")
 
     @property
     def num_nodes(self) -> int:

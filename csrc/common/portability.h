@@ -44,6 +44,8 @@
 #define gpuMemcpyDeviceToDevice hipMemcpyDeviceToDevice
 #define gpuMemcpyDeviceToHost hipMemcpyDeviceToHost
 #define gpuDeviceSynchronize hipDeviceSynchronize
+#define gpuFuncAttributes hipFuncAttributes
+#define gpuFuncGetAttributes hipFuncGetAttributes
 #define gpuStreamCreateWithFlags hipStreamCreateWithFlags
 #define gpuStreamNonBlocking hipStreamNonBlocking
 #define gpuStreamDestroy hipStreamDestroy
@@ -88,6 +90,8 @@
 #define gpuMemcpyDeviceToDevice cudaMemcpyDeviceToDevice
 #define gpuMemcpyDeviceToHost cudaMemcpyDeviceToHost
 #define gpuDeviceSynchronize cudaDeviceSynchronize
+#define gpuFuncAttributes cudaFuncAttributes
+#define gpuFuncGetAttributes cudaFuncGetAttributes
 #define gpuStreamCreateWithFlags cudaStreamCreateWithFlags
 #define gpuStreamNonBlocking cudaStreamNonBlocking
 #define gpuStreamDestroy cudaStreamDestroy

@@ -301,7 +301,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
     if (lane < c.L) {
       const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
       dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
-      a.fwd_head[k * c.L + lane] = dst_row;
+      if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
     }
     int rows[kMaxLocal];
     for (int j = 0; j < c.L; ++j) rows[j] = intranode::warp_shfl(dst_row, j);
@@ -480,7 +480,28 @@ void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream)
   combine_reduce_kernel<T><<<num_sms, kThreads, 0, stream>>>(a);
 }
 
+template <typename K>
+void load(K kernel, const char* name) {
+  gpuFuncAttributes attr;
+  const gpuError_t e = gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
+  UCCL_CHECK(e == gpuSuccess, "internode: loading kernel " << name << " failed: " << gpuGetErrorString(e));
+}
+
 }  // namespace
+
+void preload_kernels() {
+  load(notify_kernel, "notify");
+  load(dispatch_pack_kernel, "dispatch_pack");
+  load(dispatch_forward_kernel, "dispatch_forward");
+  load(dispatch_copy_out_kernel, "dispatch_copy_out");
+  load(combine_stage_kernel, "combine_stage");
+  load(combine_forward_kernel<intranode::ElemBf16>, "combine_forward<bf16>");
+  load(combine_forward_kernel<intranode::ElemFp16>, "combine_forward<fp16>");
+  load(combine_forward_kernel<intranode::ElemFp32>, "combine_forward<fp32>");
+  load(combine_reduce_kernel<intranode::ElemBf16>, "combine_reduce<bf16>");
+  load(combine_reduce_kernel<intranode::ElemFp16>, "combine_reduce<fp16>");
+  load(combine_reduce_kernel<intranode::ElemFp32>, "combine_reduce<fp32>");
+}
 
 void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
   notify_kernel<<<1, kThreads, 0, stream>>>(a);

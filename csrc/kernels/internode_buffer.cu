@@ -96,6 +96,7 @@ InternodeBuffer::InternodeBuffer(int device, int rank, int num_ranks, int ranks_
     std::memset(err_host_, 0, sizeof(ErrorRecord));
     UCCL_CHECK_GPU(gpuHostGetDevicePointer(&err_dev_, err_host_, 0));
     alloc_rdma(rdma_bytes);
+    preload_kernels();
     UCCL_CHECK_GPU(gpuDeviceSynchronize());
   } catch (...) {
     destroy();

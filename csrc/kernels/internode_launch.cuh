@@ -131,6 +131,11 @@ struct CombineArgs {
   float* out_w;
 };
 
+// Loads every internode kernel now. Under lazy module loading (CUDA's default) a kernel's first launch
+// loads it, and loading waits for the kernels already running: a launch made while a forwarder spins on
+// arrivals would hang the host thread (and the proxy's copies behind it). Measured: two ranks on one H100
+// timed out in the forward phase unless CUDA_MODULE_LOADING=EAGER.
+void preload_kernels();
 void launch_notify(const NotifyArgs& a, gpuStream_t stream);
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream);  // pack+send, forward, copy-out
 void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream);    // stage, forward, reduce

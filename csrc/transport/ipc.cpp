@@ -75,6 +75,7 @@ class IpcTransport final : public Transport {
     if (o.gpu < 0) UCCL_THROW("ipc transport needs a GPU (gpu >= 0)");
     UCCL_CHECK_GPU(gpuSetDevice(o.gpu));
     UCCL_CHECK_GPU(gpuStreamCreateWithFlags(&stream_, gpuStreamNonBlocking));
+    preload_copy_kernels();
     std::string job = o.job.empty() ? std::to_string(getpid()) : o.job;
     queue_name_ = "/uccl_ep_" + job + "_r" + std::to_string(o.rank) + "_t" + std::to_string(o.thread_index);
     inbox_.create(queue_name_, 1 << 16);
@@ -82,6 +83,36 @@ class IpcTransport final : public Transport {
   ~IpcTransport() override { close(); }
 
   const char* name() const override { return "ipc"; }
+
+  // Copies between buffers of one device may run as driver kernels, and under lazy module loading (CUDA's
+  // default) a kernel's first use loads it, which waits for the kernels already running on the device: GPU
+  // kernels that spin until these copies land (the internode forwarders) would wait forever. So every kind
+  // of copy this transport issues (byte-, 4-, 8- and 16-byte aligned, small and large; into this process's
+  // memory and into a peer's IPC-mapped region) runs once before any such kernel can: here into a scratch
+  // buffer, and in connect() within each peer region, whose bytes it copies onto themselves (unchanged:
+  // nothing writes the regions while ranks connect). The module's own kernels are preloaded likewise
+  // (internode_launch.cuh).
+  void preload_copies(char* dst, const char* src, size_t size) {
+    gpuError_t e = gpuSuccess;
+    for (size_t len : {size_t(1), size_t(7), size_t(64), size_t(4096), size_t(65536), size_t(2) << 20})
+      for (size_t off : {size_t(0), size_t(1), size_t(4), size_t(8)})
+        if (e == gpuSuccess && off + len <= size) e = gpuMemcpyAsync(dst + off, src + off, len, gpuMemcpyDefault, stream_);
+    if (e == gpuSuccess) e = gpuStreamSynchronize(stream_);
+    UCCL_CHECK(e == gpuSuccess, "ipc transport: preloading the copy kernels failed: " << gpuGetErrorString(e));
+  }
+
+  void preload_copy_kernels() {
+    constexpr size_t kBytes = (size_t(2) << 20) + 64;
+    void* buf = nullptr;
+    UCCL_CHECK_GPU(gpuMalloc(&buf, 2 * kBytes));
+    try {
+      preload_copies(static_cast<char*>(buf) + kBytes, static_cast<char*>(buf), kBytes);
+    } catch (...) {
+      (void)gpuFree(buf);
+      throw;
+    }
+    UCCL_CHECK_GPU(gpuFree(buf));
+  }
 
   std::string address() override {
     IpcAddress a{};
@@ -137,6 +168,7 @@ class IpcTransport final : public Transport {
         UCCL_CHECK_GPU(gpuIpcOpenMemHandle(&base, k.handle, gpuIpcMemLazyEnablePeerAccess));
         r.opened = base;
         r.ptr = static_cast<char*>(base) + (k.ptr - k.base);
+        preload_copies(r.ptr, r.ptr, r.size);
       }
     }
   }

@@ -136,8 +136,8 @@ class NativeBackend(Backend):
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
         max_ranks = int(getattr(self._native, "INTRANODE_MAX_RANKS", 8))
         if num_ranks > max_ranks:
-            raise NotImplementedError(f"native backend: intranode only (at most {max_ranks} ranks on one node), "
-                                      f"got {num_ranks} ranks; internode is not implemented yet")
+            raise ValueError(f"native intranode backend: at most {max_ranks} ranks on one node, got {num_ranks}; "
+                             "set UCCL_EP_RANKS_PER_NODE to the ranks of one NVLink domain")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         wire = tuple(os.environ.get(v) for v in _WIRE_FORMAT_VARS)
         hosts_sms: list = [None] * num_ranks
@@ -145,11 +145,16 @@ class NativeBackend(Backend):
         _check_same_wire_format([w for _, _, w in hosts_sms])
         hosts = [h for h, _, _ in hosts_sms]
         if len(set(hosts)) > 1:
-            raise NotImplementedError(f"native backend: ranks span several hosts ({sorted(set(hosts))}); "
-                                      "only the intranode (one NVLink domain) path is implemented")
+            raise ValueError(f"native intranode backend: ranks span several hosts ({sorted(set(hosts))}) but "
+                             "UCCL_EP_RANKS_PER_NODE / LOCAL_WORLD_SIZE put them on one node")
         self._timeout = _timeout_s()
+        from ..gpu_sharing import check_gpu_sharing
+
+        # ranks sharing a GPU (under MPS) wait for each other inside the kernels: each takes only its share of
+        # the SMs (side blocks included), so that every rank's blocks are resident at once
+        per_gpu = check_gpu_sharing(group, self.device, "the native backend")
         # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
-        self._device_sms = min(s for _, s, _ in hosts_sms)
+        self._device_sms = min(s for _, s, _ in hosts_sms) // per_gpu
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)

@@ -18,7 +18,7 @@ import torch
 
 from ..config import Config
 from ..fp8 import per_token_cast_to_fp8
-from ..handles import (InternodeHandle, IntranodeHandle, LowLatencyHandle, prefix_matrix_from_counts,
+from ..handles import (InternodeHandle, IntranodeHandle, LowLatencyHandle, forwarded_rows, prefix_matrix_from_counts,
                        rows_per_source, send_head_of, send_positions)
 from ..topology import Topology
 from .base import Backend
@@ -120,9 +120,10 @@ class ReferenceBackend(Backend):
 
         if self.topology.internode:
             same_index = self._same_index_routing(is_token_in_rank, int(gathered[:, -1].max()))
+            per_node, nvl_head = forwarded_rows(counts, same_index, self.topology, me)
             handle = InternodeHandle.with_one_channel(
-                counts, num_tokens_per_rdma_rank, is_token_in_rank, same_index, self.topology, me, recv_src_idx,
-                num_tokens=x.size(0), owner=self.owner)
+                counts, num_tokens_per_rdma_rank, is_token_in_rank, per_node, nvl_head, self.topology, me,
+                recv_src_idx, num_tokens=x.size(0), owner=self.owner)
         else:
             handle = IntranodeHandle.with_one_channel(
                 prefix_matrix_from_counts(counts).to(x.device), num_tokens_per_rank, me, recv_src_idx,

@@ -322,6 +322,9 @@ def _check_sharing(world: int) -> None:
         return
     print(f"[internode] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
           file=sys.stderr)
+    # ranks sharing a GPU must load their kernels eagerly (uccl_ep_train.gpu_sharing.sharing_verdict); the
+    # spawned ranks inherit this before they start CUDA
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
     try:
         from ..gpu_sharing import mps_active
     except ImportError:

@@ -1,0 +1,209 @@
+"""GPU tests of the native internode path on ONE GPU: several ranks share it under NVIDIA MPS (gloo group,
+CUDA tensors), UCCL_EP_RANKS_PER_NODE splits them into emulated nodes, and the bytes between nodes go
+through the CPU proxies (ipc transport) exactly as between hosts.
+
+Every call is compared with the reference backend run on CPU copies of the same inputs in the same ranks
+(dispatch: bit-exact outputs and handle items; combine: reduction tolerance), and the proxies' per-destination
+byte counters are checked against the bytes the layout says must cross each node boundary.
+"""
+import os
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+pytestmark = [pytest.mark.gpu]
+
+HIDDEN, EXPERTS, TOPK = 256, 32, 4
+
+
+def _ready():
+    try:
+        from uccl_ep_train.backends.internode import internode_available
+    except ImportError as exc:
+        return f"internode backend missing: {exc}"
+    if not internode_available():
+        return "native module without the internode kernels / proxies"
+    return None
+
+
+def _routing(rank, T, mode, world, L, seed):
+    """(x bf16 [T, H], topk_idx int64 [T, K], weights float32) on CPU, reproducible from (seed, rank)."""
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    x = torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16)
+    if mode == "one_node":  # every top-k expert of a token on one node
+        node = torch.randint(0, world // L, (T, 1), generator=g)
+        per_node = EXPERTS // (world // L)
+        idx = node * per_node + torch.stack([torch.randperm(per_node, generator=g)[:TOPK] for _ in range(T)]) \
+            if T else torch.empty(0, TOPK, dtype=torch.int64)
+    elif mode == "skewed":  # most tokens to node 0's experts
+        hot = EXPERTS // (world // L)
+        idx = torch.stack([torch.randperm(hot if i % 5 else EXPERTS, generator=g)[:TOPK] for i in range(T)]) \
+            if T else torch.empty(0, TOPK, dtype=torch.int64)
+    else:
+        idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(T)]) \
+            if T else torch.empty(0, TOPK, dtype=torch.int64)
+        if T:
+            drop = torch.rand(T, TOPK, generator=g) < 0.2
+            idx[drop] = -1
+            idx[T // 2] = -1  # a token routed nowhere
+    w = torch.rand(T, TOPK, generator=g) * (idx >= 0)
+    return x, idx.to(torch.int64), w.to(torch.float32)
+
+
+def _buffers(world):
+    """(native Buffer on this rank's GPU, reference Buffer on CPU) over the same gloo group."""
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    group = dist.new_group(list(range(world)), backend="gloo")
+    native = Buffer(group, num_nvl_bytes=0, num_rdma_bytes=0)
+    assert native.backend_name == "native" and type(native.backend).__name__ == "NativeInternodeBackend", \
+        type(native.backend).__name__
+    old = {k: os.environ.get(k) for k in ("UCCL_EP_DEVICE", "UCCL_EP_BACKEND")}
+    os.environ.update(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference")
+    try:
+        ref = Buffer(group)
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    assert ref.device.type == "cpu"
+    return native, ref
+
+
+def _dispatch(buf, x, idx, w, num_experts, dev, **kw):
+    x = tuple(t.to(dev) for t in x) if isinstance(x, tuple) else x.to(dev)
+    idx, w = idx.to(dev), w.to(dev)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
+    out = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                       num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
+    return out, per_node
+
+
+def _same(a, b, what):
+    if isinstance(a, tuple):
+        for i, (p, q) in enumerate(zip(a, b)):
+            _same(p, q, f"{what}[{i}]")
+        return
+    a, b = a.cpu(), b.cpu()
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
+    assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.element_size() == 1 else a,
+                       b.view(torch.uint8) if b.dtype.is_floating_point and b.element_size() == 1 else b), what
+
+
+def _check_handle(h, hr, tag):
+    for name in ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
+                 "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
+                 "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head"):
+        _same(getattr(h, name), getattr(hr, name), f"{tag}: handle.{name}")
+    assert h.num_recv_tokens == hr.num_recv_tokens and h.num_tokens == hr.num_tokens, tag
+
+
+def _run_suite(rank, world, device, L, fault_seeds):
+    from uccl_ep_train import _native
+    from uccl_ep_train.fp8 import per_token_cast_to_fp8
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    native, ref = _buffers(world)
+    stats = native.backend.proxy_stats
+    N = world // L
+    node = rank // L
+    report = {}
+    for case, (mode, T) in enumerate([("random", 96), ("one_node", 64), ("skewed", 80), ("random", 0)]):
+        # rank 1 has no tokens in the last case; the others do
+        T = (0 if rank == 1 else 48) if T == 0 else T + 7 * rank
+        x, idx, w = _routing(rank, T, mode, world, L, seed=case)
+        tag = f"rank {rank} case {case} ({mode})"
+        before = stats()["bytes_to"]
+        (rx, ridx, rw, counts, h, _), per_node = _dispatch(native, x, idx, w, EXPERTS, dev)
+        after = stats()["bytes_to"]
+        (ex, eidx, ew, ecounts, eh, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
+        _same(rx, ex, f"{tag}: recv_x")
+        _same(ridx, eidx, f"{tag}: recv_topk_idx")
+        _same(rw, ew, f"{tag}: recv_topk_weights")
+        assert counts == ecounts, f"{tag}: per-expert counts {counts} vs {ecounts}"
+        _check_handle(h, eh, tag)
+        # bytes through the proxies: to every other rank one count row; to the RDMA peer of each other node
+        # the rows this rank sends there, nothing else (intra-node bytes never touch the proxies)
+        row_ints = _native.internode_count_row_ints(world, EXPERTS, L)
+        row_bytes = _native.internode_layout([0] * world * N, world, L, rank, HIDDEN * 2, 0, TOPK, 0, 0)["row_bytes"]
+        for dst in range(world):
+            sent = after[dst] - before[dst]
+            want = 0 if dst == rank else 4 * row_ints
+            if dst // L != node and dst % L == rank % L:
+                want += int(per_node[dst // L]) * row_bytes
+            assert sent == want, f"{tag}: {sent} bytes through the proxies to rank {dst}, expected {want}"
+        # cached dispatch (same handle), then combine with weights and a bias
+        y = (rx.float() * (rank + 1)).to(torch.bfloat16)
+        cx, _, _, _, _, _ = native.dispatch(x.to(dev) * 2, handle=h)
+        ecx, _, _, _, _, _ = ref.dispatch(x * 2, handle=eh)
+        _same(cx, ecx, f"{tag}: cached recv_x")
+        bias = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
+        out, out_w, _ = native.combine(y, h, topk_weights=rw, bias=bias.to(dev))
+        eout, eout_w, _ = ref.combine(y.cpu(), eh, topk_weights=ew, bias=bias)
+        torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2, msg=f"{tag}: combine")
+        torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=f"{tag}: combined weights")
+        report[f"case{case}"] = int(rx.size(0))
+
+    # FP8 pairs, num_worst_tokens, async with previous_event, expert alignment
+    x, idx, w = _routing(rank, 64, "random", world, L, seed=7)
+    q, s = per_token_cast_to_fp8(x.float())
+    (rq, ridx, rw, counts, h, _), _ = _dispatch(native, (q, s), idx, w, EXPERTS, dev, num_worst_tokens=64 * world,
+                                                expert_alignment=1)
+    (eq, eidx, ew, ecounts, eh, _), _ = _dispatch(ref, (q, s), idx, w, EXPERTS, "cpu", num_worst_tokens=64 * world)
+    _same(rq, eq, f"rank {rank}: fp8 recv (x, scales)")
+    _same(ridx, eidx, f"rank {rank}: fp8 recv_topk_idx")
+    assert counts == ecounts == []
+    _check_handle(h, eh, f"rank {rank} fp8 worst")
+    prev = native.capture()
+    (ax, _, _, acounts, ah, event), _ = _dispatch(native, x, idx, w, EXPERTS, dev, previous_event=prev,
+                                                  async_finish=True, allocate_on_comm_stream=True, expert_alignment=8)
+    event.current_stream_wait()
+    (ex, _, _, ecounts, _, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu", expert_alignment=8)
+    _same(ax, ex, f"rank {rank}: async recv_x")
+    assert acounts == ecounts
+
+    # 200 calls in a row (dispatch + combine), the last one checked
+    for i in range(200):
+        (rx, _, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
+        out, _, _ = native.combine(rx, h)
+    # no weights, no bias: each token comes back once per rank it went to
+    ranks_hit = ((idx.unsqueeze(-1) >= 0) & (idx.unsqueeze(-1) // (EXPERTS // world) == torch.arange(world))).any(1)
+    expected = x.float() * ranks_hit.sum(-1, keepdim=True)
+    torch.testing.assert_close(out.cpu().float(), expected, rtol=2e-2, atol=2e-2)
+    native.backend.check_errors()
+    native.destroy()
+    ref.destroy()
+
+    # fault injection: the proxies reorder and delay completions; results stay exact
+    for seed in fault_seeds:
+        os.environ["UCCL_EP_FAULT"] = f"reorder=0.3,delay_us=50,seed={seed}"
+        try:
+            native, ref = _buffers(world)
+        finally:
+            os.environ.pop("UCCL_EP_FAULT")
+        x, idx, w = _routing(rank, 40, "random", world, L, seed=100 + seed)
+        (rx, ridx, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
+        (ex, eidx, _, _, eh, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
+        _same(rx, ex, f"rank {rank} fault seed {seed}: recv_x")
+        out, _, _ = native.combine(rx, h)
+        eout, _, _ = ref.combine(ex, eh)
+        torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2)
+        native.destroy()
+        ref.destroy()
+    return report
+
+
+@pytest.mark.parametrize("world,L", [(2, 1), (4, 2), (6, 2), (4, 1)])
+def test_internode_one_gpu(mps, world, L):
+    why = _ready()
+    if why:
+        pytest.skip(why)
+    seeds = list(range(20)) if (world, L) == (4, 2) else []
+    run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600,
+              env={"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"})

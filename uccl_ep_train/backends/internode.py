@@ -1,0 +1,380 @@
+"""The native internode backend: NVLink/xGMI aggregation inside a node, CPU-proxy RDMA between nodes.
+
+Kernels and buffers: `uccl_ep_train._native.InternodeBuffer` (csrc/kernels/internode*.{h,cu}; the design
+and the wire format are in docs/internode.md). This class is the thin Python side:
+- bootstrap: the topology (ranks per node, `uccl_ep_train.topology`), one InternodeBuffer per rank, its
+  NVL buffer's IPC handle opened by the other ranks of its node, and a `ProxyGroup` (CPU proxy threads)
+  over its RDMA region (region 0, GPU) and flag region (region 1, pinned host memory). The transport is
+  chosen at run time: `ipc` on one host (several "nodes" on one machine: the copy engine writes exactly
+  where a NIC would), `verbs` (RC) on RDMA NICs, `fabric` elsewhere; UCCL_EP_TRANSPORT overrides.
+- a fresh dispatch sends its count row to every rank through the proxies (notify) and waits for every
+  rank's row on the host: that sizes the outputs and gives every rank the global per-node counts, from
+  which sender and receiver compute the same buffer layout (in C++: `_native.internode_layout`).
+- dispatch / cached dispatch / combine launch the kernels on the current stream.
+Receive order is intranode's (source rank, then source token index), so dispatch is bit-exact with the
+reference backend; combine reduces inside the node first (float32 in local rank order, rounded to x's dtype
+for the trip back), then over nodes (float32 in node order): within reduction tolerance of the reference.
+
+Buffers grow on demand, collectively (every rank derives the same sizes from the global counts). CUDA
+graphs: not capturable (the kernels take host-side op counters); capture raises.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from ..config import Config, env_number, timeout_s
+from ..events import current_raw_stream
+from ..handles import InternodeHandle, nodes_of_tokens, send_positions
+from ..topology import Topology
+from .base import Backend
+
+log = logging.getLogger("uccl_ep_train")
+
+_MIN_BYTES = 32 << 20  # first NVL buffer / RDMA region (grown on demand)
+_GROW_STEP = 64 << 20
+# Bytes per RDMA chunk (one proxy write + its flag): large enough that the per-command cost (a copy-engine
+# launch on the ipc transport, a work request on a NIC) is small against the transfer, small enough that
+# forwarding starts early. UCCL_EP_RDMA_CHUNK_BYTES overrides (the same value on every rank).
+_CHUNK_BYTES = 2 << 20
+_DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
+_HEADER = ("num_tokens", "x row bytes", "FP8 scale bytes", "num_topk", "topk_weights given", "num_experts",
+           "x dtype")
+
+
+def _module():
+    from .. import _native  # noqa: PLC0415 (optional extension)
+
+    return _native
+
+
+def internode_available() -> bool:
+    """True when the native module has the internode kernels and proxies, and a GPU is visible."""
+    try:
+        m = _module()
+    except ImportError:
+        return False
+    from .. import proxy
+
+    return hasattr(m, "InternodeBuffer") and proxy.available() and torch.cuda.is_available()
+
+
+@dataclass
+class InternodeState:
+    """Backend-private part of an InternodeHandle: what the kernels need again (cached dispatch, combine)."""
+
+    rd: list  # [R * N] tokens rank s sends to node n (every rank's num_tokens_per_rdma_rank)
+    num_recv: int  # rows really received (out_rows may be num_worst_tokens)
+    send_pos: torch.Tensor  # [T, R] int32
+    row_base: torch.Tensor  # [R, L] int32: first receive row of source s on local rank j of this node
+    max_recv: int  # the most rows any rank receives (NVL buffer sizing)
+
+
+class NativeInternodeBackend(Backend):
+    name = "native"
+    supports_low_latency = False  # LL calls are served by the reference backend (Buffer)
+
+    def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology):
+        super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
+        if not topology.internode:
+            raise ValueError("NativeInternodeBackend: the topology has one node; use the intranode backend")
+        self._native = _module()
+        self.device = device
+        self.L, self.N = topology.ranks_per_node, topology.num_nodes
+        self.node, self.local = topology.node_of(rank), topology.local_of(rank)
+        max_local = int(self._native.INTERNODE_MAX_LOCAL)
+        if self.L > max_local or self.N > int(self._native.INTERNODE_MAX_NODES):
+            raise ValueError(f"native internode backend: {self.L} ranks per node x {self.N} nodes; at most "
+                             f"{max_local} per node and {self._native.INTERNODE_MAX_NODES} nodes")
+        from ..gpu_sharing import check_gpu_sharing
+
+        per_gpu = check_gpu_sharing(group, device, "the native internode backend")
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        # ranks sharing a GPU (emulated nodes under MPS) must all stay resident: they wait for each other
+        self._device_sms = max(1, sms // per_gpu)
+        self._timeout = float(timeout_s())
+        self._chunk_bytes = int(env_number("UCCL_EP_RDMA_CHUNK_BYTES", _CHUNK_BYTES, int))
+        if self._chunk_bytes < 1:
+            raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES must be >= 1, got {self._chunk_bytes}")
+        sizes: list = [None] * num_ranks
+        dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), self._chunk_bytes), group=group)
+        if len({c for _, _, c in sizes}) > 1:
+            raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES differs between ranks ({sorted({c for _, _, c in sizes})}): "
+                             "senders and receivers must cut chunks alike")
+        self._buf = None
+        self._proxy = None
+        self._failed: Optional[str] = None
+        self._pinned: Optional[torch.Tensor] = None
+        self._open(max(max(s[0] for s in sizes), _MIN_BYTES), max(max(s[1] for s in sizes), _MIN_BYTES))
+
+    # ---- lifetime ------------------------------------------------------------------------------------
+    def _open(self, nvl_bytes: int, rdma_bytes: int) -> None:
+        """Collective: the buffers, the node peers' NVL mappings, the proxies over the two regions."""
+        from ..proxy import ProxyGroup
+
+        with torch.cuda.device(self.device):
+            buf = self._native.InternodeBuffer(self.device.index, self.rank, self.num_ranks, self.L, int(nvl_bytes),
+                                               int(rdma_bytes), self._timeout)
+            handles: list = [None] * self.num_ranks
+            dist.all_gather_object(handles, buf.ipc_handle(), group=self.group)
+            buf.open_peers(handles[self.node * self.L:(self.node + 1) * self.L])
+            regions = {0: (buf.rdma_ptr(), buf.rdma_bytes(), True), 1: (buf.flag_ptr(), buf.flag_bytes(), False)}
+            proxy = ProxyGroup(self.rank, self.num_ranks, regions, group=self.group, gpu=self.device.index)
+        rings = []
+        for t in range(proxy.num_threads):
+            d = proxy.ring_desc(t, device=True)
+            rings.append([d["slots"], d["claim"], d["tail_cache"], d["tail"], d["flushed"], d["echo"], d["capacity"],
+                          1 if d["publish"] == "vector" else 0])
+        buf.set_rings(rings)
+        self._buf, self._proxy = buf, proxy
+
+    def _close(self) -> None:
+        proxy, buf = self._proxy, self._buf
+        self._proxy = self._buf = None
+        try:
+            if proxy is not None:
+                proxy.close()
+        finally:
+            if buf is not None:
+                buf.destroy()
+
+    def destroy(self) -> None:
+        if self._buf is None:
+            return
+        try:
+            torch.cuda.synchronize(self.device)
+            if dist.is_initialized():
+                dist.barrier(group=self.group)  # no peer still sends into this rank's regions
+        finally:
+            self._close()
+
+    def _ensure(self, rdma_need: int, nvl_need: int) -> None:
+        """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""
+        if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
+            return
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"native internode backend: buffers too small ({rdma_need} RDMA / {nvl_need} NVL "
+                               "bytes needed) and they cannot grow during CUDA graph capture")
+        grow = lambda have, need: have if need <= have else -(-(need + need // 8) // _GROW_STEP) * _GROW_STEP  # noqa: E731
+        rdma, nvl = grow(self._buf.rdma_bytes(), rdma_need), grow(self._buf.nvl_bytes(), nvl_need)
+        if self.rank == 0:
+            log.warning("uccl_ep_train native internode: growing the RDMA region to %d and the NVL buffer to %d "
+                        "bytes (pass num_rdma_bytes / num_nvl_bytes at least this large to avoid it)", rdma, nvl)
+        torch.cuda.synchronize(self.device)
+        dist.barrier(group=self.group)  # nothing in flight: every op's chunks and READYs were awaited
+        self._close()
+        self._open(nvl, rdma)
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"native internode backend: unusable after an earlier error: {self._failed}")
+        if self._buf is None:
+            raise RuntimeError("native internode backend: destroyed")
+        msg = self._buf.error()
+        if not msg:
+            try:
+                self._proxy.check()
+            except RuntimeError as exc:
+                msg = f"proxy: {exc}"
+        if msg:
+            self._failed = msg
+            raise RuntimeError(f"native internode backend: {msg}")
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("native internode backend: dispatch/combine across nodes cannot be captured in a CUDA "
+                               "graph (the kernels take host-side op counters)")
+
+    def check_errors(self) -> None:
+        """Raise if a kernel or a proxy thread recorded an error (timeout, ring full, rejected command)."""
+        self._check()
+
+    def proxy_stats(self) -> dict:
+        """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""
+        return self._proxy.stats()
+
+    def _num_sms(self, config: Optional[Config]) -> int:
+        return max(1, min(int(getattr(config, "num_sms", 0) or 24), self._device_sms))
+
+    def _chunk_rows(self, row_bytes: int) -> int:
+        return max(1, self._chunk_bytes // row_bytes)
+
+    # ---- layout --------------------------------------------------------------------------------------
+    def get_dispatch_layout(self, topk_idx, num_experts):
+        self._check()
+        from .reference import ReferenceBackend  # the layout is local torch work, the same as the reference's
+
+        return ReferenceBackend.get_dispatch_layout(self, topk_idx, num_experts)
+
+    # ---- dispatch ------------------------------------------------------------------------------------
+    def _notify(self, header: list[int], per_rank, per_node, per_expert, num_experts: int) -> np.ndarray:
+        """Every rank's count row (host int32 [R, stride]), after checking that the ranks agree on the shape
+        of the call (the same error on every rank: all of them read every row)."""
+        stride = int(self._native.internode_count_row_ints(self.num_ranks, int(self._native.INTERNODE_MAX_EXPERTS),
+                                                           self.L))
+        stream = current_raw_stream()
+        self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
+        size = self.num_ranks * stride
+        if self._pinned is None or self._pinned.numel() < size:
+            self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
+        try:
+            self._buf.wait_counts(self._pinned.data_ptr(), stream)
+        except RuntimeError as exc:
+            self._failed = str(exc)
+            raise
+        rows = self._pinned[:size].numpy().reshape(self.num_ranks, stride).copy()
+        for i, name in enumerate(_HEADER):
+            values = rows[:, i]
+            if (values != values[0]).any() and name != "num_tokens":
+                raise ValueError(f"dispatch: ranks disagree on {name}: " +
+                                 ", ".join(f"rank {r}={int(v)}" for r, v in enumerate(values)))
+        return rows
+
+    def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank=None):
+        self._check()
+        R, L, N, me = self.num_ranks, self.L, self.N, self.rank
+        x = x.contiguous()
+        T, hidden = x.shape
+        dev = x.device
+        x_bytes = hidden * x.element_size()
+        scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
+        if x_scales is not None:
+            x_scales = x_scales.to(torch.float32).contiguous()
+        K = 0 if topk_idx is None else topk_idx.size(1)
+        if topk_idx is not None:
+            topk_idx = topk_idx.to(torch.int64).contiguous()
+            if topk_weights is not None:
+                topk_weights = topk_weights.to(torch.float32).contiguous()
+        is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
+        num_experts = num_tokens_per_expert.numel()
+        if num_tokens_per_rdma_rank is None:
+            num_tokens_per_rdma_rank = self.tokens_per_node(is_token_in_rank)
+        per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
+        per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
+        per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
+        header = [T, x_bytes, scale_bytes, K, int(topk_weights is not None), num_experts, _X_DTYPES[x.dtype], 0]
+        rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
+        h = int(self._native.INTERNODE_HEADER_INTS)
+        counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
+        rd = rows[:, h + R:h + R + N]
+        epr = num_experts // R
+        expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)
+        recv_per_rank = counts.sum(axis=0)
+        num_recv = int(recv_per_rank[me])
+        if num_worst_tokens and num_recv > num_worst_tokens:
+            raise RuntimeError(f"dispatch: rank {me} receives {num_recv} tokens, more than "
+                               f"num_worst_tokens={num_worst_tokens}")
+        out_rows = int(num_worst_tokens) or num_recv
+        starts = np.cumsum(counts, axis=0) - counts  # first receive row of source s on rank r
+        state = InternodeState(rd.reshape(-1).tolist(), num_recv, send_positions(is_token_in_rank),
+                               torch.from_numpy(starts[:, self.node * L:(self.node + 1) * L].astype(np.int32)).to(dev),
+                               int(recv_per_rank.max()))
+        self._ensure_for(state, x_bytes, scale_bytes, K, hidden * (4 if x.dtype == torch.float32 else 2))
+        node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
+        forwarded = int(rd[[n * L + self.local for n in range(N)], self.node].sum())
+        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
+        recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
+                                                                device=dev)
+        recv_idx = torch.empty((out_rows, K), dtype=torch.int64, device=dev) if K else None
+        recv_w = torch.empty((out_rows, K), dtype=torch.float32, device=dev) if K else None
+        recv_meta = torch.empty((out_rows, 2), dtype=torch.int32, device=dev)
+        fwd_head = torch.empty((forwarded, L), dtype=torch.int32, device=dev)
+        self._launch_dispatch(state, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, K, num_experts,
+                              node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config)
+        from_nodes = torch.from_numpy(rd[[n * L + self.local for n in range(N)], self.node].astype(np.int32))
+        handle = InternodeHandle.with_one_channel(
+            torch.from_numpy(counts), per_node, is_token_in_rank, from_nodes, fwd_head, self.topology, me,
+            recv_meta[:, 0], T, self.owner, state, send_rdma_head=node_head)
+        per_expert_list = [] if num_worst_tokens else [-(-int(c) // expert_alignment) * expert_alignment
+                                                       for c in expert_counts]
+        if recv_idx is not None and recv_w is None:
+            recv_w = torch.zeros_like(recv_idx, dtype=torch.float32)
+        return recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle
+
+    def _ensure_for(self, st: InternodeState, x_bytes: int, scale_bytes: int, num_topk: int, y_bytes: int) -> None:
+        """Grows the buffers (collectively) to what a dispatch of these rows and its combine need on any rank."""
+        rdma = nvl = 0
+        for r in range(self.num_ranks):
+            for xb, yb in ((x_bytes, 0), (0, y_bytes)):
+                lay = self._native.internode_layout(st.rd, self.num_ranks, self.L, r, xb, scale_bytes if xb else 0,
+                                                    num_topk, yb, st.max_recv)
+                rdma, nvl = max(rdma, lay["rdma_bytes"]), max(nvl, lay["nvl_bytes"])
+        self._ensure(rdma, nvl)
+
+    def _launch_dispatch(self, st, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, num_topk, num_experts,
+                         node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config):
+        row = self._native.internode_layout(st.rd, self.num_ranks, self.L, self.rank, x_bytes, scale_bytes, num_topk,
+                                            0, 0)["row_bytes"]
+        self._buf.dispatch(st.rd, x.size(0), x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx),
+                           _ptr(topk_weights), num_topk, num_experts, st.send_pos.data_ptr(), node_head.data_ptr(),
+                           st.row_base.data_ptr(), st.num_recv, out_rows, _ptr(recv_x), _ptr(recv_scales),
+                           _ptr(recv_idx), _ptr(recv_w), _ptr(recv_meta), _ptr(fwd_head), self._num_sms(config),
+                           self._chunk_rows(row), current_raw_stream())
+
+    @staticmethod
+    def _state(handle) -> InternodeState:
+        if not isinstance(handle, InternodeHandle) or not isinstance(handle.private, InternodeState):
+            raise ValueError("handle: not made by the native internode backend")
+        return handle.private
+
+    def cached_dispatch(self, x, x_scales, handle, config):
+        self._check()
+        st = self._state(handle)
+        x = x.contiguous()
+        hidden = x.size(1)
+        x_bytes = hidden * x.element_size()
+        if x_scales is not None:
+            x_scales = x_scales.to(torch.float32).contiguous()
+        scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
+        self._ensure_for(st, x_bytes, scale_bytes, 0, 0)
+        out_rows = handle.num_recv_tokens
+        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=x.device)
+        recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
+                                                                device=x.device)
+        self._launch_dispatch(st, x, x_bytes, x_scales, scale_bytes, None, None, 0, self.num_ranks,
+                              handle.send_rdma_head, out_rows, recv_x, recv_scales, None, None, None, None, config)
+        return recv_x, recv_scales
+
+    # ---- combine -------------------------------------------------------------------------------------
+    def combine(self, x, handle, topk_weights, bias_0, bias_1, config):
+        self._check()
+        st = self._state(handle)
+        if x.dtype not in _DTYPE_CODES:
+            raise TypeError(f"x: the native backend combines bfloat16, float16 or float32 rows, got {x.dtype}")
+        x = x.contiguous()
+        hidden = x.size(1)
+        K = 0 if topk_weights is None else topk_weights.size(1)
+        if topk_weights is not None:
+            topk_weights = topk_weights.to(torch.float32).contiguous()
+        self._ensure_for(st, 0, 0, K, hidden * x.element_size())
+        biases = [None if b is None else b.to(x.dtype).contiguous() for b in (bias_0, bias_1)]
+        T = handle.num_tokens
+        out = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
+        out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if K else None
+        crow = self._native.internode_layout(st.rd, self.num_ranks, self.L, self.rank, 0, 0, K,
+                                             hidden * x.element_size(), 0)["crow_bytes"]
+        self._buf.combine(st.rd, T, x.data_ptr(), _DTYPE_CODES[x.dtype], hidden, _ptr(topk_weights), K, st.num_recv,
+                          handle.send_rdma_head.data_ptr(), handle.send_nvl_head.data_ptr(), _ptr(biases[0]),
+                          _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config), self._chunk_rows(crow),
+                          current_raw_stream())
+        return out, out_w
+
+    # ---- low latency (not here) ----------------------------------------------------------------------
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise NotImplementedError("native internode backend: low-latency mode")
+
+    def low_latency_combine(self, *args, **kwargs):
+        raise NotImplementedError("native internode backend: low-latency mode")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        raise NotImplementedError("native internode backend: low-latency mode")
+
+
+def _ptr(t: Optional[torch.Tensor]) -> int:
+    return 0 if t is None or t.numel() == 0 else t.data_ptr()
