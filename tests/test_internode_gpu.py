@@ -15,7 +15,7 @@ from dist_utils import run_ranks
 
 pytestmark = [pytest.mark.gpu]
 
-HIDDEN, EXPERTS, TOPK = 256, 32, 4
+HIDDEN, EXPERTS, TOPK = 256, 48, 4  # 48 experts: divisible by 2, 4 and 6 ranks
 
 
 def _ready():
@@ -96,6 +96,15 @@ def _same(a, b, what):
                        b.view(torch.uint8) if b.dtype.is_floating_point and b.element_size() == 1 else b), what
 
 
+def _settle(buf, tag):
+    """Waits for the call's kernels; a kernel or proxy error raises here, naming the call that failed."""
+    torch.cuda.synchronize()
+    try:
+        buf.backend.check_errors()
+    except RuntimeError as exc:
+        raise AssertionError(f"{tag}: {exc}") from exc
+
+
 def _check_handle(h, hr, tag):
     for name in ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
                  "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
@@ -105,6 +114,8 @@ def _check_handle(h, hr, tag):
 
 
 def _run_suite(rank, world, device, L, fault_seeds):
+    import torch.distributed as dist
+
     from uccl_ep_train import _native
     from uccl_ep_train.fp8 import per_token_cast_to_fp8
 
@@ -121,6 +132,10 @@ def _run_suite(rank, world, device, L, fault_seeds):
         tag = f"rank {rank} case {case} ({mode})"
         before = stats()["bytes_to"]
         (rx, ridx, rw, counts, h, _), per_node = _dispatch(native, x, idx, w, EXPERTS, dev)
+        _settle(native, f"{tag}: dispatch")
+        # every rank's forward waited for all chunks bound to it, so after this barrier every proxy posted
+        # what this dispatch sent (the counters count at post time)
+        dist.barrier()
         after = stats()["bytes_to"]
         (ex, eidx, ew, ecounts, eh, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
         _same(rx, ex, f"{tag}: recv_x")
@@ -141,10 +156,12 @@ def _run_suite(rank, world, device, L, fault_seeds):
         # cached dispatch (same handle), then combine with weights and a bias
         y = (rx.float() * (rank + 1)).to(torch.bfloat16)
         cx, _, _, _, _, _ = native.dispatch(x.to(dev) * 2, handle=h)
+        _settle(native, f"{tag}: cached dispatch")
         ecx, _, _, _, _, _ = ref.dispatch(x * 2, handle=eh)
         _same(cx, ecx, f"{tag}: cached recv_x")
         bias = torch.randn(T, HIDDEN, generator=torch.Generator().manual_seed(rank)).to(torch.bfloat16)
         out, out_w, _ = native.combine(y, h, topk_weights=rw, bias=bias.to(dev))
+        _settle(native, f"{tag}: combine")
         eout, eout_w, _ = ref.combine(y.cpu(), eh, topk_weights=ew, bias=bias)
         torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2, msg=f"{tag}: combine")
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=f"{tag}: combined weights")
@@ -168,13 +185,26 @@ def _run_suite(rank, world, device, L, fault_seeds):
     _same(ax, ex, f"rank {rank}: async recv_x")
     assert acounts == ecounts
 
+    # no weights, no bias: each token comes back once per rank it went to
+    ranks_hit = ((idx.unsqueeze(-1) >= 0) & (idx.unsqueeze(-1) // (EXPERTS // world) == torch.arange(world))).any(1)
+    expected = x.float() * ranks_hit.sum(-1, keepdim=True)
+
+    # ops queued back to back without a host sync in between (cached dispatch, combine, cached dispatch); the
+    # inputs are on the GPU beforehand: no synchronous host-to-device copy waits behind the queued ops
+    x1, x3 = x.to(dev), (x.to(dev) * 3)
+    (rx, _, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
+    y1 = native.dispatch(x1, handle=h)[0]
+    out1, _, _ = native.combine(y1, h)
+    y3 = native.dispatch(x3, handle=h)[0]
+    _settle(native, f"rank {rank}: pipelined ops")
+    _same(y1, rx, f"rank {rank}: pipelined cached dispatch")
+    _same(y3, (rx.float() * 3).to(torch.bfloat16), f"rank {rank}: pipelined cached dispatch after a combine")
+    torch.testing.assert_close(out1.cpu().float(), expected, rtol=2e-2, atol=2e-2)
+
     # 200 calls in a row (dispatch + combine), the last one checked
     for i in range(200):
         (rx, _, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
         out, _, _ = native.combine(rx, h)
-    # no weights, no bias: each token comes back once per rank it went to
-    ranks_hit = ((idx.unsqueeze(-1) >= 0) & (idx.unsqueeze(-1) // (EXPERTS // world) == torch.arange(world))).any(1)
-    expected = x.float() * ranks_hit.sum(-1, keepdim=True)
     torch.testing.assert_close(out.cpu().float(), expected, rtol=2e-2, atol=2e-2)
     native.backend.check_errors()
     native.destroy()
@@ -206,4 +236,4 @@ def test_internode_one_gpu(mps, world, L):
         pytest.skip(why)
     seeds = list(range(20)) if (world, L) == (4, 2) else []
     run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600,
-              env={"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"})
+              env={"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60", "UCCL_EP_BACKEND": "native"})

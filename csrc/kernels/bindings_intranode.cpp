@@ -21,6 +21,10 @@ void register_intranode(py::module_& m) {
         return uccl_ep::intranode::make_row_layout(data_bytes, x_bytes, scale_bytes, num_topk, with_src).cap_rows;
       },
       "rows of (x, scales, topk idx/weights, src idx) that fit in `data_bytes` of an intranode buffer");
+  m.def("dispatch_layout", &uccl_ep::intranode::dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"),
+        py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("out_per_rank"),
+        py::arg("out_per_expert"), py::arg("out_in_rank"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        "get_dispatch_layout's kernel on the current device (outputs zeroed by the caller)");
   py::class_<IntranodeBuffer>(m, "IntranodeBuffer",
                               "One rank's IPC-shared NVLink buffer and the intranode kernels that use it")
       .def(py::init<int, int, int, int64_t, double>(), py::arg("device"), py::arg("rank"), py::arg("num_ranks"),

@@ -32,6 +32,22 @@ constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row lan
 constexpr int64_t kFoldReadyOffset = kFlagsOffset + kMaxFlagRows * 4;
 constexpr int64_t kHeaderBytes = kFoldReadyOffset + kMaxFlagRows * 4;  // 9 MiB + 4 KiB
 
+// Host: the SM count of `device` and the clock cycles a wait of `timeout_s` seconds lasts on it (an unknown
+// clock counts as 2 GHz). Returns the first failing attribute query's error.
+inline gpuError_t query_device(int device, double timeout_s, int* num_sms, int64_t* timeout_cycles) {
+  int clock_khz = 0;
+#if defined(UCCL_EP_WITH_HIP)
+  gpuError_t e = hipDeviceGetAttribute(&clock_khz, hipDeviceAttributeClockRate, device);
+  if (e == gpuSuccess) e = hipDeviceGetAttribute(num_sms, hipDeviceAttributeMultiprocessorCount, device);
+#else
+  gpuError_t e = cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device);
+  if (e == gpuSuccess) e = cudaDeviceGetAttribute(num_sms, cudaDevAttrMultiProcessorCount, device);
+#endif
+  if (clock_khz <= 0) clock_khz = 2000000;
+  *timeout_cycles = (int64_t)(timeout_s * (double)clock_khz * 1000.0);
+  return e;
+}
+
 enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3 };
 enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3 };
 
@@ -112,6 +128,15 @@ __device__ __forceinline__ void st_relaxed_sys_u32(uint32_t* p, uint32_t v) {
 #endif
 }
 
+// Release store at system scope: this thread's earlier writes are visible to whoever sees the value.
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
+#if defined(UCCL_EP_WITH_HIP)
+  __atomic_store_n(p, v, __ATOMIC_RELEASE);
+#else
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
+#endif
+}
+
 // Waits (every lane of the warp) until the row flag *p == seq; false on deadline / earlier error.
 __device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64_t timeout_cycles, ErrorRecord* err,
                                           int* claim, int rank, int peer, int phase, int row) {
@@ -172,6 +197,16 @@ __device__ __forceinline__ void cp_async_16(void* smem, const void* gmem) {
 __device__ __forceinline__ void cp_async_wait_all() {
 #if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   asm volatile("cp.async.commit_group;\n\tcp.async.wait_group 0;" ::: "memory");
+#endif
+}
+
+// Orders the warp's lanes (and their memory accesses) at this point: __syncwarp on NVIDIA, the wavefront
+// barrier on AMD (ROCm has no __syncwarp).
+__device__ __forceinline__ void warp_sync() {
+#if defined(UCCL_EP_WITH_HIP)
+  __builtin_amdgcn_wave_barrier();
+#else
+  __syncwarp();
 #endif
 }
 

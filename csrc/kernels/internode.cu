@@ -34,17 +34,10 @@ using intranode::kWarpSize;
 using intranode::ld_acquire_sys;
 using intranode::ld_global_v4;
 using intranode::report_error;
+using intranode::st_release_sys_u64;
 using intranode::wait_geq;
 
 constexpr int kWarps = kThreads / kWarpSize;
-
-__device__ __forceinline__ void st_release_sys_u64(uint64_t* p, uint64_t v) {
-#if defined(UCCL_EP_WITH_HIP)
-  __atomic_store_n(p, v, __ATOMIC_RELEASE);
-#else
-  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(p), "l"(v) : "memory");
-#endif
-}
 
 __device__ __forceinline__ uint64_t* bar_words(char* nvl) { return reinterpret_cast<uint64_t*>(nvl + kBarOffset); }
 
@@ -158,6 +151,19 @@ __device__ bool chunk_done(const Common& c, int n, int j, int rows_in_chunk) {
   return atomicAdd(c.chunk_count + n * kMaxChunks + j, 1) + 1 == rows_in_chunk;
 }
 
+// Lane 0, after the warp wrote row i of node n's segment (rows [seg_row0, seg_row0 + seg_rows) of the
+// outgoing area at byte area_off): the call that completes the row's chunk sends the chunk to the segment's
+// place at node n's RDMA peer (remote_in) with its flag (flag0 + chunk).
+__device__ void row_written(const Common& c, int n, int64_t i, int64_t seg_row0, int64_t seg_rows, int chunk_rows,
+                            int64_t area_off, int64_t remote_in, int64_t row_bytes, int64_t flag0, int phase) {
+  const int j = int(i / chunk_rows);
+  const int64_t left = seg_rows - int64_t(j) * chunk_rows;
+  const int rows = int(left < chunk_rows ? left : chunk_rows);
+  if (!chunk_done(c, n, j, rows)) return;
+  send_chunk(c, n, j, area_off + (seg_row0 + int64_t(j) * chunk_rows) * row_bytes,
+             remote_in + int64_t(j) * chunk_rows * row_bytes, rows * row_bytes, flag0 + j, phase);
+}
+
 __device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k) {
   int n = 0;
   while (n + 1 < N && row0[n + 1] <= k) ++n;
@@ -248,19 +254,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       }
       for (int j = lane; j < c.L; j += kWarpSize)
         reinterpret_cast<int*>(p + f.pos)[j] = a.send_pos[t * c.num_ranks + n * c.L + j];
-      __syncwarp();
-      if (lane == 0 && n != c.node) {
-        const int jc = head / a.chunk_rows;
-        const int64_t seg_rows = a.t.send_row0[n + 1] - a.t.send_row0[n];
-        const int rows = int(seg_rows - int64_t(jc) * a.chunk_rows < a.chunk_rows ? seg_rows - int64_t(jc) * a.chunk_rows
-                                                                                  : a.chunk_rows);
-        if (chunk_done(c, n, jc, rows)) {
-          const int64_t first = a.t.send_row0[n] + int64_t(jc) * a.chunk_rows;
-          send_chunk(c, n, jc, a.send_off + first * a.row_bytes,
-                     a.t.remote_in[n] + int64_t(jc) * a.chunk_rows * a.row_bytes, rows * a.row_bytes,
-                     dispatch_flag(c.num_ranks, c.node, jc), kPhaseDispatchSend);
-        }
-      }
+      intranode::warp_sync();
+      if (lane == 0 && n != c.node)
+        row_written(c, n, head, a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n], a.chunk_rows, a.send_off,
+                    a.t.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0), kPhaseDispatchSend);
     }
   }
 }
@@ -407,19 +404,10 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
       for (int q = 0; q < m; ++q) s += reinterpret_cast<const float*>(srcs[q] + y_bytes)[kk];
       reinterpret_cast<float*>(out + y_bytes)[kk] = s;
     }
-    __syncwarp();
-    if (lane == 0 && n != c.node) {
-      const int jc = int(i / a.chunk_rows);
-      const int64_t seg_rows = a.t.recv_row0[n + 1] - a.t.recv_row0[n];
-      const int rows = int(seg_rows - int64_t(jc) * a.chunk_rows < a.chunk_rows ? seg_rows - int64_t(jc) * a.chunk_rows
-                                                                                  : a.chunk_rows);
-      if (chunk_done(c, n, jc, rows)) {
-        const int64_t first = a.t.recv_row0[n] + int64_t(jc) * a.chunk_rows;
-        send_chunk(c, n, jc, a.csend_off + first * a.crow_bytes,
-                   a.t.remote_in[n] + int64_t(jc) * a.chunk_rows * a.crow_bytes, rows * a.crow_bytes,
-                   combine_flag(c.num_ranks, c.N, c.node, jc), kPhaseCombineForward);
-      }
-    }
+    intranode::warp_sync();
+    if (lane == 0 && n != c.node)
+      row_written(c, n, i, a.t.recv_row0[n], a.t.recv_row0[n + 1] - a.t.recv_row0[n], a.chunk_rows, a.csend_off,
+                  a.t.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
   }
 }
 

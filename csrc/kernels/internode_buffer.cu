@@ -75,16 +75,7 @@ InternodeBuffer::InternodeBuffer(int device, int rank, int num_ranks, int ranks_
   local_ = rank % ranks_per_node;
   nvl_bytes_ = std::max(nvl_bytes, kNvlHeaderBytes + (int64_t(1) << 20));
   UCCL_CHECK_GPU(gpuSetDevice(device));
-  int clock_khz = 0;
-#if defined(UCCL_EP_WITH_HIP)
-  UCCL_CHECK_GPU(hipDeviceGetAttribute(&clock_khz, hipDeviceAttributeClockRate, device));
-  UCCL_CHECK_GPU(hipDeviceGetAttribute(&num_device_sms_, hipDeviceAttributeMultiprocessorCount, device));
-#else
-  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
-  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device));
-#endif
-  if (clock_khz <= 0) clock_khz = 2000000;
-  timeout_cycles_ = (int64_t)(timeout_s * (double)clock_khz * 1000.0);
+  UCCL_CHECK_GPU(intranode::query_device(device, timeout_s, &num_device_sms_, &timeout_cycles_));
   try {
     UCCL_CHECK_GPU(gpuMalloc(&nvl_, (size_t)nvl_bytes_));
     UCCL_CHECK_GPU(gpuMemset(nvl_, 0, (size_t)nvl_bytes_));  // barrier words start at 0 before peers map it

@@ -22,14 +22,6 @@
 
 namespace uccl_ep::intranode {
 
-__device__ __forceinline__ void warp_sync() {
-#if defined(UCCL_EP_WITH_HIP)
-  __builtin_amdgcn_wave_barrier();
-#else
-  __syncwarp();
-#endif
-}
-
 template <typename V>
 __device__ __forceinline__ V load_stream(const V* p) {
   return *p;

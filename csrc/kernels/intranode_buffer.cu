@@ -44,16 +44,7 @@ IntranodeBuffer::IntranodeBuffer(int device, int rank, int num_ranks, int64_t nu
   UCCL_CHECK(num_bytes >= kHeaderBytes, "intranode buffer: num_nvl_bytes " << num_bytes << " is smaller than the "
                                                                             << kHeaderBytes << "-byte header");
   UCCL_CHECK_GPU(gpuSetDevice(device));
-  int clock_khz = 0;
-#if defined(UCCL_EP_WITH_HIP)
-  UCCL_CHECK_GPU(hipDeviceGetAttribute(&clock_khz, hipDeviceAttributeClockRate, device));
-  UCCL_CHECK_GPU(hipDeviceGetAttribute(&num_device_sms_, hipDeviceAttributeMultiprocessorCount, device));
-#else
-  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, device));
-  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&num_device_sms_, cudaDevAttrMultiProcessorCount, device));
-#endif
-  if (clock_khz <= 0) clock_khz = 2000000;
-  timeout_cycles_ = (int64_t)(timeout_s * (double)clock_khz * 1000.0);
+  UCCL_CHECK_GPU(query_device(device, timeout_s, &num_device_sms_, &timeout_cycles_));
   UCCL_CHECK_GPU(gpuMalloc(&base_, (size_t)num_bytes));
   // Zero before the handle leaves this process: peers rely on signals starting at 0.
   gpuError_t e = gpuMemset(base_, 0, (size_t)num_bytes);
@@ -191,15 +182,21 @@ void IntranodeBuffer::check_open(const char* what) const {
   UCCL_CHECK(opened_, what << ": peers' IPC buffers are not opened yet");
 }
 
+void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+                     int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank, int64_t stream) {
+  if (num_tokens == 0) return;
+  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
+                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
+                         as_stream(stream));
+}
+
 void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
                                       int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,
                                       int64_t stream) {
   UCCL_CHECK(base_ != nullptr, "get_dispatch_layout: the intranode buffer was destroyed");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  if (num_tokens == 0) return;
-  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_,
-                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
-                         as_stream(stream));
+  uccl_ep::intranode::dispatch_layout(topk_idx, num_tokens, num_topk, num_experts, num_ranks_, out_per_rank,
+                                      out_per_expert, out_in_rank, stream);
 }
 
 static PeerPtrs peer_ptrs(void* const* peers) {

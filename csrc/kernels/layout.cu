@@ -4,7 +4,8 @@
 
 namespace uccl_ep::intranode {
 
-// Counts in shared memory, then one global atomic per non-zero counter per block (outputs start zeroed).
+// Counts in shared memory, then one global atomic per non-zero counter per block (outputs start zeroed). Any
+// number of ranks (the internode backend uses it with all ranks of every node).
 __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const int64_t* topk_idx, int num_tokens,
                                                                          int num_topk, int num_experts,
                                                                          int num_ranks, int* per_rank,
@@ -14,17 +15,20 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
   __syncthreads();
   const int experts_per_rank = num_experts / num_ranks;
   for (int t = blockIdx.x * blockDim.x + threadIdx.x; t < num_tokens; t += gridDim.x * blockDim.x) {
-    unsigned mask = 0;
+    const int64_t* ids = topk_idx + (int64_t)t * num_topk;
+    bool* row = in_rank + (int64_t)t * num_ranks;
+    for (int r = 0; r < num_ranks; ++r) row[r] = false;
     for (int k = 0; k < num_topk; ++k) {
-      const int64_t e = topk_idx[(int64_t)t * num_topk + k];
+      const int64_t e = ids[k];
       if (e < 0 || e >= num_experts) continue;  // -1: no selection
       atomicAdd(&s_counts[e], 1);
-      mask |= 1u << (int)(e / experts_per_rank);
-    }
-    for (int r = 0; r < num_ranks; ++r) {
-      const bool hit = (mask >> r) & 1u;
-      in_rank[(int64_t)t * num_ranks + r] = hit;
-      if (hit) atomicAdd(&s_counts[num_experts + r], 1);
+      const int r = (int)(e / experts_per_rank);
+      bool first = true;  // the first of the token's slots on rank r counts the token there
+      for (int j = 0; j < k && first; ++j) first = !(ids[j] >= 0 && ids[j] < num_experts && ids[j] / experts_per_rank == r);
+      if (first) {
+        row[r] = true;
+        atomicAdd(&s_counts[num_experts + r], 1);
+      }
     }
   }
   __syncthreads();
@@ -40,7 +44,7 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
 
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
                             int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream) {
-  UCCL_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks, "num_ranks " << num_ranks << " out of [1, " << kMaxRanks << "]");
+  UCCL_CHECK(num_ranks >= 1, "num_ranks " << num_ranks << " must be >= 1");
   UCCL_CHECK(num_experts % num_ranks == 0, "num_experts " << num_experts << " not divisible by " << num_ranks);
   const int smem = (num_experts + num_ranks) * (int)sizeof(int);
   UCCL_CHECK(smem <= 48 * 1024, "num_experts " << num_experts << " too large for the layout kernel");

@@ -21,7 +21,6 @@ graphs: not capturable (the kernels take host-side op counters); capture raises.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,6 +33,7 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend
+from .native import _module
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -47,12 +47,6 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
 _HEADER = ("num_tokens", "x row bytes", "FP8 scale bytes", "num_topk", "topk_weights given", "num_experts",
            "x dtype")
-
-
-def _module():
-    from .. import _native  # noqa: PLC0415 (optional extension)
-
-    return _native
 
 
 def internode_available() -> bool:
@@ -177,12 +171,12 @@ class NativeInternodeBackend(Backend):
             raise RuntimeError(f"native internode backend: unusable after an earlier error: {self._failed}")
         if self._buf is None:
             raise RuntimeError("native internode backend: destroyed")
-        msg = self._buf.error()
-        if not msg:
-            try:
-                self._proxy.check()
-            except RuntimeError as exc:
-                msg = f"proxy: {exc}"
+        msgs = [self._buf.error()]
+        try:
+            self._proxy.check()
+        except RuntimeError as exc:  # a rejected command or a dead transport, often the cause of a timeout
+            msgs.append(f"proxy: {exc}")
+        msg = "; ".join(m for m in msgs if m)
         if msg:
             self._failed = msg
             raise RuntimeError(f"native internode backend: {msg}")
@@ -207,9 +201,14 @@ class NativeInternodeBackend(Backend):
     # ---- layout --------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
         self._check()
-        from .reference import ReferenceBackend  # the layout is local torch work, the same as the reference's
-
-        return ReferenceBackend.get_dispatch_layout(self, topk_idx, num_experts)
+        topk_idx = topk_idx.to(torch.int64).contiguous()
+        n, k = topk_idx.shape
+        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
+        per_rank, per_expert = counts[: self.num_ranks], counts[self.num_ranks:]
+        in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
+        self._native.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, self.num_ranks, per_rank.data_ptr(),
+                                     per_expert.data_ptr(), in_rank.data_ptr(), current_raw_stream())
+        return per_rank, per_expert, in_rank
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _notify(self, header: list[int], per_rank, per_node, per_expert, num_experts: int) -> np.ndarray:
