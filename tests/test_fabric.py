@@ -267,3 +267,34 @@ def test_stats_count_bytes_and_commands_per_destination():
         assert st["writes"] == 6 * world and st["atomics"] == world
         assert st["commands"] == 8 * world + 1 + 2   # + the NOP and the two flushes, which go nowhere
         assert st["nops"] == 1 and st["rejected"] == 0
+
+
+def _idle_then_write_worker(rank, port, q):
+    os.environ["FI_PROVIDER"] = "tcp"
+    os.environ["FI_TCP_IFACE"] = "lo"
+    try:
+        import time
+
+        import torch.distributed as dist
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+        buf = np.zeros(8192, np.uint8)
+        buf[:4096] = rank + 1
+        g = P.ProxyGroup(rank, 2, {0: buf}, transport="fabric", num_threads=1, pin_threads=False, timeout_s=1.0)
+        time.sleep(1.5)  # idle for longer than the timeout: nothing is in flight, nothing may time out
+        g.push(0, P.make_commands([(P.OP_WRITE, 1 - rank, 0, 0, 4096, 0, 4096)]))
+        g.wait_seq(1 - rank, 0, 1, phase="after idle")
+        g.check()
+        ok = bool((buf[4096:] == 2 - rank).all())
+        dist.barrier()
+        g.close()
+        dist.destroy_process_group()
+        q.put((rank, "ok", ok))
+    except BaseException:
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def test_first_write_after_an_idle_spell_longer_than_the_timeout():
+    """The completion deadline counts from the post when nothing was in flight, not from the last
+    completion: a thread idle for longer than UCCL_EP_TIMEOUT_S must not fail its next write at once."""
+    res = spawn_ranks(_idle_then_write_worker, 2, lambda r, port: (r, port), timeout=90)
+    assert res == {0: True, 1: True}

@@ -54,6 +54,7 @@
 #define gpuEventDisableTiming hipEventDisableTiming
 #define gpuEventRecord hipEventRecord
 #define gpuEventQuery hipEventQuery
+#define gpuEventSynchronize hipEventSynchronize
 #define gpuEventDestroy hipEventDestroy
 #define gpuErrorNotReady hipErrorNotReady
 #define gpuSetDevice hipSetDevice
@@ -100,6 +101,7 @@
 #define gpuEventDisableTiming cudaEventDisableTiming
 #define gpuEventRecord cudaEventRecord
 #define gpuEventQuery cudaEventQuery
+#define gpuEventSynchronize cudaEventSynchronize
 #define gpuEventDestroy cudaEventDestroy
 #define gpuErrorNotReady cudaErrorNotReady
 #define gpuSetDevice cudaSetDevice

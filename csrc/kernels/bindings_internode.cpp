@@ -33,11 +33,15 @@ void register_internode(py::module_& m) {
         d["nvl_bytes"] = l.nvl_bytes;
         d["row_bytes"] = row;
         d["crow_bytes"] = crow;
+        d["areas"] = std::vector<int64_t>{l.notify_off, l.send_off, l.recv_off, l.csend_off, l.crecv_off, l.rdma_bytes};
+        d["send_row0"] = std::vector<int64_t>(l.send_row0, l.send_row0 + l.num_nodes + 1);
+        d["recv_row0"] = std::vector<int64_t>(l.recv_row0, l.recv_row0 + l.num_nodes + 1);
         return d;
       },
       py::arg("rd"), py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("rank"), py::arg("x_bytes"),
       py::arg("scale_bytes"), py::arg("num_topk"), py::arg("y_bytes"), py::arg("num_recv_rows"),
-      "RDMA region / NVL buffer bytes and row sizes of one rank for one call (internode_api.h: make_layout)");
+      "One rank's layout for one call (internode_api.h: make_layout): RDMA region / NVL buffer bytes, row sizes,\n"
+      "the RDMA areas' offsets (notify, send, recv, csend, crecv, end), and each node's segment rows");
   py::class_<InternodeBuffer>(m, "InternodeBuffer",
                               "One rank's NVL buffer, RDMA and flag regions, and the internode kernels")
       .def(py::init<int, int, int, int, int64_t, int64_t, double>(), py::arg("device"), py::arg("rank"),

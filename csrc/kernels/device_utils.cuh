@@ -71,7 +71,7 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
     *(volatile int*)&err->code = code;
     __threadfence_system();
     printf("uccl_ep_train native: error %d on rank %d (peer %d, block %d, phase %d, need %d, have %d)\n", code,
-           rank, peer, (int)blockIdx.x, phase, need, have);
+           rank, peer, err->block, phase, need, have);
   }
 }
 

@@ -164,6 +164,15 @@ __device__ void row_written(const Common& c, int n, int64_t i, int64_t seg_row0,
              remote_in + int64_t(j) * chunk_rows * row_bytes, rows * row_bytes, flag0 + j, phase);
 }
 
+// Every block, once the kernel that counted chunks (pack / combine forward) is done: its counters back to
+// zero for the next op (they start zeroed with the NVL buffer). Kept off the stream as a kernel's last
+// step, so that nothing but kernels is queued behind a kernel that waits for the proxies.
+__device__ void clear_chunk_counts(const Common& c, const int* nchunks) {
+  for (int n = 0; n < c.N; ++n)
+    for (int j = blockIdx.x * blockDim.x + threadIdx.x; j < nchunks[n]; j += gridDim.x * blockDim.x)
+      c.chunk_count[n * kMaxChunks + j] = 0;
+}
+
 __device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k) {
   int n = 0;
   while (n + 1 < N && row0[n + 1] <= k) ++n;
@@ -317,6 +326,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
 __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier + 1, kPhaseDispatchCopyOut)) return;
+  clear_chunk_counts(c, a.t.nchunks_send);  // the pack kernel's
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
@@ -428,6 +438,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   }
   __syncthreads();
   if (!ok) return;
+  clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
@@ -497,7 +508,6 @@ void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
 }
 
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream) {
-  UCCL_CHECK_GPU(gpuMemsetAsync(a.c.chunk_count, 0, sizeof(int) * kMaxNodes * kMaxChunks, stream));
   dispatch_pack_kernel<<<num_sms, kThreads, 0, stream>>>(a);
   check_launch("dispatch (pack)");
   dispatch_forward_kernel<<<num_sms, kThreads, 0, stream>>>(a);
@@ -507,7 +517,6 @@ void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream) {
 }
 
 void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream) {
-  UCCL_CHECK_GPU(gpuMemsetAsync(a.c.chunk_count, 0, sizeof(int) * kMaxNodes * kMaxChunks, stream));
   const int elem = a.dtype == 2 ? 4 : 2;
   combine_stage_kernel<<<num_sms, kThreads, 0, stream>>>(a, elem);
   check_launch("combine (stage)");

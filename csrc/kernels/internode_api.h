@@ -97,7 +97,7 @@ class InternodeBuffer {
   // every rank's row (deadline), copies the R rows to host_out (int32 [R, row stride], see count_row_ints).
   void notify(const std::vector<int>& header, int64_t per_rank, int64_t per_node, int64_t per_expert,
               int num_experts, int64_t stream);
-  void wait_counts(int64_t host_out, int64_t stream);
+  void wait_counts(int64_t host_out);
 
   // Dispatch after notify (or cached): packs and sends rows to other nodes (RDMA), forwards rows over NVLink
   // to their final ranks, copies the landed rows out. rd: global per-node counts (see make_layout);
@@ -144,6 +144,8 @@ class InternodeBuffer {
   void* flags_dev_ = nullptr;
   void* err_host_ = nullptr;            // error record, pinned + mapped
   void* err_dev_ = nullptr;
+  void* notified_ = nullptr;            // event after the last notify kernel
+  void* copy_stream_ = nullptr;         // the count rows' copy to the host (off the caller's stream)
   std::vector<RingFields> rings_;
   int64_t timeout_cycles_ = 0;
   double timeout_s_ = 0;

@@ -87,6 +87,12 @@ InternodeBuffer::InternodeBuffer(int device, int rank, int num_ranks, int ranks_
     std::memset(err_host_, 0, sizeof(ErrorRecord));
     UCCL_CHECK_GPU(gpuHostGetDevicePointer(&err_dev_, err_host_, 0));
     alloc_rdma(rdma_bytes);
+    gpuEvent_t ev;
+    UCCL_CHECK_GPU(gpuEventCreateWithFlags(&ev, gpuEventDisableTiming));
+    notified_ = ev;
+    gpuStream_t st;
+    UCCL_CHECK_GPU(gpuStreamCreateWithFlags(&st, gpuStreamNonBlocking));
+    copy_stream_ = st;
     preload_kernels();
     UCCL_CHECK_GPU(gpuDeviceSynchronize());
   } catch (...) {
@@ -161,7 +167,8 @@ void InternodeBuffer::destroy() {
   auto keep = [&first](gpuError_t e) {
     if (first == gpuSuccess) first = e;
   };
-  if (nvl_ != nullptr || rdma_ != nullptr || flags_host_ != nullptr || err_host_ != nullptr) (void)gpuSetDevice(device_);
+  if (nvl_ != nullptr || rdma_ != nullptr || flags_host_ != nullptr || err_host_ != nullptr || notified_ != nullptr)
+    (void)gpuSetDevice(device_);
   for (int j = 0; j < kMaxLocal; ++j) {
     if (j != local_ && peers_[j] != nullptr) keep(gpuIpcCloseMemHandle(peers_[j]));
     peers_[j] = nullptr;
@@ -172,7 +179,9 @@ void InternodeBuffer::destroy() {
   if (rdma_ != nullptr) keep(gpuFree(rdma_));
   if (flags_host_ != nullptr) keep(gpuFreeHost(flags_host_));
   if (err_host_ != nullptr) keep(gpuFreeHost(err_host_));
-  nvl_ = rdma_ = flags_host_ = flags_dev_ = err_host_ = err_dev_ = nullptr;
+  if (notified_ != nullptr) keep(gpuEventDestroy(static_cast<gpuEvent_t>(notified_)));
+  if (copy_stream_ != nullptr) keep(gpuStreamDestroy(static_cast<gpuStream_t>(copy_stream_)));
+  nvl_ = rdma_ = flags_host_ = flags_dev_ = err_host_ = err_dev_ = notified_ = copy_stream_ = nullptr;
   if (first != gpuSuccess) UCCL_THROW("internode buffer: releasing resources failed: " << gpuGetErrorString(first));
 }
 
@@ -282,10 +291,11 @@ void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, i
   a.stride = (int)stride;
   a.in_off = 4 * stride * (1 + (int64_t)(notifies_ % 2) * num_ranks_);
   launch_notify(a, as_stream(stream));
+  UCCL_CHECK_GPU(gpuEventRecord(static_cast<gpuEvent_t>(notified_), as_stream(stream)));
   notifies_ += 1;
 }
 
-void InternodeBuffer::wait_counts(int64_t host_out, int64_t stream) {
+void InternodeBuffer::wait_counts(int64_t host_out) {
   check_ready("dispatch (notify)");
   UCCL_CHECK(notifies_ > 0, "wait_counts: no notify was issued");
   const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
@@ -310,9 +320,13 @@ void InternodeBuffer::wait_counts(int64_t host_out, int64_t stream) {
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   const int64_t in_off = 4 * stride * (1 + (int64_t)((notifies_ - 1) % 2) * num_ranks_);
+  // own row: written by the notify kernel; the copy runs on a stream of its own, so that the caller's stream
+  // holds only kernels behind those that wait for the proxies
+  UCCL_CHECK_GPU(gpuEventSynchronize(static_cast<gpuEvent_t>(notified_)));
+  gpuStream_t copy = static_cast<gpuStream_t>(copy_stream_);
   UCCL_CHECK_GPU(gpuMemcpyAsync(as_ptr<void>(host_out), static_cast<char*>(rdma_) + in_off,
-                                (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, as_stream(stream)));
-  UCCL_CHECK_GPU(gpuStreamSynchronize(as_stream(stream)));
+                                (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, copy));
+  UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
 }
 
 void InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,

@@ -66,7 +66,7 @@ struct Common {
   char* rdma;            // this rank's RDMA region
   uint64_t* done;        // local block-completion counter
   uint64_t done_base;    // its value before this launch
-  int* chunk_count;      // local [kMaxNodes * kMaxChunks], zeroed before each kernel that counts
+  int* chunk_count;      // local [kMaxNodes * kMaxChunks]: zero when an op starts (clear_chunk_counts)
   uint64_t ops;          // ops started so far, this one included (READY target)
   uint64_t barrier;      // node barrier this kernel arrives at / waits for
 };

@@ -304,6 +304,9 @@ bool ProxyThread::handle(const Command& c, bool* stall, uint64_t pickup_ticks) {
   seq = (seq + 1) & kSeqMask;
   ++inflight_[dst];
   inflight_bytes_[dst] += bytes;
+  // the completion deadline counts from the last completion, or from here when nothing was in flight (an
+  // idle thread must not time out its first operation at once)
+  if (inflight_total_ == 0) last_progress_ = Clock::now();
   ++inflight_total_;
   posted_.emplace(wr, Posted{dst, c.channel, bytes, Clock::now()});
   return true;

@@ -222,7 +222,7 @@ class NativeInternodeBackend(Backend):
         if self._pinned is None or self._pinned.numel() < size:
             self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
         try:
-            self._buf.wait_counts(self._pinned.data_ptr(), stream)
+            self._buf.wait_counts(self._pinned.data_ptr())
         except RuntimeError as exc:
             self._failed = str(exc)
             raise
@@ -276,7 +276,10 @@ class NativeInternodeBackend(Backend):
                                int(recv_per_rank.max()))
         self._ensure_for(state, x_bytes, scale_bytes, K, hidden * (4 if x.dtype == torch.float32 else 2))
         node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
-        forwarded = int(rd[[n * L + self.local for n in range(N)], self.node].sum())
+        from_nodes = rd[[n * L + self.local for n in range(N)], self.node].astype(np.int32)
+        forwarded = int(from_nodes.sum())
+        # host-to-device copies before the kernels: behind kernels that wait for the proxies only kernels queue
+        counts_dev, from_nodes = torch.from_numpy(counts).to(dev), torch.from_numpy(from_nodes).to(dev)
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
@@ -286,9 +289,8 @@ class NativeInternodeBackend(Backend):
         fwd_head = torch.empty((forwarded, L), dtype=torch.int32, device=dev)
         self._launch_dispatch(state, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, K, num_experts,
                               node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config)
-        from_nodes = torch.from_numpy(rd[[n * L + self.local for n in range(N)], self.node].astype(np.int32))
         handle = InternodeHandle.with_one_channel(
-            torch.from_numpy(counts), per_node, is_token_in_rank, from_nodes, fwd_head, self.topology, me,
+            counts_dev, per_node, is_token_in_rank, from_nodes, fwd_head, self.topology, me,
             recv_meta[:, 0], T, self.owner, state, send_rdma_head=node_head)
         per_expert_list = [] if num_worst_tokens else [-(-int(c) // expert_alignment) * expert_alignment
                                                        for c in expert_counts]
