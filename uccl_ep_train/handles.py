@@ -1,6 +1,6 @@
 """Communication handles returned by dispatch and consumed by combine / cached dispatch.
 
-Handles are tuples laid out like DeepEP v1.2.1's where callers read them (DESIGN.md "Drop-in"):
+Handles are tuples laid out like DeepEP v1.2.1's where callers read them (docs/deep_ep.md):
 - `IntranodeHandle[0]` is the rank prefix matrix `[num_ranks, num_ranks]` int32: entry [i][r] = tokens that
   ranks 0..i send to rank r, i.e. where rank i's rows end in rank r's receive buffer.
 - `LowLatencyHandle[0]` is src_info `[num_local_experts, num_ranks * num_max_dispatch_tokens_per_rank]`

@@ -139,3 +139,19 @@ class Backend(abc.ABC):
 
     def destroy(self) -> None:
         """Release every resource; the Buffer can be rebuilt afterwards in the same process."""
+
+
+class WithoutLowLatency:
+    """For backends without low-latency kernels (mixed in before Backend): Buffer serves their LL calls with
+    the reference backend (`supports_low_latency`), so these are never reached through it."""
+
+    supports_low_latency = False
+
+    def low_latency_dispatch(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.name} backend: low-latency mode")
+
+    def low_latency_combine(self, *args, **kwargs):
+        raise NotImplementedError(f"{self.name} backend: low-latency mode")
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
+        raise NotImplementedError(f"{self.name} backend: low-latency mode")

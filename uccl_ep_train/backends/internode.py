@@ -32,7 +32,7 @@ from ..config import Config, env_number, timeout_s
 from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
-from .base import Backend
+from .base import Backend, WithoutLowLatency
 from .native import _module
 
 log = logging.getLogger("uccl_ep_train")
@@ -71,9 +71,8 @@ class InternodeState:
     max_recv: int  # the most rows any rank receives (NVL buffer sizing)
 
 
-class NativeInternodeBackend(Backend):
+class NativeInternodeBackend(WithoutLowLatency, Backend):
     name = "native"
-    supports_low_latency = False  # LL calls are served by the reference backend (Buffer)
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
@@ -365,16 +364,6 @@ class NativeInternodeBackend(Backend):
                           _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config), self._chunk_rows(crow),
                           current_raw_stream())
         return out, out_w
-
-    # ---- low latency (not here) ----------------------------------------------------------------------
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("native internode backend: low-latency mode")
-
-    def low_latency_combine(self, *args, **kwargs):
-        raise NotImplementedError("native internode backend: low-latency mode")
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        raise NotImplementedError("native internode backend: low-latency mode")
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

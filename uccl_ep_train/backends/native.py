@@ -1,6 +1,6 @@
 """The native backend: our CUDA/HIP kernels (`uccl_ep_train._native`) over IPC-shared NVLink/xGMI buffers.
 
-Intranode high-throughput path (DESIGN.md, "High-throughput kernels", the push plan):
+Intranode high-throughput path (docs/intranode.md, the push plan):
 - every rank owns one device buffer (`num_nvl_bytes`, grown collectively when a call needs more) whose
   IPC handle is exchanged over torch.distributed; every rank maps every other rank's buffer;
 - `notify` pushes this rank's per-rank / per-expert counts into every peer's buffer, so each rank knows
@@ -35,7 +35,7 @@ from .. import permute
 from ..config import Config, env_number
 from ..events import current_raw_stream
 from ..handles import IntranodeHandle
-from .base import Backend
+from .base import Backend, WithoutLowLatency
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -126,9 +126,8 @@ class NativeHandleState:
     worst: bool
 
 
-class NativeBackend(Backend):
+class NativeBackend(WithoutLowLatency, Backend):
     name = "native"
-    supports_low_latency = False  # LL kernels are not native yet: Buffer serves LL calls with the reference
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device=None):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes)
@@ -547,16 +546,6 @@ class NativeBackend(Backend):
                           self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", push_warps),
                           _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
         return out, out_w
-
-    # ---- low latency (not here) ----------------------------------------------------------------------
-    def low_latency_dispatch(self, *args, **kwargs):
-        raise NotImplementedError("native backend: low-latency mode")
-
-    def low_latency_combine(self, *args, **kwargs):
-        raise NotImplementedError("native backend: low-latency mode")
-
-    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
-        raise NotImplementedError("native backend: low-latency mode")
 
 
 @dataclass

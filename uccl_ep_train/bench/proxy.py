@@ -1,7 +1,7 @@
 """`uccl-ep-train bench proxy`: the GPU→CPU command channel and its transports.
 
-Measures, per DESIGN.md conventions (`--json PATH` writes a list of records: bench, op, ranks, gbps, us,
-device, sms, plus the shape of each measurement):
+Measures, with the benchmarks' conventions (`--json PATH` writes a list of records: bench, op, ranks, gbps,
+us, device, sms, plus the shape of each measurement):
   nop_push     commands/s from GPU warps through the rings into the proxy threads (per GPU, per thread)
   pickup_rtt   GPU push -> CPU proxy pickup -> echo seen by the GPU (round trip, GPU clock)
   pickup       GPU push -> CPU proxy pickup, one way: the GPU stamps the globaltimer into the command,
