@@ -129,9 +129,10 @@ class InternodeBuffer {
   };
   void check_ready(const char* what) const;
   Common common() const;
-  // The tables of one call: this rank's layout, and where its rows land on each RDMA peer.
-  void fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
-                   int64_t num_recv, int chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
+  // The tables of one call: this rank's layout, and where its rows land on each RDMA peer; returns the rows
+  // per RDMA chunk (the requested count, grown so that no stream has more than kMaxChunks chunks).
+  int fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes, int64_t num_recv,
+                  int requested_chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
   void alloc_rdma(int64_t bytes);
   int device_ = 0, rank_ = 0, num_ranks_ = 1, local_ = 0, node_ = 0, ranks_per_node_ = 1, num_nodes_ = 1;
   int num_device_sms_ = 0;

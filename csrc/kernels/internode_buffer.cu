@@ -7,6 +7,7 @@
 
 #include "common/check.h"
 #include "kernels/internode_launch.cuh"
+#include "kernels/ipc_handles.h"
 
 namespace uccl_ep::internode {
 
@@ -135,9 +136,7 @@ void InternodeBuffer::resize_rdma(int64_t bytes) {
 
 std::string InternodeBuffer::ipc_handle() const {
   UCCL_CHECK(nvl_ != nullptr, "internode buffer: destroyed");
-  gpuIpcMemHandle_t h;
-  UCCL_CHECK_GPU(gpuIpcGetMemHandle(&h, nvl_));
-  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  return ipc_handle_bytes(nvl_);
 }
 
 void InternodeBuffer::open_peers(const std::vector<std::string>& handles) {
@@ -148,13 +147,9 @@ void InternodeBuffer::open_peers(const std::vector<std::string>& handles) {
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   for (int j = 0; j < ranks_per_node_; ++j) {
     if (j == local_) continue;
-    UCCL_CHECK(handles[j].size() == sizeof(gpuIpcMemHandle_t), "internode buffer: IPC handle of local rank " << j
-                                                                                                            << " has the wrong size");
-    gpuIpcMemHandle_t h;
-    std::memcpy(&h, handles[j].data(), sizeof(h));
-    void* p = nullptr;
-    const gpuError_t e = gpuIpcOpenMemHandle(&p, h, gpuIpcMemLazyEnablePeerAccess);
-    UCCL_CHECK(e == gpuSuccess, "internode buffer: rank " << rank_ << " could not map the NVL buffer of rank "
+    gpuError_t e = gpuSuccess;
+    void* p = ipc_open(handles[j], "internode buffer: IPC handle of local rank " + std::to_string(j), &e);
+    UCCL_CHECK(p != nullptr, "internode buffer: rank " << rank_ << " could not map the NVL buffer of rank "
                                                           << node_ * ranks_per_node_ + j << " (cudaIpcOpenMemHandle: "
                                                           << gpuGetErrorString(e) << ")");
     peers_[j] = p;
@@ -329,9 +324,19 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
   UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
 }
 
-void InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
-                                  int64_t num_recv, int chunk_rows, bool combine, NodeTables* t, Layout* mine) const {
+// Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks
+// chunks. Every rank derives it from the same global counts, so senders and receivers agree.
+static int effective_chunk_rows(const std::vector<int>& rd, int requested) {
+  int most = 0;
+  for (int v : rd) most = std::max(most, v);
+  return std::max(std::max(requested, 1), (most + kMaxChunks - 1) / kMaxChunks);
+}
+
+int InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
+                                 int64_t num_recv, int requested_chunk_rows, bool combine, NodeTables* t,
+                                 Layout* mine) const {
   const int R = num_ranks_, L = ranks_per_node_, N = num_nodes_;
+  const int chunk_rows = effective_chunk_rows(rd, requested_chunk_rows);
   *mine = make_layout(rd, R, L, rank_, row_bytes, crow_bytes, num_recv);
   UCCL_CHECK(mine->rdma_bytes <= rdma_bytes_, "internode: this call needs " << mine->rdma_bytes << " bytes of RDMA region on rank "
                                                                             << rank_ << ", it has " << rdma_bytes_);
@@ -351,15 +356,9 @@ void InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes,
     t->remote_in[n] = combine ? peer.crecv_off + peer.send_row0[node_] * crow_bytes
                               : peer.recv_off + peer.recv_row0[node_] * row_bytes;
   }
+  return chunk_rows;
 }
 
-// Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks
-// chunks. Every rank derives it from the same global counts, so senders and receivers agree.
-static int effective_chunk_rows(const std::vector<int>& rd, int requested) {
-  int most = 0;
-  for (int v : rd) most = std::max(most, v);
-  return std::max(std::max(requested, 1), (most + kMaxChunks - 1) / kMaxChunks);
-}
 
 void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
                                int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
@@ -378,8 +377,7 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   DispatchArgs a{};
   Layout me;
   const int64_t row_bytes = dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node_);
-  a.chunk_rows = effective_chunk_rows(rd, chunk_rows);
-  fill_tables(rd, row_bytes, 0, num_recv, a.chunk_rows, false, &a.t, &me);
+  a.chunk_rows = fill_tables(rd, row_bytes, 0, num_recv, chunk_rows, false, &a.t, &me);
   ops_ += 1;
   a.c = common();
   a.send_off = me.send_off;
@@ -424,8 +422,7 @@ void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_
   CombineArgs a{};
   Layout me;
   const int64_t crow_bytes = combine_row_bytes(int64_t(hidden) * (dtype == 2 ? 4 : 2), num_topk);
-  a.chunk_rows = effective_chunk_rows(rd, chunk_rows);
-  fill_tables(rd, 0, crow_bytes, num_recv, a.chunk_rows, true, &a.t, &me);
+  a.chunk_rows = fill_tables(rd, 0, crow_bytes, num_recv, chunk_rows, true, &a.t, &me);
   ops_ += 1;
   a.c = common();
   a.csend_off = me.csend_off;

@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "kernels/ipc_handles.h"
 #include "kernels/launch.cuh"
 
 namespace uccl_ep::intranode {
@@ -77,9 +78,7 @@ IntranodeBuffer::~IntranodeBuffer() {
 
 std::string IntranodeBuffer::ipc_handle() const {
   UCCL_CHECK(base_ != nullptr, "intranode buffer: destroyed");
-  gpuIpcMemHandle_t h;
-  UCCL_CHECK_GPU(gpuIpcGetMemHandle(&h, base_));
-  return std::string(reinterpret_cast<const char*>(&h), sizeof(h));
+  return ipc_handle_bytes(base_);
 }
 
 void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
@@ -90,13 +89,9 @@ void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   for (int r = 0; r < num_ranks_; ++r) {
     if (r == rank_) continue;
-    UCCL_CHECK(handles[r].size() == sizeof(gpuIpcMemHandle_t), "intranode buffer: IPC handle of rank " << r
-                                                                                                      << " has the wrong size");
-    gpuIpcMemHandle_t h;
-    std::memcpy(&h, handles[r].data(), sizeof(h));
-    void* p = nullptr;
-    gpuError_t e = gpuIpcOpenMemHandle(&p, h, gpuIpcMemLazyEnablePeerAccess);
-    if (e != gpuSuccess) {
+    gpuError_t e = gpuSuccess;
+    void* p = ipc_open(handles[r], "intranode buffer: IPC handle of rank " + std::to_string(r), &e);
+    if (p == nullptr) {
       for (int q = 0; q < r; ++q)
         if (q != rank_ && peers_[q] != nullptr) {
           (void)gpuIpcCloseMemHandle(peers_[q]);

@@ -33,7 +33,7 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend, WithoutLowLatency
-from .native import _module
+from .native import _module, quiesce
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -142,9 +142,7 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         if self._buf is None:
             return
         try:
-            torch.cuda.synchronize(self.device)
-            if dist.is_initialized():
-                dist.barrier(group=self.group)  # no peer still sends into this rank's regions
+            quiesce(self.device, self.group)
         finally:
             self._close()
 
@@ -160,8 +158,7 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         if self.rank == 0:
             log.warning("uccl_ep_train native internode: growing the RDMA region to %d and the NVL buffer to %d "
                         "bytes (pass num_rdma_bytes / num_nvl_bytes at least this large to avoid it)", rdma, nvl)
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # nothing in flight: every op's chunks and READYs were awaited
+        quiesce(self.device, self.group)  # nothing in flight: every op's chunks and READYs were awaited
         self._close()
         self._open(nvl, rdma)
 

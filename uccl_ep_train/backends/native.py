@@ -102,6 +102,14 @@ def native_available() -> bool:
     return hasattr(m, "IntranodeBuffer") and torch.cuda.is_available()
 
 
+def quiesce(device: torch.device, group) -> None:
+    """Before a native backend releases its buffers: this rank's kernels are done and, after the barrier,
+    every peer's too, so nobody still writes into (or reads from) them."""
+    torch.cuda.synchronize(device)
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
 def _timeout_s() -> float:
     try:
         from ..config import timeout_s
@@ -184,8 +192,7 @@ class NativeBackend(WithoutLowLatency, Backend):
         if self.rank == 0:
             log.warning("uccl_ep_train native: growing the NVLink buffer from %d to %d bytes (pass "
                         "num_nvl_bytes >= %d to avoid this)", self._nbytes, new_bytes, need_bytes)
-        torch.cuda.synchronize(self.device)
-        dist.barrier(group=self.group)  # nobody is still reading or writing the old buffers
+        quiesce(self.device, self.group)  # nobody still reads or writes the old buffers
         old = self._buf
         self._buf = None
         old.destroy()
@@ -218,9 +225,7 @@ class NativeBackend(WithoutLowLatency, Backend):
         if self._buf is None:
             return
         try:
-            torch.cuda.synchronize(self.device)
-            if dist.is_initialized():
-                dist.barrier(group=self.group)  # no peer still writes into this rank's buffer
+            quiesce(self.device, self.group)
         finally:
             buf, self._buf = self._buf, None
             buf.destroy()
