@@ -1,9 +1,10 @@
-// Python bindings for transports: what is compiled in, and RDMA device queries (doctor's fallback when
-// pyverbs does not load).
+// Python bindings for transports: what is compiled in, RDMA device queries (doctor's fallback when
+// pyverbs does not load), and the ipc copy agent's entry point (the process the ipc transport spawns).
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "transport/ipc_agent.h"
 #include "transport/transport.h"
 #include "transport/verbs_query.h"
 
@@ -12,6 +13,11 @@ namespace py = pybind11;
 void register_transport(py::module_& m) {
   m.def("compiled_transports", &uccl::compiled_transports, "transports compiled into this build");
   m.attr("WITH_VERBS") = uccl::verbs_compiled();
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  m.def("ipc_copy_agent", &uccl::run_copy_agent, py::arg("segment"), py::arg("gpu"), py::arg("parent"),
+        py::call_guard<py::gil_scoped_release>(),
+        "main of the ipc transport's copy agent process (spawned by the transport itself; returns its exit code)");
+#endif
   m.def("verbs_devices", []() {
     py::list out;
     for (const auto& d : uccl::query_verbs_devices()) {
