@@ -235,5 +235,7 @@ def test_internode_one_gpu(mps, world, L):
     if why:
         pytest.skip(why)
     seeds = list(range(20)) if (world, L) == (4, 2) else []
-    run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600,
-              env={"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60", "UCCL_EP_BACKEND": "native"})
+    env = {"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"}  # auto picks the native backend
+    if (world, L) == (2, 1):  # Megatron's setting with tensor-parallel overlap: one hardware queue per process,
+        env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # so anything queued behind the kernels shares it with them
+    run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600, env=env)

@@ -176,3 +176,38 @@ def test_flex_deepep_backend_on_gpus():
         pytest.skip("needs 2 GPUs")
     assert run_ranks(_flex_parity, 2, device="cuda") == [1, 1]
 
+
+
+def _layer_run(rank: int, world: int, device: str) -> tuple:
+    """One uccl MoE layer forward + backward; (output, input grad, parameter grads) on CPU, and the backend."""
+    init_parallel(world)
+    from megatron_patch.dispatcher import _buffers, destroy_buffers
+    layer = build_moe_layer("uccl").to(device)  # built on CPU from one seed: the same weights on every device
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(7 + rank, 2, 64, generator=g).to(device).requires_grad_(True)
+    out, _ = layer(x)
+    (out * torch.arange(out.numel(), device=device).view_as(out).sin()).sum().backward()
+    backends = sorted({type(b.backend).__name__ for b in _buffers.values()})
+    grads = {n: p.grad.detach().cpu() for n, p in layer.named_parameters() if p.grad is not None}
+    result = (out.detach().cpu(), x.grad.detach().cpu(), grads, backends)
+    destroy_buffers()
+    return result
+
+
+@pytest.mark.gpu
+def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps):
+    """2 nodes x 2 ranks on one GPU (MPS): the uccl dispatcher on the native internode backend (NVLink inside a
+    node, CPU proxies between nodes) gives the outputs and gradients of the reference backend on CPU ranks."""
+    from uccl_ep_train.backends.internode import internode_available
+    if not internode_available():
+        pytest.skip("native module without the internode path")
+    env = {"UCCL_EP_RANKS_PER_NODE": "2"}
+    ref = run_ranks(_layer_run, 4, env=env)
+    got = run_ranks(_layer_run, 4, device="cuda", backend="gloo", ranks_per_gpu=4, env=env, timeout=400)
+    for rank, ((o, xg, gr, b), (eo, exg, egr, eb)) in enumerate(zip(got, ref)):
+        assert b == ["NativeInternodeBackend"] and eb == ["ReferenceBackend"], (rank, b, eb)
+        torch.testing.assert_close(o, eo, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(xg, exg, atol=1e-5, rtol=1e-4)
+        assert gr.keys() == egr.keys() and len(gr) > 5
+        for name in gr:
+            torch.testing.assert_close(gr[name], egr[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank} {name}: {m}")

@@ -65,18 +65,16 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
                     raise RuntimeError("UCCL_EP_BACKEND=native but the native module was built without GPU kernels")
             elif not topology.internode:  # the intranode kernels serve one node only
                 return NativeBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device)
-            elif choice == "native":
-                # Across nodes `auto` stays on the reference backend for now: the native internode path passes
-                # its checks op by op but can hang when ops are queued back to back (docs/internode.md,
-                # "Status"); UCCL_EP_BACKEND=native opts in.
+            else:  # several nodes: the internode kernels (NVLink inside a node, CPU proxies between nodes)
                 internode, why = _native_internode_backend()
                 if internode is not None:
                     return internode(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
                                      topology=topology)
-                raise RuntimeError(f"UCCL_EP_BACKEND=native but the ranks span {topology.num_nodes} nodes "
-                                   f"({topology.ranks_per_node} ranks each) and {why}; use "
-                                   f"UCCL_EP_BACKEND=reference, or UCCL_EP_RANKS_PER_NODE={num_ranks} if "
-                                   f"they share one NVLink/xGMI domain")
+                if choice == "native":
+                    raise RuntimeError(f"UCCL_EP_BACKEND=native but the ranks span {topology.num_nodes} nodes "
+                                       f"({topology.ranks_per_node} ranks each) and {why}; use "
+                                       f"UCCL_EP_BACKEND=reference, or UCCL_EP_RANKS_PER_NODE={num_ranks} if "
+                                       f"they share one NVLink/xGMI domain")
     elif choice == "native":
         raise RuntimeError("UCCL_EP_BACKEND=native needs CUDA/HIP GPUs: an NCCL group, or a gloo group with "
                            "UCCL_EP_DEVICE=cuda")
