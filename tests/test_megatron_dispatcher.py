@@ -188,8 +188,9 @@ def _layer_run(rank: int, world: int, device: str) -> tuple:
     out, _ = layer(x)
     (out * torch.arange(out.numel(), device=device).view_as(out).sin()).sum().backward()
     backends = sorted({type(b.backend).__name__ for b in _buffers.values()})
-    grads = {n: p.grad.detach().cpu() for n, p in layer.named_parameters() if p.grad is not None}
-    result = (out.detach().cpu(), x.grad.detach().cpu(), grads, backends)
+    host = lambda t: t.detach().cpu().numpy()  # noqa: E731 - numpy crosses the result queue by value
+    grads = {n: host(p.grad) for n, p in layer.named_parameters() if p.grad is not None}
+    result = (host(out), host(x.grad), grads, backends)
     destroy_buffers()
     return result
 
@@ -204,10 +205,12 @@ def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps):
     env = {"UCCL_EP_RANKS_PER_NODE": "2"}
     ref = run_ranks(_layer_run, 4, env=env)
     got = run_ranks(_layer_run, 4, device="cuda", backend="gloo", ranks_per_gpu=4, env=env, timeout=400)
+    close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
+        torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
     for rank, ((o, xg, gr, b), (eo, exg, egr, eb)) in enumerate(zip(got, ref)):
         assert b == ["NativeInternodeBackend"] and eb == ["ReferenceBackend"], (rank, b, eb)
-        torch.testing.assert_close(o, eo, atol=1e-5, rtol=1e-4)
-        torch.testing.assert_close(xg, exg, atol=1e-5, rtol=1e-4)
+        close(o, eo, f"rank {rank} output")
+        close(xg, exg, f"rank {rank} input grad")
         assert gr.keys() == egr.keys() and len(gr) > 5
         for name in gr:
-            torch.testing.assert_close(gr[name], egr[name], atol=1e-5, rtol=1e-4, msg=lambda m: f"rank {rank} {name}: {m}")
+            close(gr[name], egr[name], f"rank {rank} {name}")

@@ -8,7 +8,9 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sched.h>
 #include <sys/mman.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -104,7 +106,9 @@ class Agent {
     preload(static_cast<char*>(scratch_) + kBytes, static_cast<char*>(scratch_), kBytes);
     store_release(&seg_->state, uint32_t(kReady));
     const uint64_t mask = seg_->capacity - 1;
-    uint64_t taken = 0, finished = 0, idle = 0;
+    uint64_t taken = 0, finished = 0;
+    uint32_t idle = 0;
+    auto last_work = std::chrono::steady_clock::now();
     bool stopping = false;
     std::deque<std::pair<uint64_t, gpuEvent_t>> fifo;  // (ticket, event; null: finished when reached)
     for (;;) {
@@ -142,12 +146,17 @@ class Agent {
       if (stopping && fifo.empty()) return true;
       if (progress) {
         idle = 0;
+        last_work = std::chrono::steady_clock::now();
+        continue;
+      }
+      if ((++idle & 255) != 0) {
+        uccl_cpu_relax();
         continue;
       }
       if (getppid() != parent_) return false;
-      // spin while work is likely to follow (copies come in bursts), then sleep in short naps
-      if (++idle < 20000) uccl_cpu_relax();
-      else nap_us(20);
+      // spin for 50 us after the last request (copies come in bursts), then nap: the proxy threads spin
+      // already, and ranks sharing a host must leave the cores to each other
+      if (std::chrono::steady_clock::now() - last_work > std::chrono::microseconds(50)) nap_us(5);
     }
   }
 
@@ -219,6 +228,12 @@ class Agent {
 }  // namespace
 
 int run_copy_agent(const std::string& name, int gpu, pid_t parent) {
+  // Spawned from a thread that may be pinned (the proxy's allocation affinity): any core will do here.
+  cpu_set_t any;
+  CPU_ZERO(&any);
+  for (int i = 0; i < CPU_SETSIZE; ++i) CPU_SET(i, &any);
+  (void)sched_setaffinity(0, sizeof(any), &any);  // best effort: the kernel keeps it within the cpuset
+  (void)prctl(PR_SET_TIMERSLACK, 1000UL);        // naps of microseconds, not the default 50 us slack
   int fd = shm_open(name.c_str(), O_RDWR, 0600);
   if (fd < 0) {
     std::fprintf(stderr, "uccl_ep_train ipc copy agent: shm_open(%s) failed: %s\n", name.c_str(), std::strerror(errno));

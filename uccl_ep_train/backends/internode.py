@@ -21,6 +21,7 @@ graphs: not capturable (the kernels take host-side op counters); capture raises.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -97,10 +98,12 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         if self._chunk_bytes < 1:
             raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES must be >= 1, got {self._chunk_bytes}")
         sizes: list = [None] * num_ranks
-        dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), self._chunk_bytes), group=group)
-        if len({c for _, _, c in sizes}) > 1:
-            raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES differs between ranks ({sorted({c for _, _, c in sizes})}): "
+        dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), self._chunk_bytes,
+                                       len(os.sched_getaffinity(0))), group=group)
+        if len({s[2] for s in sizes}) > 1:
+            raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES differs between ranks ({sorted({s[2] for s in sizes})}): "
                              "senders and receivers must cut chunks alike")
+        self._proxy_options = _shared_gpu_proxy_options(per_gpu, min(s[3] for s in sizes))
         self._buf = None
         self._proxy = None
         self._failed: Optional[str] = None
@@ -119,7 +122,8 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
             dist.all_gather_object(handles, buf.ipc_handle(), group=self.group)
             buf.open_peers(handles[self.node * self.L:(self.node + 1) * self.L])
             regions = {0: (buf.rdma_ptr(), buf.rdma_bytes(), True), 1: (buf.flag_ptr(), buf.flag_bytes(), False)}
-            proxy = ProxyGroup(self.rank, self.num_ranks, regions, group=self.group, gpu=self.device.index)
+            proxy = ProxyGroup(self.rank, self.num_ranks, regions, group=self.group, gpu=self.device.index,
+                               **self._proxy_options)
         rings = []
         for t in range(proxy.num_threads):
             d = proxy.ring_desc(t, device=True)
@@ -361,6 +365,21 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
                           _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config), self._chunk_rows(crow),
                           current_raw_stream())
         return out, out_w
+
+
+def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int) -> dict:
+    """Proxy options when ranks share a GPU (emulated nodes): every rank's proxy threads spin, so pinning them
+    (each rank would take the same cores near the GPU) or running more of them than the cores hold makes
+    spinners time-slice one core, at milliseconds per command. Then: no pinning, and at most
+    cpus / (2 x ranks per GPU) threads per rank (the other half for the copy agents and the ranks' own
+    threads), unless UCCL_EP_PROXY_THREADS says otherwise. `cpus`: the fewest any rank may run on (every rank
+    must run as many threads)."""
+    if ranks_per_gpu <= 1:
+        return {}
+    options: dict = {"pin_threads": False}
+    if "UCCL_EP_PROXY_THREADS" not in os.environ:
+        options["num_threads"] = max(1, min(4, cpus // (2 * ranks_per_gpu)))
+    return options
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:

@@ -6,6 +6,7 @@ import os
 import shlex
 import subprocess
 from datetime import datetime, timezone
+from typing import Optional
 
 # DeepSeek-V3's MoE layer, the shape every benchmark that routes tokens defaults to.
 LAYER_SHAPE = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
@@ -19,13 +20,22 @@ def add_layer_shape_args(p: argparse.ArgumentParser) -> None:
 
 
 def git_commit() -> str:
-    """HEAD of the git tree this package lives in, "unknown" outside one (an installed wheel, no git)."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=os.path.dirname(os.path.abspath(__file__)),
-                             capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
+    """HEAD of the git tree this package lives in, with "-dirty" when tracked files differ from it (the
+    record then does not name the code that ran); "unknown" outside a git tree (an installed wheel)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+
+    def git(*args: str) -> Optional[str]:
+        try:
+            out = subprocess.run(["git", *args], cwd=here, capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
         return "unknown"
-    return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else "unknown"
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return head + ("-dirty" if changed is None or changed else "")
 
 
 def run_context(command: str, argv: list[str]) -> dict:
