@@ -182,7 +182,11 @@ def _layer_run(rank: int, world: int, device: str) -> tuple:
     """One uccl MoE layer forward + backward; (output, input grad, parameter grads) on CPU, and the backend."""
     init_parallel(world)
     from megatron_patch.dispatcher import _buffers, destroy_buffers
-    layer = build_moe_layer("uccl").to(device)  # built on CPU from one seed: the same weights on every device
+    layer = build_moe_layer("uccl").to(device)
+    weights = torch.Generator().manual_seed(1234)  # the same weights whatever device Megatron initialised on
+    with torch.no_grad():
+        for _, p in sorted(layer.named_parameters()):
+            p.copy_(torch.randn(p.shape, generator=weights).mul_(0.1))
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(7 + rank, 2, 64, generator=g).to(device).requires_grad_(True)
     out, _ = layer(x)
@@ -203,7 +207,7 @@ def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps):
     if not internode_available():
         pytest.skip("native module without the internode path")
     env = {"UCCL_EP_RANKS_PER_NODE": "2"}
-    ref = run_ranks(_layer_run, 4, env=env)
+    ref = run_ranks(_layer_run, 4, env={**env, "CUDA_VISIBLE_DEVICES": ""})  # Megatron on CPU only
     got = run_ranks(_layer_run, 4, device="cuda", backend="gloo", ranks_per_gpu=4, env=env, timeout=400)
     close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
         torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
