@@ -271,54 +271,66 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   }
 }
 
+// One warp forwards row i of node n's segment (landed in the recv area, or, for the own node, still in the
+// send area) to the receive rows of its final ranks in this node, over NVLink/xGMI.
+__device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFormat& f, int n, int64_t i, int lane) {
+  const int64_t k = a.t.recv_row0[n] + i;
+  const char* p = n == c.node ? c.rdma + a.send_off + (a.t.send_row0[n] + i) * a.row_bytes
+                              : c.rdma + a.recv_off + k * a.row_bytes;
+  const int src = n * c.L + c.local;
+  int dst_row = -1;
+  if (lane < c.L) {
+    const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
+    dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
+    if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
+  }
+  int rows[kMaxLocal];
+  for (int j = 0; j < c.L; ++j) rows[j] = intranode::warp_shfl(dst_row, j);
+  if ((a.row_bytes & 15) == 0) {
+    for (int64_t v = lane; v < a.row_bytes / 16; v += kWarpSize) {
+      const int4 val = ld_global_v4(reinterpret_cast<const int4*>(p) + v);
+      for (int j = 0; j < c.L; ++j)
+        if (rows[j] >= 0) reinterpret_cast<int4*>(c.nvl[j] + a.nvl_recv_off + int64_t(rows[j]) * a.row_bytes)[v] = val;
+    }
+  }
+}
+
+// Rows are taken in units of kWarps consecutive rows of one segment (one row per warp), unit u of all
+// segments by block u % grid. Before a unit of a remote segment, ONE thread of the block waits for the
+// flags of the chunks it spans: the flags live in host memory, and a poller per warp (hundreds of
+// uncached reads over PCIe at once) slowed the whole host link, the proxies' rings included.
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier, kPhaseDispatchForward)) return;
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  const int64_t total = a.t.recv_row0[c.N];
-  int seen_n = -1, seen_j = -1;  // the chunk whose flag this warp already saw
-  bool ok = true;
-  for (int64_t k = gwarp; k < total && ok; k += nwarps) {
-    const int n = segment_of(a.t.recv_row0, c.N, k);
-    const int64_t i = k - a.t.recv_row0[n];
-    const char* p;
-    if (n == c.node) {
-      p = c.rdma + a.send_off + (a.t.send_row0[n] + i) * a.row_bytes;
-    } else {
-      const int j = int(i / a.chunk_rows);
-      if (n != seen_n || j != seen_j) {
-        int good = 1;
-        if (lane == 0)
-          good = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
+  const int warp = threadIdx.x / kWarpSize;
+  __shared__ int ok;
+  bool good = true;
+  int64_t unit0 = 0;  // first unit of segment n, counted over all segments
+  for (int n = 0; n < c.N && good; ++n) {
+    const int64_t rows_n = a.t.recv_row0[n + 1] - a.t.recv_row0[n];
+    const int64_t units_n = (rows_n + kWarps - 1) / kWarps;
+    for (int64_t u = (int64_t(blockIdx.x) + gridDim.x - unit0 % gridDim.x) % gridDim.x; u < units_n;
+         u += gridDim.x) {
+      const int64_t i0 = u * kWarps;
+      if (n != c.node) {
+        if (threadIdx.x == 0) {
+          ok = 1;
+          const int64_t last = (i0 + kWarps < rows_n ? i0 + kWarps : rows_n) - 1;
+          for (int j = int(i0 / a.chunk_rows); j <= int(last / a.chunk_rows) && ok; ++j)
+            ok = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
                           n * c.L + c.local, kPhaseDispatchForward, 1 + j % c.data_channels);
-        ok = intranode::warp_shfl(good, 0) != 0;
-        if (!ok) break;
-        __threadfence_system();  // acquire side of the proxy's write-then-flag
-        seen_n = n;
-        seen_j = j;
+          __threadfence_system();  // acquire side of the proxy's write-then-flag
+        }
+        __syncthreads();
+        good = ok != 0;
+        __syncthreads();  // everyone read `ok` before thread 0 writes it for the next unit
+        if (!good) break;
       }
-      p = c.rdma + a.recv_off + k * a.row_bytes;
+      if (i0 + warp < rows_n) forward_row(a, c, f, n, i0 + warp, lane);
     }
-    const int src = n * c.L + c.local;
-    int dst_row = -1;
-    if (lane < c.L) {
-      const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
-      dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
-      if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
-    }
-    int rows[kMaxLocal];
-    for (int j = 0; j < c.L; ++j) rows[j] = intranode::warp_shfl(dst_row, j);
-    if ((a.row_bytes & 15) == 0) {
-      for (int64_t v = lane; v < a.row_bytes / 16; v += kWarpSize) {
-        const int4 val = ld_global_v4(reinterpret_cast<const int4*>(p) + v);
-        for (int j = 0; j < c.L; ++j)
-          if (rows[j] >= 0)
-            reinterpret_cast<int4*>(c.nvl[j] + a.nvl_recv_off + int64_t(rows[j]) * a.row_bytes)[v] = val;
-      }
-    }
+    unit0 += units_n;
   }
   if (last_block(c)) barrier_arrive(c, c.barrier + 1);
 }
