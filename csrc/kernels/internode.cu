@@ -24,6 +24,7 @@
 // Inter-node bytes move only through proxy commands. Every wait has a deadline and reports rank, peer,
 // channel and phase into the error record (internode_buffer.cu formats it).
 #include "common/check.h"
+#include "kernels/row_ops.cuh"
 #include "kernels/internode_launch.cuh"
 
 namespace uccl_ep::internode {
@@ -179,13 +180,25 @@ __device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k)
   return n;
 }
 
+// One warp copies `bytes` from src to dst: several 16-byte vectors in flight per lane when both ends are
+// 16-byte aligned and bytes a multiple of 16, else byte by byte. kNc: nobody writes src during the kernel.
+template <bool kNc>
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(bytes)) & 15u) == 0) {
-    for (int64_t v = lane; v < bytes / 16; v += kWarpSize)
-      reinterpret_cast<int4*>(dst)[v] = ld_global_v4(reinterpret_cast<const int4*>(src) + v);
+    intranode::warp_push_row<int4, 8, kNc>(src, bytes, &dst, 1, lane);
   } else {
     for (int64_t i = lane; i < bytes; i += kWarpSize) dst[i] = src[i];
   }
+}
+
+// The warp's lanes l < count with ok set publish their value into out[] in lane order (the whole warp
+// calls it, then syncs before reading out); returns how many did.
+template <typename P>
+__device__ __forceinline__ int warp_compact(P* out, bool ok, P value, int lane) {
+  const uint64_t hit = intranode::warp_ballot(ok);
+  if (ok) out[__popcll(hit & ((1ull << lane) - 1ull))] = value;
+  intranode::warp_sync();
+  return __popcll(hit);
 }
 
 // ---- notify ---------------------------------------------------------------------------------------------
@@ -245,14 +258,27 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   char* send = c.rdma + a.send_off;
+  __shared__ char* s_dst[kWarps][kMaxNodes];  // the token's rows, one per destination node (in node order)
+  __shared__ int s_node[kWarps][kMaxNodes];
+  const int warp = threadIdx.x / kWarpSize;
+  const bool x_vec = ((reinterpret_cast<uintptr_t>(a.x) | uintptr_t(a.x_bytes)) & 15u) == 0;  // rows are 16-aligned
   for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
-    for (int n = 0; n < c.N; ++n) {
-      const int head = a.node_head[t * c.N + n];
-      if (head < 0) continue;
-      const int64_t row = a.t.send_row0[n] + head;
-      char* p = send + row * a.row_bytes;
-      warp_copy(p, a.x + t * a.x_bytes, a.x_bytes, lane);
-      if (a.scale_bytes) warp_copy(p + f.scales, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
+    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const uint64_t hit = intranode::warp_ballot(head >= 0);
+    if (head >= 0) {
+      const int q = __popcll(hit & ((1ull << lane) - 1ull));
+      s_dst[warp][q] = send + (a.t.send_row0[lane] + head) * a.row_bytes;
+      s_node[warp][q] = lane;
+    }
+    intranode::warp_sync();
+    const int m = __popcll(hit);
+    // the token's hidden part is read once and stored into every destination node's row
+    if (x_vec) intranode::warp_push_row<int4, 8, true>(a.x + t * a.x_bytes, a.x_bytes, s_dst[warp], m, lane);
+    for (int q = 0; q < m; ++q) {
+      char* p = s_dst[warp][q];
+      const int n = s_node[warp][q];
+      if (!x_vec) warp_copy<true>(p, a.x + t * a.x_bytes, a.x_bytes, lane);
+      if (a.scale_bytes) warp_copy<true>(p + f.scales, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
       for (int k = lane; k < a.num_topk; k += kWarpSize) {
         reinterpret_cast<int*>(p + f.ids)[k] = int(a.topk_idx[t * a.num_topk + k]);
         reinterpret_cast<float*>(p + f.weights)[k] = a.topk_w != nullptr ? a.topk_w[t * a.num_topk + k] : 0.f;
@@ -264,16 +290,21 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       for (int j = lane; j < c.L; j += kWarpSize)
         reinterpret_cast<int*>(p + f.pos)[j] = a.send_pos[t * c.num_ranks + n * c.L + j];
       intranode::warp_sync();
-      if (lane == 0 && n != c.node)
-        row_written(c, n, head, a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n], a.chunk_rows, a.send_off,
+      if (lane == 0 && n != c.node) {
+        row_written(c, n, a.node_head[t * c.N + n], a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n], a.chunk_rows, a.send_off,
                     a.t.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0), kPhaseDispatchSend);
+      }
     }
+    intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
 }
 
 // One warp forwards row i of node n's segment (landed in the recv area, or, for the own node, still in the
-// send area) to the receive rows of its final ranks in this node, over NVLink/xGMI.
-__device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFormat& f, int n, int64_t i, int lane) {
+// send area) to the receive rows of its final ranks in this node, over NVLink/xGMI: read once, stored once
+// per final rank (s_dst: the warp's scratch for their addresses). Rows are 16-byte multiples
+// (dispatch_row_bytes).
+__device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFormat& f, int n, int64_t i, int lane,
+                            char** s_dst) {
   const int64_t k = a.t.recv_row0[n] + i;
   const char* p = n == c.node ? c.rdma + a.send_off + (a.t.send_row0[n] + i) * a.row_bytes
                               : c.rdma + a.recv_off + k * a.row_bytes;
@@ -284,15 +315,10 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFor
     dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
     if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
   }
-  int rows[kMaxLocal];
-  for (int j = 0; j < c.L; ++j) rows[j] = intranode::warp_shfl(dst_row, j);
-  if ((a.row_bytes & 15) == 0) {
-    for (int64_t v = lane; v < a.row_bytes / 16; v += kWarpSize) {
-      const int4 val = ld_global_v4(reinterpret_cast<const int4*>(p) + v);
-      for (int j = 0; j < c.L; ++j)
-        if (rows[j] >= 0) reinterpret_cast<int4*>(c.nvl[j] + a.nvl_recv_off + int64_t(rows[j]) * a.row_bytes)[v] = val;
-    }
-  }
+  const int m = warp_compact(s_dst, dst_row >= 0, c.nvl[lane < c.L ? lane : 0] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes,
+                             lane);
+  intranode::warp_push_row<int4, 8, false>(p, a.row_bytes, s_dst, m, lane);
+  intranode::warp_sync();  // s_dst is rewritten for the next row
 }
 
 // Rows are taken in units of kWarps consecutive rows of one segment (one row per warp), unit u of all
@@ -306,6 +332,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   __shared__ int ok;
+  __shared__ char* s_dst[kWarps][kMaxLocal];
   bool good = true;
   int64_t unit0 = 0;  // first unit of segment n, counted over all segments
   for (int n = 0; n < c.N && good; ++n) {
@@ -328,7 +355,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
         __syncthreads();  // everyone read `ok` before thread 0 writes it for the next unit
         if (!good) break;
       }
-      if (i0 + warp < rows_n) forward_row(a, c, f, n, i0 + warp, lane);
+      if (i0 + warp < rows_n) forward_row(a, c, f, n, i0 + warp, lane, s_dst[warp]);
     }
     unit0 += units_n;
   }
@@ -349,11 +376,11 @@ __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArg
     const bool real = i < a.num_recv;
     const char* p = area + i * a.row_bytes;
     if (a.recv_x != nullptr) {
-      if (real) warp_copy(a.recv_x + i * a.x_bytes, p, a.x_bytes, lane);
+      if (real) warp_copy<false>(a.recv_x + i * a.x_bytes, p, a.x_bytes, lane);
       else intranode::grid_zero_bytes(a.recv_x + i * a.x_bytes, a.x_bytes, lane, kWarpSize);
     }
     if (a.recv_scales != nullptr) {
-      if (real) warp_copy(a.recv_scales + i * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
+      if (real) warp_copy<false>(a.recv_scales + i * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
       else intranode::grid_zero_bytes(a.recv_scales + i * a.scale_bytes, a.scale_bytes, lane, kWarpSize);
     }
     if (a.recv_idx != nullptr) {
@@ -388,52 +415,59 @@ __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, 
   char* stage = c.nvl[c.local] + a.nvl_stage_off;
   for (int64_t i = gwarp; i < a.num_recv; i += nwarps) {
     char* p = stage + i * a.crow_bytes;
-    warp_copy(p, a.x + i * y_bytes, y_bytes, lane);
+    warp_copy<true>(p, a.x + i * y_bytes, y_bytes, lane);
     for (int k = lane; k < a.num_topk; k += kWarpSize)
       reinterpret_cast<float*>(p + y_bytes)[k] = a.topk_w[i * a.num_topk + k];
   }
   if (last_block(c)) barrier_arrive(c, c.barrier + 1);
 }
 
-template <typename T>
+// The whole warp: out = the float32 sum of the m rows src[0..m) in order, rounded once (CombineRow; kVec:
+// elements per 16-byte vector, or 1 when a row or pointer is not a 16-byte multiple), and, when out_w is
+// set, out_w = the sum of the rows' float32 top-k weights stored after their hidden elements. Only the
+// first m_w sources carry weights (biases follow them).
+template <typename T, int kVec>
+__device__ __forceinline__ void sum_rows(const T* const* src, int m, int m_w, T* out, float* out_w, const CombineArgs& a,
+                                         int lane) {
+  intranode::CombineRow<T, kVec>::sum_rows(src, m, out, a.hidden / kVec, lane);
+  if (out_w == nullptr) return;
+  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
+  for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
+    float s = 0.f;
+    for (int q = 0; q < m_w; ++q) s += reinterpret_cast<const float*>(reinterpret_cast<const char*>(src[q]) + y_bytes)[kk];
+    out_w[kk] = s;
+  }
+}
+
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, kPhaseCombineForward)) return;
+  __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's staged rows, in local rank order
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  const int64_t y_bytes = int64_t(a.hidden) * T::kSize;
+  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
   const int64_t total = a.t.recv_row0[c.N];
   for (int64_t k = gwarp; k < total; k += nwarps) {
     const int n = segment_of(a.t.recv_row0, c.N, k);
     const int64_t i = k - a.t.recv_row0[n];
-    int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
-    const char* srcs[kMaxLocal];
-    int m = 0;
-    for (int j = 0; j < c.L; ++j) {
-      const int r = intranode::warp_shfl(dst_row, j);
-      if (r >= 0) srcs[m++] = c.nvl[j] + a.nvl_stage_off + int64_t(r) * a.crow_bytes;
-    }
+    const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
+    const int m = warp_compact(
+        s_src[warp], dst_row >= 0,
+        reinterpret_cast<const T*>(c.nvl[lane < c.L ? lane : 0] + a.nvl_stage_off + int64_t(dst_row) * a.crow_bytes), lane);
     char* out = n == c.node ? c.rdma + a.crecv_off + (a.t.send_row0[n] + i) * a.crow_bytes
                             : c.rdma + a.csend_off + k * a.crow_bytes;
-    for (int64_t e = lane; e < a.hidden; e += kWarpSize) {
-      float s = 0.f;
-      for (int q = 0; q < m; ++q) s += T::load(srcs[q], e);
-      T::store(out, e, s);
-    }
-    for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
-      float s = 0.f;
-      for (int q = 0; q < m; ++q) s += reinterpret_cast<const float*>(srcs[q] + y_bytes)[kk];
-      reinterpret_cast<float*>(out + y_bytes)[kk] = s;
-    }
-    intranode::warp_sync();
+    sum_rows<T, kVec>(s_src[warp], m, m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes), a, lane);
+    intranode::warp_sync();  // s_src[warp] is rewritten for the next row
     if (lane == 0 && n != c.node)
       row_written(c, n, i, a.t.recv_row0[n], a.t.recv_row0[n + 1] - a.t.recv_row0[n], a.chunk_rows, a.csend_off,
                   a.t.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
   }
 }
 
-template <typename T>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   const Common& c = a.c;
   __shared__ int ok;
@@ -451,31 +485,27 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   __syncthreads();
   if (!ok) return;
   clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's
+  __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  const int64_t y_bytes = int64_t(a.hidden) * T::kSize;
+  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
   const char* crecv = c.rdma + a.crecv_off;
   for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
-    const char* rows[kMaxNodes];
-    int m = 0;
-    for (int n = 0; n < c.N; ++n) {
-      const int head = a.node_head[t * c.N + n];
-      if (head >= 0) rows[m++] = crecv + (a.t.send_row0[n] + head) * a.crow_bytes;
-    }
-    for (int64_t e = lane; e < a.hidden; e += kWarpSize) {
-      float s = 0.f;
-      for (int q = 0; q < m; ++q) s += T::load(rows[q], e);
-      if (a.bias0 != nullptr) s += T::load(a.bias0 + t * y_bytes, e);
-      if (a.bias1 != nullptr) s += T::load(a.bias1 + t * y_bytes, e);
-      T::store(a.out + t * y_bytes, e, s);
-    }
-    if (a.out_w != nullptr)
-      for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
-        float s = 0.f;
-        for (int q = 0; q < m; ++q) s += reinterpret_cast<const float*>(rows[q] + y_bytes)[kk];
-        a.out_w[t * a.num_topk + kk] = s;
-      }
+    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const int m = warp_compact(s_src[warp], head >= 0,
+                               reinterpret_cast<const T*>(crecv + (a.t.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes),
+                               lane);
+    int nb = m;
+    if (a.bias0 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias0 + t * y_bytes);
+    nb += a.bias0 != nullptr;
+    if (a.bias1 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias1 + t * y_bytes);
+    nb += a.bias1 != nullptr;
+    intranode::warp_sync();
+    sum_rows<T, kVec>(s_src[warp], nb, m, reinterpret_cast<T*>(a.out + t * y_bytes),
+                      a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane);
+    intranode::warp_sync();
   }
 }
 
@@ -484,11 +514,23 @@ void check_launch(const char* what) {
   UCCL_CHECK(e == gpuSuccess, "internode " << what << ": kernel launch failed: " << gpuGetErrorString(e));
 }
 
+// 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
+// crecv rows are; the output and biases are the caller's), else one element at a time.
 template <typename T>
 void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
-  combine_forward_kernel<T><<<num_sms, kThreads, 0, stream>>>(a);
-  check_launch("combine (forward)");
-  combine_reduce_kernel<T><<<num_sms, kThreads, 0, stream>>>(a);
+  constexpr int kFull = 16 / sizeof(T);
+  const bool full = a.hidden % kFull == 0 &&
+                    ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.bias0) |
+                      reinterpret_cast<uintptr_t>(a.bias1)) & 15u) == 0;
+  if (full) {
+    combine_forward_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
+    check_launch("combine (forward)");
+    combine_reduce_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
+  } else {
+    combine_forward_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
+    check_launch("combine (forward)");
+    combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
+  }
 }
 
 template <typename K>
@@ -496,6 +538,15 @@ void load(K kernel, const char* name) {
   gpuFuncAttributes attr;
   const gpuError_t e = gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel));
   UCCL_CHECK(e == gpuSuccess, "internode: loading kernel " << name << " failed: " << gpuGetErrorString(e));
+}
+
+template <typename T>
+void load_combine(const char* type) {
+  constexpr int kFull = 16 / sizeof(T);
+  load(combine_forward_kernel<T, kFull>, type);
+  load(combine_forward_kernel<T, 1>, type);
+  load(combine_reduce_kernel<T, kFull>, type);
+  load(combine_reduce_kernel<T, 1>, type);
 }
 
 }  // namespace
@@ -506,12 +557,9 @@ void preload_kernels() {
   load(dispatch_forward_kernel, "dispatch_forward");
   load(dispatch_copy_out_kernel, "dispatch_copy_out");
   load(combine_stage_kernel, "combine_stage");
-  load(combine_forward_kernel<intranode::ElemBf16>, "combine_forward<bf16>");
-  load(combine_forward_kernel<intranode::ElemFp16>, "combine_forward<fp16>");
-  load(combine_forward_kernel<intranode::ElemFp32>, "combine_forward<fp32>");
-  load(combine_reduce_kernel<intranode::ElemBf16>, "combine_reduce<bf16>");
-  load(combine_reduce_kernel<intranode::ElemFp16>, "combine_reduce<fp16>");
-  load(combine_reduce_kernel<intranode::ElemFp32>, "combine_reduce<fp32>");
+  load_combine<intranode::Bf16>("combine<bf16>");
+  load_combine<intranode::Fp16>("combine<fp16>");
+  load_combine<intranode::Fp32>("combine<fp32>");
 }
 
 void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
@@ -533,9 +581,9 @@ void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream) {
   combine_stage_kernel<<<num_sms, kThreads, 0, stream>>>(a, elem);
   check_launch("combine (stage)");
   switch (a.dtype) {
-    case 0: launch_combine_typed<intranode::ElemBf16>(a, num_sms, stream); break;
-    case 1: launch_combine_typed<intranode::ElemFp16>(a, num_sms, stream); break;
-    default: launch_combine_typed<intranode::ElemFp32>(a, num_sms, stream); break;
+    case 0: launch_combine_typed<intranode::Bf16>(a, num_sms, stream); break;
+    case 1: launch_combine_typed<intranode::Fp16>(a, num_sms, stream); break;
+    default: launch_combine_typed<intranode::Fp32>(a, num_sms, stream); break;
   }
   check_launch("combine (reduce)");
 }
