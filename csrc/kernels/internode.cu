@@ -1,25 +1,29 @@
 // Internode high-throughput kernels: NVLink/xGMI aggregation inside a node, CPU-proxy RDMA between nodes.
 //
 // Dispatch (three launches on the caller's stream):
-//   pack     every token is written once per destination NODE into that node's segment of the send area,
-//            with its positions on the node's ranks; when a chunk of rows is complete, the warp that
-//            completed it pushes ONE write command (the chunk into the recv area of the rank with the same
-//            local index on that node) and one atomic add on the chunk's arrival flag, on the same channel:
-//            the proxy applies them in order, so the flag means "the chunk's bytes are there". Block 0
-//            first starts the op: clears this op's arrival flags, sends READY to every RDMA peer (senders
-//            write into a peer's areas only after its READY for the op: nothing it still reads is
-//            overwritten) and arrives at the node barrier.
-//   forward  once every node peer arrived (their previous ops are done with their NVL buffers), each row
-//            this rank forwards (from each other node once its chunk flag is up; from its own send segment
-//            for its own node) is copied over NVLink/xGMI into the receive rows of its final ranks in the
-//            node, at row_base[source][rank] + position: the same rows as intranode (source rank, then
-//            token). The last block arrives at the node barrier again.
-//   copy-out once every node peer finished forwarding, the landed rows are split into the outputs (top-k
-//            ids become this rank's local expert ids or -1).
-// Combine (three launches): stage (rows into this rank's NVL staging area, node barrier), forward (each
-// forwarded row is the float32 sum of its node ranks' staged rows, in local order; one write + flag per
-// chunk back to the source node's RDMA peer, or straight into this rank's crecv for its own node), reduce
-// (each token sums its nodes' rows in node order, + biases, rounded once).
+//   pack     every token is read once and written once per destination: in row format into its row of
+//            each other destination NODE's segment of the send area (with its positions on that node's
+//            ranks), into its receive rows in the NVL buffers of this node's other final ranks, and split
+//            into this rank's outputs when it is a final rank itself. When a chunk of send rows is complete,
+//            the warp that completed it pushes ONE write command (the chunk into the recv area of the rank
+//            with the same local index on that node) and one atomic add on the chunk's arrival flag, on the
+//            same channel: the proxy applies them in order, so the flag means "the chunk's bytes are there".
+//            Block 0 first starts the op: clears this op's arrival flags, sends READY to every RDMA peer
+//            (senders write into a peer's areas only after its READY for the op: nothing it still reads is
+//            overwritten) and arrives at the node barrier; every block waits for the node peers' arrival
+//            (their previous ops are done with their NVL buffers) before writing into them.
+//   forward  each row landed from another node (once its chunk flag is up) goes to its final ranks in the
+//            node: over NVLink/xGMI into the NVL buffers of the others, split into the outputs for this
+//            rank. Rows land at row_base[source][rank] + position: the same rows as intranode (source
+//            rank, then token). The last block arrives at the node barrier again.
+//   copy-out once every node peer finished, the rows they wrote into this rank's NVL buffer are split into
+//            the outputs (top-k ids become this rank's local expert ids or -1); padding rows are filled.
+// Every row is thus written into its final place by the rank that holds it (no copy with one rank per node).
+// Combine (three launches): stage (the rows node peers reduce into this rank's NVL staging area, node
+// barrier), forward (each forwarded row is the float32 sum of its node ranks' rows, in local order, this
+// rank's own read from x; one write + flag per chunk back to the source node's RDMA peer, or straight into
+// this rank's crecv for its own node), reduce (each token sums its nodes' rows in node order, + biases,
+// rounded once).
 //
 // Inter-node bytes move only through proxy commands. Every wait has a deadline and reports rank, peer,
 // channel and phase into the error record (internode_buffer.cu formats it).
@@ -30,10 +34,7 @@
 namespace uccl_ep::internode {
 namespace {
 
-using intranode::kErrTimeout;
 using intranode::kWarpSize;
-using intranode::ld_acquire_sys;
-using intranode::ld_global_v4;
 using intranode::report_error;
 using intranode::st_release_sys_u64;
 using intranode::wait_geq;
@@ -248,66 +249,158 @@ struct RowFormat {  // byte offsets inside a dispatch row (dispatch_row_bytes)
   }
 };
 
+// Rows of this rank's receive order that it writes into its outputs itself (pack: its own tokens; forward:
+// rows from its RDMA peers): those from source s == rank, or from a remote node's rank with this local
+// index. Node peers write the other rows into this rank's NVL buffer (copy-out moves them), and in a
+// combine they read the other rows from this rank's staging area.
+__device__ __forceinline__ bool written_here(const Common& c, int s) {
+  return s == c.rank || (s / c.L != c.node && s % c.L == c.local);
+}
+
+// The source rank of row i of this rank's receive order (rows are grouped by source rank: source s starts
+// at s_base[s], s_base[R] = rows), by bisection over the block's copy of the bases.
+__device__ __forceinline__ int source_of(const int* s_base, int R, int64_t i) {
+  int lo = 0, hi = R - 1;  // the last s with s_base[s] <= i (empty sources share their successor's base)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (s_base[mid] <= i) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+// The block copies this rank's column of row_base ([R, L]) into s_base, and s_base[R] = rows.
+__device__ void load_bases(const Common& c, const int* row_base, int64_t rows, int* s_base) {
+  for (int s = threadIdx.x; s <= c.num_ranks; s += blockDim.x)
+    s_base[s] = s < c.num_ranks ? row_base[s * c.L + c.local] : int(rows);
+  __syncthreads();
+}
+
+// The whole warp: outputs row `row` of a token whose top-k ids / weights are id(k) / w(k) and which is
+// token src_token of rank src_rank (x and scales are the caller's): ids become local expert ids or -1.
+template <typename Id, typename W>
+__device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id id, W w, int src_token, int src_rank,
+                                          int lane) {
+  if (a.recv_idx != nullptr) {
+    const int lo = a.c.rank * a.experts_per_rank;
+    for (int k = lane; k < a.num_topk; k += kWarpSize) {
+      const int e = id(k) - lo;
+      const bool mine = e >= 0 && e < a.experts_per_rank;
+      a.recv_idx[row * a.num_topk + k] = mine ? e : -1;
+      if (a.recv_w != nullptr) a.recv_w[row * a.num_topk + k] = mine ? w(k) : 0.f;
+    }
+  }
+  if (a.recv_src != nullptr && lane < 2) a.recv_src[row * 2 + lane] = lane == 0 ? src_token : src_rank;
+}
+
+// The whole warp: outputs row `row` from a token in row format at p (landed here or in the NVL buffer).
+__device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat& f, const char* p, int64_t row, int lane) {
+  if (a.recv_x != nullptr) warp_copy<false>(a.recv_x + row * a.x_bytes, p, a.x_bytes, lane);
+  if (a.recv_scales != nullptr)
+    warp_copy<false>(a.recv_scales + row * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
+  const int* ids = reinterpret_cast<const int*>(p + f.ids);
+  const float* ws = reinterpret_cast<const float*>(p + f.weights);
+  const int* src = reinterpret_cast<const int*>(p + f.src);
+  emit_meta(a, row, [&](int k) { return ids[k]; }, [&](int k) { return ws[k]; }, src[0], src[1], lane);
+}
+
+// Each token is read once and written, in row format, into its row of every other destination node's send
+// segment and into its receive rows on this node's other ranks (their NVL buffers), and, split, into this
+// rank's own outputs when it is one of its final ranks.
 __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a) {
   const Common& c = a.c;
   if (blockIdx.x == 0 && threadIdx.x == 0)
     start_op(c, dispatch_flag(c.num_ranks, 0, 0), a.t.nchunks_recv, kPhaseDispatchSend);
   if (!wait_peers_ready(c, kPhaseDispatchSend)) return;
+  // node peers no longer read their NVL buffers of the previous op
+  if (c.L > 1 && !barrier_wait(c, c.barrier, kPhaseDispatchSend)) return;
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
+  const int warp = threadIdx.x / kWarpSize;
+  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   char* send = c.rdma + a.send_off;
-  __shared__ char* s_dst[kWarps][kMaxNodes];  // the token's rows, one per destination node (in node order)
-  __shared__ int s_node[kWarps][kMaxNodes];
-  const int warp = threadIdx.x / kWarpSize;
-  const bool x_vec = ((reinterpret_cast<uintptr_t>(a.x) | uintptr_t(a.x_bytes)) & 15u) == 0;  // rows are 16-aligned
+  // the token's row-format rows (other nodes' send rows, then node peers' NVL rows), then its own output row
+  __shared__ char* s_dst[kWarps][kMaxNodes + kMaxLocal];
+  __shared__ int s_node[kWarps][kMaxNodes + kMaxLocal];  // destination node of a send row, -1 for an NVL row
+  const bool x_vec = ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) &
+                      15u) == 0;  // rows of send segments and NVL buffers are 16-byte multiples
+  const int own_seg = c.node;
   for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
-    const uint64_t hit = intranode::warp_ballot(head >= 0);
-    if (head >= 0) {
+    const int own_head = intranode::warp_shfl(head, own_seg);
+    const bool remote = head >= 0 && lane != own_seg;
+    const uint64_t hit = intranode::warp_ballot(remote);
+    if (remote) {
       const int q = __popcll(hit & ((1ull << lane) - 1ull));
       s_dst[warp][q] = send + (a.t.send_row0[lane] + head) * a.row_bytes;
       s_node[warp][q] = lane;
     }
+    const int mr = __popcll(hit);
+    // this node's final ranks (lane j: local rank j)
+    int dst_row = -1;
+    if (lane < c.L) {
+      const int pos = own_head >= 0 ? a.send_pos[t * c.num_ranks + c.node * c.L + lane] : -1;
+      dst_row = pos >= 0 ? a.row_base[c.rank * c.L + lane] + pos : -1;
+      if (a.fwd_head != nullptr && own_head >= 0) a.fwd_head[(a.t.recv_row0[own_seg] + own_head) * c.L + lane] = dst_row;
+    }
+    const int own_row = intranode::warp_shfl(dst_row, c.local);
+    const bool peer = dst_row >= 0 && lane != c.local;
+    const uint64_t phit = intranode::warp_ballot(peer);
+    if (peer) {
+      const int q = mr + __popcll(phit & ((1ull << lane) - 1ull));
+      s_dst[warp][q] = c.nvl[lane] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes;
+      s_node[warp][q] = -1;
+    }
+    const int m = mr + __popcll(phit);
+    const bool own_x = own_row >= 0 && a.recv_x != nullptr;
+    if (own_x && lane == 0) s_dst[warp][m] = a.recv_x + int64_t(own_row) * a.x_bytes;
     intranode::warp_sync();
-    const int m = __popcll(hit);
-    // the token's hidden part is read once and stored into every destination node's row
-    if (x_vec) intranode::warp_push_row<int4, 8, true>(a.x + t * a.x_bytes, a.x_bytes, s_dst[warp], m, lane);
+    const char* x = a.x + t * a.x_bytes;
+    if (x_vec) {
+      intranode::warp_push_row<int4, 8, true>(x, a.x_bytes, s_dst[warp], m + own_x, lane);
+    } else {
+      for (int q = 0; q < m + own_x; ++q) warp_copy<true>(s_dst[warp][q], x, a.x_bytes, lane);
+    }
+    const char* scales = a.scales + t * a.scale_bytes;
     for (int q = 0; q < m; ++q) {
       char* p = s_dst[warp][q];
       const int n = s_node[warp][q];
-      if (!x_vec) warp_copy<true>(p, a.x + t * a.x_bytes, a.x_bytes, lane);
-      if (a.scale_bytes) warp_copy<true>(p + f.scales, a.scales + t * a.scale_bytes, a.scale_bytes, lane);
+      if (a.scale_bytes) warp_copy<true>(p + f.scales, scales, a.scale_bytes, lane);
       for (int k = lane; k < a.num_topk; k += kWarpSize) {
         reinterpret_cast<int*>(p + f.ids)[k] = int(a.topk_idx[t * a.num_topk + k]);
         reinterpret_cast<float*>(p + f.weights)[k] = a.topk_w != nullptr ? a.topk_w[t * a.num_topk + k] : 0.f;
       }
-      if (lane == 0) {
-        reinterpret_cast<int*>(p + f.src)[0] = int(t);
-        reinterpret_cast<int*>(p + f.src)[1] = c.rank;
-      }
+      if (lane < 2) reinterpret_cast<int*>(p + f.src)[lane] = lane == 0 ? int(t) : c.rank;
+      if (n < 0) continue;  // an NVL row: its reader needs no positions
       for (int j = lane; j < c.L; j += kWarpSize)
         reinterpret_cast<int*>(p + f.pos)[j] = a.send_pos[t * c.num_ranks + n * c.L + j];
       intranode::warp_sync();
-      if (lane == 0 && n != c.node) {
-        row_written(c, n, a.node_head[t * c.N + n], a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n], a.chunk_rows, a.send_off,
-                    a.t.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0), kPhaseDispatchSend);
-      }
+      if (lane == 0)
+        row_written(c, n, a.node_head[t * c.N + n], a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n],
+                    a.chunk_rows, a.send_off, a.t.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0),
+                    kPhaseDispatchSend);
+    }
+    if (own_row >= 0) {
+      if (a.recv_scales != nullptr)
+        warp_copy<true>(a.recv_scales + int64_t(own_row) * a.scale_bytes, scales, a.scale_bytes, lane);
+      const int64_t* ids = a.topk_idx + t * a.num_topk;
+      const float* ws = a.topk_w != nullptr ? a.topk_w + t * a.num_topk : nullptr;
+      emit_meta(a, own_row, [&](int k) { return int(ids[k]); }, [&](int k) { return ws != nullptr ? ws[k] : 0.f; },
+                int(t), c.rank, lane);
     }
     intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
 }
 
-// One warp forwards row i of node n's segment (landed in the recv area, or, for the own node, still in the
-// send area) to the receive rows of its final ranks in this node, over NVLink/xGMI: read once, stored once
-// per final rank (s_dst: the warp's scratch for their addresses). Rows are 16-byte multiples
+// One warp forwards row i of remote node n's segment (landed in the recv area) to its final ranks in this
+// node: into their NVL buffers over NVLink/xGMI (read once, stored once per rank; s_dst: the warp's scratch
+// for their addresses), and, split, into this rank's own outputs. Rows are 16-byte multiples
 // (dispatch_row_bytes).
 __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFormat& f, int n, int64_t i, int lane,
                             char** s_dst) {
   const int64_t k = a.t.recv_row0[n] + i;
-  const char* p = n == c.node ? c.rdma + a.send_off + (a.t.send_row0[n] + i) * a.row_bytes
-                              : c.rdma + a.recv_off + k * a.row_bytes;
+  const char* p = c.rdma + a.recv_off + k * a.row_bytes;
   const int src = n * c.L + c.local;
   int dst_row = -1;
   if (lane < c.L) {
@@ -315,14 +408,16 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFor
     dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
     if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
   }
-  const int m = warp_compact(s_dst, dst_row >= 0, c.nvl[lane < c.L ? lane : 0] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes,
-                             lane);
-  intranode::warp_push_row<int4, 8, false>(p, a.row_bytes, s_dst, m, lane);
+  const int own_row = intranode::warp_shfl(dst_row, c.local);
+  const int m = warp_compact(s_dst, dst_row >= 0 && lane != c.local,
+                             c.nvl[lane < c.L ? lane : 0] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes, lane);
+  if (m > 0) intranode::warp_push_row<int4, 8, false>(p, a.row_bytes, s_dst, m, lane);
+  if (own_row >= 0) emit_row(a, f, p, own_row, lane);
   intranode::warp_sync();  // s_dst is rewritten for the next row
 }
 
-// Rows are taken in units of kWarps consecutive rows of one segment (one row per warp), unit u of all
-// segments by block u % grid. Before a unit of a remote segment, ONE thread of the block waits for the
+// Rows of the remote segments are taken in units of kWarps consecutive rows of one segment (one row per
+// warp), unit u of all segments by block u % grid. Before a unit, ONE thread of the block waits for the
 // flags of the chunks it spans: the flags live in host memory, and a poller per warp (hundreds of
 // uncached reads over PCIe at once) slowed the whole host link, the proxies' rings included.
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs a) {
@@ -336,25 +431,24 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   bool good = true;
   int64_t unit0 = 0;  // first unit of segment n, counted over all segments
   for (int n = 0; n < c.N && good; ++n) {
+    if (n == c.node) continue;  // the pack kernel placed this node's own rows
     const int64_t rows_n = a.t.recv_row0[n + 1] - a.t.recv_row0[n];
     const int64_t units_n = (rows_n + kWarps - 1) / kWarps;
     for (int64_t u = (int64_t(blockIdx.x) + gridDim.x - unit0 % gridDim.x) % gridDim.x; u < units_n;
          u += gridDim.x) {
       const int64_t i0 = u * kWarps;
-      if (n != c.node) {
-        if (threadIdx.x == 0) {
-          ok = 1;
-          const int64_t last = (i0 + kWarps < rows_n ? i0 + kWarps : rows_n) - 1;
-          for (int j = int(i0 / a.chunk_rows); j <= int(last / a.chunk_rows) && ok; ++j)
-            ok = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
-                          n * c.L + c.local, kPhaseDispatchForward, 1 + j % c.data_channels);
-          __threadfence_system();  // acquire side of the proxy's write-then-flag
-        }
-        __syncthreads();
-        good = ok != 0;
-        __syncthreads();  // everyone read `ok` before thread 0 writes it for the next unit
-        if (!good) break;
+      if (threadIdx.x == 0) {
+        ok = 1;
+        const int64_t last = (i0 + kWarps < rows_n ? i0 + kWarps : rows_n) - 1;
+        for (int j = int(i0 / a.chunk_rows); j <= int(last / a.chunk_rows) && ok; ++j)
+          ok = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
+                        n * c.L + c.local, kPhaseDispatchForward, 1 + j % c.data_channels);
+        __threadfence_system();  // acquire side of the proxy's write-then-flag
       }
+      __syncthreads();
+      good = ok != 0;
+      __syncthreads();  // everyone read `ok` before thread 0 writes it for the next unit
+      if (!good) break;
       if (i0 + warp < rows_n) forward_row(a, c, f, n, i0 + warp, lane, s_dst[warp]);
     }
     unit0 += units_n;
@@ -362,58 +456,53 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   if (last_block(c)) barrier_arrive(c, c.barrier + 1);
 }
 
+// Moves the rows node peers wrote into this rank's NVL buffer (none with one rank per node) into the
+// outputs, and fills the padding rows up to num_worst_tokens (zeros, ids -1, sources -1).
 __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier + 1, kPhaseDispatchCopyOut)) return;
   clear_chunk_counts(c, a.t.nchunks_send);  // the pack kernel's
+  __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
+  load_bases(c, a.row_base, a.num_recv, s_base);
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const char* area = c.nvl[c.local] + a.nvl_recv_off;
-  const int lo = c.rank * a.experts_per_rank;
-  for (int64_t i = gwarp; i < a.out_rows; i += nwarps) {
-    const bool real = i < a.num_recv;
-    const char* p = area + i * a.row_bytes;
-    if (a.recv_x != nullptr) {
-      if (real) warp_copy<false>(a.recv_x + i * a.x_bytes, p, a.x_bytes, lane);
-      else intranode::grid_zero_bytes(a.recv_x + i * a.x_bytes, a.x_bytes, lane, kWarpSize);
+  for (int64_t i = (c.L == 1 ? a.num_recv : 0) + gwarp; i < a.out_rows; i += nwarps) {
+    if (i < a.num_recv) {
+      if (!written_here(c, source_of(s_base, c.num_ranks, i))) emit_row(a, f, area + i * a.row_bytes, i, lane);
+      continue;
     }
-    if (a.recv_scales != nullptr) {
-      if (real) warp_copy<false>(a.recv_scales + i * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
-      else intranode::grid_zero_bytes(a.recv_scales + i * a.scale_bytes, a.scale_bytes, lane, kWarpSize);
-    }
-    if (a.recv_idx != nullptr) {
+    if (a.recv_x != nullptr) intranode::grid_zero_bytes(a.recv_x + i * a.x_bytes, a.x_bytes, lane, kWarpSize);
+    if (a.recv_scales != nullptr)
+      intranode::grid_zero_bytes(a.recv_scales + i * a.scale_bytes, a.scale_bytes, lane, kWarpSize);
+    if (a.recv_idx != nullptr)
       for (int k = lane; k < a.num_topk; k += kWarpSize) {
-        int local = -1;
-        float w = 0.f;
-        if (real) {
-          const int e = reinterpret_cast<const int*>(p + f.ids)[k] - lo;
-          if (e >= 0 && e < a.experts_per_rank) {
-            local = e;
-            w = reinterpret_cast<const float*>(p + f.weights)[k];
-          }
-        }
-        a.recv_idx[i * a.num_topk + k] = local;
-        if (a.recv_w != nullptr) a.recv_w[i * a.num_topk + k] = w;
+        a.recv_idx[i * a.num_topk + k] = -1;
+        if (a.recv_w != nullptr) a.recv_w[i * a.num_topk + k] = 0.f;
       }
-    }
-    if (a.recv_src != nullptr && lane < 2) a.recv_src[i * 2 + lane] = real ? reinterpret_cast<const int*>(p + f.src)[lane] : -1;
+    if (a.recv_src != nullptr && lane < 2) a.recv_src[i * 2 + lane] = -1;
   }
 }
 
 // ---- combine --------------------------------------------------------------------------------------------
+// Stages the rows node peers reduce (rows from the sources they forward for, written_here() false: none with
+// one rank per node) with their weights into this rank's NVL staging area.
 __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, int elem_bytes) {
   const Common& c = a.c;
   if (blockIdx.x == 0 && threadIdx.x == 0)
     start_op(c, combine_flag(c.num_ranks, c.N, 0, 0), a.t.nchunks_send, kPhaseCombineStage);
   if (!barrier_wait(c, c.barrier, kPhaseCombineStage)) return;  // peers no longer read the staging rows
+  __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
+  load_bases(c, a.row_base, a.num_recv, s_base);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int64_t y_bytes = int64_t(a.hidden) * elem_bytes;
   char* stage = c.nvl[c.local] + a.nvl_stage_off;
-  for (int64_t i = gwarp; i < a.num_recv; i += nwarps) {
+  for (int64_t i = (c.L == 1 ? a.num_recv : 0) + gwarp; i < a.num_recv; i += nwarps) {
+    if (written_here(c, source_of(s_base, c.num_ranks, i))) continue;
     char* p = stage + i * a.crow_bytes;
     warp_copy<true>(p, a.x + i * y_bytes, y_bytes, lane);
     for (int k = lane; k < a.num_topk; k += kWarpSize)
@@ -424,26 +513,28 @@ __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, 
 
 // The whole warp: out = the float32 sum of the m rows src[0..m) in order, rounded once (CombineRow; kVec:
 // elements per 16-byte vector, or 1 when a row or pointer is not a 16-byte multiple), and, when out_w is
-// set, out_w = the sum of the rows' float32 top-k weights stored after their hidden elements. Only the
-// first m_w sources carry weights (biases follow them).
+// set, out_w = the sum of the m_w weight rows w[0..m_w) (float32 x num_topk; biases carry none).
 template <typename T, int kVec>
-__device__ __forceinline__ void sum_rows(const T* const* src, int m, int m_w, T* out, float* out_w, const CombineArgs& a,
-                                         int lane) {
+__device__ __forceinline__ void sum_rows(const T* const* src, int m, const float* const* w, int m_w, T* out,
+                                         float* out_w, const CombineArgs& a, int lane) {
   intranode::CombineRow<T, kVec>::sum_rows(src, m, out, a.hidden / kVec, lane);
   if (out_w == nullptr) return;
-  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
   for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
     float s = 0.f;
-    for (int q = 0; q < m_w; ++q) s += reinterpret_cast<const float*>(reinterpret_cast<const char*>(src[q]) + y_bytes)[kk];
+    for (int q = 0; q < m_w; ++q) s += w[q][kk];
     out_w[kk] = s;
   }
 }
 
+// Each row this rank forwarded in the dispatch is the sum of its node ranks' rows, in local order: this
+// rank's own from x, the others' from their staging areas. The sum goes into the csend row for a remote
+// node (sent per chunk) or straight into crecv for this node.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, kPhaseCombineForward)) return;
-  __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's staged rows, in local rank order
+  __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's inputs, in local rank order
+  __shared__ const float* s_w[kWarps][kMaxLocal];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
@@ -454,12 +545,22 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
     const int n = segment_of(a.t.recv_row0, c.N, k);
     const int64_t i = k - a.t.recv_row0[n];
     const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
-    const int m = warp_compact(
-        s_src[warp], dst_row >= 0,
-        reinterpret_cast<const T*>(c.nvl[lane < c.L ? lane : 0] + a.nvl_stage_off + int64_t(dst_row) * a.crow_bytes), lane);
+    const T* src = nullptr;
+    const float* w = nullptr;
+    if (lane == c.local) {
+      src = reinterpret_cast<const T*>(a.x + int64_t(dst_row) * y_bytes);
+      w = a.topk_w + int64_t(dst_row) * a.num_topk;
+    } else if (lane < c.L) {
+      const char* staged = c.nvl[lane] + a.nvl_stage_off + int64_t(dst_row) * a.crow_bytes;
+      src = reinterpret_cast<const T*>(staged);
+      w = reinterpret_cast<const float*>(staged + y_bytes);
+    }
+    warp_compact(s_w[warp], dst_row >= 0, w, lane);
+    const int m = warp_compact(s_src[warp], dst_row >= 0, src, lane);
     char* out = n == c.node ? c.rdma + a.crecv_off + (a.t.send_row0[n] + i) * a.crow_bytes
                             : c.rdma + a.csend_off + k * a.crow_bytes;
-    sum_rows<T, kVec>(s_src[warp], m, m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes), a, lane);
+    sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes),
+                      a, lane);
     intranode::warp_sync();  // s_src[warp] is rewritten for the next row
     if (lane == 0 && n != c.node)
       row_written(c, n, i, a.t.recv_row0[n], a.t.recv_row0[n + 1] - a.t.recv_row0[n], a.chunk_rows, a.csend_off,
@@ -486,6 +587,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   if (!ok) return;
   clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
+  __shared__ const float* s_w[kWarps][kMaxNodes];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
@@ -494,16 +596,16 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   const char* crecv = c.rdma + a.crecv_off;
   for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
-    const int m = warp_compact(s_src[warp], head >= 0,
-                               reinterpret_cast<const T*>(crecv + (a.t.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes),
-                               lane);
+    const char* row = crecv + (a.t.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
+    warp_compact(s_w[warp], head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
+    const int m = warp_compact(s_src[warp], head >= 0, reinterpret_cast<const T*>(row), lane);
     int nb = m;
     if (a.bias0 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias0 + t * y_bytes);
     nb += a.bias0 != nullptr;
     if (a.bias1 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias1 + t * y_bytes);
     nb += a.bias1 != nullptr;
     intranode::warp_sync();
-    sum_rows<T, kVec>(s_src[warp], nb, m, reinterpret_cast<T*>(a.out + t * y_bytes),
+    sum_rows<T, kVec>(s_src[warp], nb, s_w[warp], m, reinterpret_cast<T*>(a.out + t * y_bytes),
                       a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane);
     intranode::warp_sync();
   }
@@ -515,13 +617,13 @@ void check_launch(const char* what) {
 }
 
 // 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
-// crecv rows are; the output and biases are the caller's), else one element at a time.
+// crecv rows are; x, the output and the biases are the caller's), else one element at a time.
 template <typename T>
 void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
   const bool full = a.hidden % kFull == 0 &&
-                    ((reinterpret_cast<uintptr_t>(a.out) | reinterpret_cast<uintptr_t>(a.bias0) |
-                      reinterpret_cast<uintptr_t>(a.bias1)) & 15u) == 0;
+                    ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.out) |
+                      reinterpret_cast<uintptr_t>(a.bias0) | reinterpret_cast<uintptr_t>(a.bias1)) & 15u) == 0;
   if (full) {
     combine_forward_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
     check_launch("combine (forward)");

@@ -12,13 +12,15 @@
 // Memory of one rank:
 //   RDMA region (GPU, registered with the proxies as region 0, the same size on every rank):
 //     notify  [2 parities][R] count rows (one per source rank) + this rank's outgoing row
-//     send    dispatch rows this rank packs, one segment per destination node (own node included)
-//     recv    dispatch rows landing from the RDMA peer of each other node
+//     send    dispatch rows this rank packs, one segment per destination node (the own node's segment,
+//             kept so that send and crecv share row numbers, stays unused: those rows go straight to
+//             their final ranks)
+//     recv    dispatch rows landing from the RDMA peer of each other node (own node's segment unused)
 //     csend   combine rows this rank reduced for each other node's RDMA peer
 //     crecv   combine rows landing back, one segment per node (own node's written locally)
 //   flag region (pinned host memory, mapped; region 1): arrival counters the proxies add to in order
-//   NVL buffer (GPU, IPC-shared inside the node): barrier words, the dispatch receive rows, the combine
-//     staging rows the node peers read.
+//   NVL buffer (GPU, IPC-shared inside the node): barrier words, the dispatch receive rows node peers write
+//     (rows a rank places itself skip it), the combine staging rows the node peers read.
 #pragma once
 
 #include <cstdint>
@@ -115,10 +117,10 @@ class InternodeBuffer {
   // Combine: x [num_recv rows, hidden] (dtype 0 bf16, 1 fp16, 2 fp32) in dispatch's receive order is staged,
   // each forwarded row is reduced over the node's ranks (float32, local order) and sent back to its source
   // node's RDMA peer (one write per chunk), and each token sums its nodes' rows (float32, node order) +
-  // bias0 + bias1. fwd_head / node_head from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
+  // bias0 + bias1. fwd_head / node_head / row_base from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
   void combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
-               int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head, int64_t bias0, int64_t bias1,
-               int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
+               int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head, int64_t row_base, int64_t bias0,
+               int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
 
   int rank() const { return rank_; }
 

@@ -411,7 +411,7 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
 
 void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden,
                               int64_t topk_w, int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head,
-                              int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows,
+                              int64_t row_base, int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows,
                               int64_t stream) {
   check_ready("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
@@ -438,6 +438,7 @@ void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_
   a.num_recv = num_recv;
   a.node_head = as_ptr<const int>(node_head);
   a.fwd_head = as_ptr<const int>(fwd_head);
+  a.row_base = as_ptr<const int>(row_base);
   a.bias0 = as_ptr<const char>(bias0);
   a.bias1 = as_ptr<const char>(bias1);
   a.out = as_ptr<char>(out);

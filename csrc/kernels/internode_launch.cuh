@@ -125,6 +125,7 @@ struct CombineArgs {
   int64_t num_recv;
   const int* node_head;  // [T, N]
   const int* fwd_head;   // [forwarded rows, L]
+  const int* row_base;   // [R, L]
   const char* bias0;
   const char* bias1;
   char* out;
