@@ -287,3 +287,18 @@ def test_backend_choice_across_nodes(monkeypatch):
         monkeypatch.setenv("UCCL_EP_BACKEND", choice)
         chosen = _make_backend(*args)
         assert isinstance(chosen, FakeInternode) and chosen.topology is topo and chosen.args[-1] == device
+
+
+def test_proxy_threads_of_ranks_sharing_a_gpu(monkeypatch):
+    """Emulated nodes: each proxy thread brings a spinning copy agent, so a rank's share of the cores holds
+    (share - 1) / 2 threads; unpinned; UCCL_EP_PROXY_THREADS wins; a GPU of its own changes nothing."""
+    from uccl_ep_train.backends.internode import _shared_gpu_proxy_options
+
+    monkeypatch.delenv("UCCL_EP_PROXY_THREADS", raising=False)
+    assert _shared_gpu_proxy_options(1, 16) == {}
+    assert _shared_gpu_proxy_options(2, 16) == {"pin_threads": False, "num_threads": 3}
+    assert _shared_gpu_proxy_options(4, 16) == {"pin_threads": False, "num_threads": 1}
+    assert _shared_gpu_proxy_options(4, 2) == {"pin_threads": False, "num_threads": 1}
+    assert _shared_gpu_proxy_options(2, 128) == {"pin_threads": False, "num_threads": 4}
+    monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "2")
+    assert _shared_gpu_proxy_options(4, 16) == {"pin_threads": False}

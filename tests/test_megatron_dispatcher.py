@@ -178,11 +178,17 @@ def test_flex_deepep_backend_on_gpus():
 
 
 
-def _layer_run(rank: int, world: int, device: str) -> tuple:
-    """One uccl MoE layer forward + backward; (output, input grad, parameter grads) on CPU, and the backend."""
+def _layer_run(rank: int, world: int, device: str, kind: str) -> tuple:
+    """One MoE layer forward + backward with the `uccl` dispatcher, or the `flex` one on our deep_ep drop-in;
+    (output, input grad, parameter grads) on CPU, and the backends its Buffers ran on."""
     init_parallel(world)
     from megatron_patch.dispatcher import _buffers, destroy_buffers
-    layer = build_moe_layer("uccl").to(device)
+    kw = {}
+    if kind == "flex":
+        from uccl_ep_train.compat import install_deep_ep
+        install_deep_ep()
+        kw = {"moe_flex_dispatcher_backend": "deepep"}
+    layer = build_moe_layer(kind, **kw).to(device)
     weights = torch.Generator().manual_seed(1234)  # the same weights whatever device Megatron initialised on
     with torch.no_grad():
         for _, p in sorted(layer.named_parameters()):
@@ -191,24 +197,32 @@ def _layer_run(rank: int, world: int, device: str) -> tuple:
     x = torch.randn(7 + rank, 2, 64, generator=g).to(device).requires_grad_(True)
     out, _ = layer(x)
     (out * torch.arange(out.numel(), device=device).view_as(out).sin()).sum().backward()
-    backends = sorted({type(b.backend).__name__ for b in _buffers.values()})
+    buffers = list(_buffers.values())
+    if kind == "flex":
+        from megatron.core.transformer.moe import fused_a2a
+        buffers = [fused_a2a._buffer]
+    backends = sorted({type(b.backend).__name__ for b in buffers})
     host = lambda t: t.detach().cpu().numpy()  # noqa: E731 - numpy crosses the result queue by value
     grads = {n: host(p.grad) for n, p in layer.named_parameters() if p.grad is not None}
     result = (host(out), host(x.grad), grads, backends)
     destroy_buffers()
+    if kind == "flex":  # Megatron's module-level Buffer, not one of the uccl dispatcher's
+        buffers[0].destroy()
     return result
 
 
 @pytest.mark.gpu
-def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps):
-    """2 nodes x 2 ranks on one GPU (MPS): the uccl dispatcher on the native internode backend (NVLink inside a
-    node, CPU proxies between nodes) gives the outputs and gradients of the reference backend on CPU ranks."""
+@pytest.mark.parametrize("kind", ["uccl", "flex"])
+def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps, kind):
+    """2 nodes x 2 ranks on one GPU (MPS): the uccl dispatcher, and Megatron's flex dispatcher on our deep_ep
+    drop-in, on the native internode backend (NVLink inside a node, CPU proxies between nodes) give the
+    outputs and gradients of the same dispatcher on the reference backend on CPU ranks."""
     from uccl_ep_train.backends.internode import internode_available
     if not internode_available():
         pytest.skip("native module without the internode path")
     env = {"UCCL_EP_RANKS_PER_NODE": "2"}
-    ref = run_ranks(_layer_run, 4, env={**env, "CUDA_VISIBLE_DEVICES": ""})  # Megatron on CPU only
-    got = run_ranks(_layer_run, 4, device="cuda", backend="gloo", ranks_per_gpu=4, env=env, timeout=400)
+    ref = run_ranks(_layer_run, 4, kind, env={**env, "CUDA_VISIBLE_DEVICES": ""})  # Megatron on CPU only
+    got = run_ranks(_layer_run, 4, kind, device="cuda", backend="gloo", ranks_per_gpu=4, env=env, timeout=400)
     close = lambda a, b, what: torch.testing.assert_close(  # noqa: E731
         torch.from_numpy(a), torch.from_numpy(b), atol=1e-5, rtol=1e-4, msg=lambda m: f"{what}: {m}")
     for rank, ((o, xg, gr, b), (eo, exg, egr, eb)) in enumerate(zip(got, ref)):
