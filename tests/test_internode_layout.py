@@ -54,3 +54,31 @@ def test_notify_area_is_the_same_for_every_op():
 def test_bad_topology_is_an_error_naming_it():
     with pytest.raises(Exception, match="ranks per node 3 must divide 4"):
         _layout([0] * 8, 4, 3, 0, x_bytes=16)
+
+
+@pytest.mark.parametrize("R,L", [(4, 2), (6, 2), (16, 8)])
+def test_rdma_size_hint_covers_every_routing(monkeypatch, R, L):
+    """Config.get_rdma_buffer_size_hint with num_tokens is what the kernels' layout needs in the worst case
+    (every token to every node), so no routing of that many tokens needs more: a Buffer made with it never
+    grows. Nodes come from UCCL_EP_RANKS_PER_NODE, as at run time (emulated nodes included)."""
+    from uccl_ep_train import Config
+
+    monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", str(L))
+    T, K, H = 300, 8, 7168 * 2
+    c = Config(24, 8, 256)
+    hint = c.get_rdma_buffer_size_hint(H, R, T, K)
+    N = R // L
+    full = [T] * (R * N)
+    assert hint == max(_layout(full, R, L, 0, x_bytes=H, topk=K)["rdma_bytes"],
+                       _layout(full, R, L, 0, y_bytes=H, topk=K)["rdma_bytes"])
+    rng = random.Random(R)
+    for _ in range(5):
+        rd = [rng.randrange(0, T + 1) for _ in range(R * N)]
+        for s in range(R):
+            for op in ({"x_bytes": H, "topk": K}, {"x_bytes": H // 2, "scale_bytes": H // 256, "topk": K},
+                       {"y_bytes": H, "topk": K}):
+                assert _layout(rd, R, L, s, **op)["rdma_bytes"] <= hint
+    assert c.get_rdma_buffer_size_hint(H, R) > 0  # DeepEP's two arguments: its channel-ring sizing
+    assert c.get_rdma_buffer_size_hint(H, L, T, K) == 0  # one node: no RDMA traffic
+    with pytest.raises(ValueError, match="num_tokens"):
+        c.get_rdma_buffer_size_hint(H, R, -1)

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Optional
+
+from .topology import ranks_per_node_from_env
 
 # Worst-case per-token metadata our kernels stage next to a token: up to 128 top-k (int64 id + float
 # weight), up to 128 float scales, and a 16-byte source record.
@@ -50,13 +53,31 @@ class Config:
         counters = self.num_channels * nvl_ranks * 4 * 8
         return _align(counters + slots * (hidden_bytes + _TOKEN_META_BYTES), 128)
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """Bytes of RDMA buffer for the internode path (0 when all ranks share one NVLink domain)."""
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, num_tokens: Optional[int] = None,
+                                  num_topk: int = _MAX_TOPK) -> int:
+        """Bytes of RDMA buffer for the internode path (0 when all ranks share one node).
+
+        A node holds UCCL_EP_RANKS_PER_NODE (else LOCAL_WORLD_SIZE, else 8) ranks. With `num_tokens` (tokens
+        per rank, at most `num_topk` experts each) it is exactly what the native internode kernels need for
+        a dispatch and a combine of that many tokens under any routing, from the layout they use: a Buffer
+        made with it never grows. Without it (DeepEP's two arguments) it is DeepEP's channel-ring sizing;
+        our buffers then grow, collectively and once per larger batch, when a call needs more (a warning
+        names the size to pass)."""
         if hidden_bytes <= 0 or num_ranks <= 0:
             raise ValueError(f"get_rdma_buffer_size_hint: hidden_bytes ({hidden_bytes}) and num_ranks ({num_ranks}) must be > 0")
-        if num_ranks <= NUM_MAX_NVL_PEERS:
+        if num_tokens is not None and (num_tokens < 0 or num_topk <= 0):
+            raise ValueError(f"get_rdma_buffer_size_hint: num_tokens ({num_tokens}) must be >= 0 and num_topk "
+                             f"({num_topk}) > 0")
+        per_node = min(ranks_per_node_from_env() or NUM_MAX_NVL_PEERS, num_ranks)
+        if num_ranks <= per_node:
             return 0
-        rdma_ranks = num_ranks // NUM_MAX_NVL_PEERS
+        if num_tokens is not None:
+            from .backends.internode import rdma_bytes_needed
+
+            need = rdma_bytes_needed(num_tokens, hidden_bytes, num_ranks, per_node, num_topk)
+            if need is not None:
+                return need
+        rdma_ranks = -(-num_ranks // per_node)
         slots = self.num_channels * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2  # send + recv
         return _align(slots * (hidden_bytes + _TOKEN_META_BYTES) + self.num_channels * rdma_ranks * 64, 128)
 

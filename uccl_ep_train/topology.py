@@ -64,6 +64,12 @@ def _env_int(var: str) -> Optional[int]:
     return value
 
 
+def ranks_per_node_from_env() -> Optional[int]:
+    """Ranks per node as far as the environment says (UCCL_EP_RANKS_PER_NODE, else torchrun's
+    LOCAL_WORLD_SIZE), for sizing before any group exists; None when neither is set."""
+    return _env_int("UCCL_EP_RANKS_PER_NODE") or _env_int("LOCAL_WORLD_SIZE")
+
+
 def _this_rank(global_rank: int) -> tuple[Optional[int], str]:
     """(UCCL_EP_RANKS_PER_NODE, the name of this rank's node): torchrun's node index when LOCAL_WORLD_SIZE
     is set (it counts ranks of the world, not of the group), else the host name."""

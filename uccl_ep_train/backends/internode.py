@@ -369,6 +369,24 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         return out, out_w
 
 
+def rdma_bytes_needed(num_tokens: int, hidden_bytes: int, num_ranks: int, ranks_per_node: int,
+                      num_topk: int) -> Optional[int]:
+    """RDMA-region bytes the native internode kernels need for a dispatch (rows of hidden_bytes) and a combine
+    (rows of hidden_bytes) of num_tokens tokens per rank under any routing: the layout of the worst case,
+    where every token goes to every node and every rank's tokens come to one rank (the layout grows with
+    each count). None without the native internode module."""
+    try:
+        m = _module()
+    except ImportError:
+        return None
+    if not hasattr(m, "internode_layout"):
+        return None
+    rd = [int(num_tokens)] * (num_ranks * (num_ranks // ranks_per_node))
+    return max(m.internode_layout(rd, num_ranks, ranks_per_node, 0, xb, 0, num_topk, yb,
+                                  num_tokens * num_ranks)["rdma_bytes"]
+               for xb, yb in ((hidden_bytes, 0), (0, hidden_bytes)))
+
+
 def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int) -> dict:
     """Proxy options when ranks share a GPU (emulated nodes): every rank's proxy threads spin, so pinning them
     (each rank would take the same cores near the GPU) or running more of them than the cores hold makes
