@@ -6,18 +6,13 @@
 #include <thread>
 
 #include "common/check.h"
+#include "kernels/host_args.h"
 #include "kernels/internode_launch.cuh"
 #include "kernels/ipc_handles.h"
 
 namespace uccl_ep::internode {
 
 namespace {
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-gpuStream_t as_stream(int64_t s) { return reinterpret_cast<gpuStream_t>(s); }
-template <typename T>
-T* as_ptr(int64_t p) {
-  return reinterpret_cast<T*>(p);
-}
 int64_t chunks(int64_t rows, int chunk_rows) { return (rows + chunk_rows - 1) / chunk_rows; }
 }  // namespace
 

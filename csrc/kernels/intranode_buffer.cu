@@ -4,19 +4,11 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "kernels/host_args.h"
 #include "kernels/ipc_handles.h"
 #include "kernels/launch.cuh"
 
 namespace uccl_ep::intranode {
-
-namespace {
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-gpuStream_t as_stream(int64_t s) { return reinterpret_cast<gpuStream_t>(s); }
-template <typename T>
-T* as_ptr(int64_t p) {
-  return reinterpret_cast<T*>(p);
-}
-}  // namespace
 
 RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
   RowLayout l;
