@@ -294,14 +294,19 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
 }
 
 // The whole warp: outputs row `row` from a token in row format at p (landed here or in the NVL buffer).
+// (The row's small fields are loaded first, so that their round trip overlaps the copies.)
 __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat& f, const char* p, int64_t row, int lane) {
+  const int* ids = reinterpret_cast<const int*>(p + f.ids);
+  const float* ws = reinterpret_cast<const float*>(p + f.weights);
+  const bool few = a.num_topk <= kWarpSize;  // then lane k holds top-k entry k
+  const int id0 = few && lane < a.num_topk ? ids[lane] : 0;
+  const float w0 = few && lane < a.num_topk ? ws[lane] : 0.f;
+  const int src = lane < 2 ? reinterpret_cast<const int*>(p + f.src)[lane] : 0;
   if (a.recv_x != nullptr) warp_copy<false>(a.recv_x + row * a.x_bytes, p, a.x_bytes, lane);
   if (a.recv_scales != nullptr)
     warp_copy<false>(a.recv_scales + row * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
-  const int* ids = reinterpret_cast<const int*>(p + f.ids);
-  const float* ws = reinterpret_cast<const float*>(p + f.weights);
-  const int* src = reinterpret_cast<const int*>(p + f.src);
-  emit_meta(a, row, [&](int k) { return ids[k]; }, [&](int k) { return ws[k]; }, src[0], src[1], lane);
+  emit_meta(a, row, [&](int k) { return few ? id0 : ids[k]; }, [&](int k) { return few ? w0 : ws[k]; },
+            intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), lane);
 }
 
 // Each token is read once and written, in row format, into its row of every other destination node's send
@@ -326,8 +331,22 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   const bool x_vec = ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) &
                       15u) == 0;  // rows of send segments and NVL buffers are 16-byte multiples
   const int own_seg = c.node;
+  const int R = c.num_ranks, K = a.num_topk;
+  const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
+  const int base = lane < c.L ? a.row_base[c.rank * c.L + lane] : 0;  // this rank's rows on the node's ranks
   for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
+    // every load of the token's small fields first, in one round trip: its rows per node, its positions
+    // on every rank, its top-k
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const int pos_r = few_ranks && lane < R ? a.send_pos[t * R + lane] : -1;
+    const int id0 = few_topk && lane < K ? int(a.topk_idx[t * K + lane]) : 0;
+    const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
+    // lane j < L: the token's position among the rows this rank sends to rank j of node n
+    auto pos_on = [&](int n) {
+      const int r = n * c.L + (lane < c.L ? lane : 0);
+      const int v = few_ranks ? intranode::warp_shfl(pos_r, r) : (lane < c.L ? a.send_pos[t * R + r] : -1);
+      return lane < c.L ? v : -1;
+    };
     const int own_head = intranode::warp_shfl(head, own_seg);
     const bool remote = head >= 0 && lane != own_seg;
     const uint64_t hit = intranode::warp_ballot(remote);
@@ -338,12 +357,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     }
     const int mr = __popcll(hit);
     // this node's final ranks (lane j: local rank j)
-    int dst_row = -1;
-    if (lane < c.L) {
-      const int pos = own_head >= 0 ? a.send_pos[t * c.num_ranks + c.node * c.L + lane] : -1;
-      dst_row = pos >= 0 ? a.row_base[c.rank * c.L + lane] + pos : -1;
-      if (a.fwd_head != nullptr && own_head >= 0) a.fwd_head[(a.t.recv_row0[own_seg] + own_head) * c.L + lane] = dst_row;
-    }
+    const int own_pos = pos_on(c.node);  // -1 everywhere when no rank of this node takes the token
+    const int dst_row = own_pos >= 0 ? base + own_pos : -1;
+    if (lane < c.L && a.fwd_head != nullptr && own_head >= 0)
+      a.fwd_head[(a.t.recv_row0[own_seg] + own_head) * c.L + lane] = dst_row;
     const int own_row = intranode::warp_shfl(dst_row, c.local);
     const bool peer = dst_row >= 0 && lane != c.local;
     const uint64_t phit = intranode::warp_ballot(peer);
@@ -367,14 +384,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       char* p = s_dst[warp][q];
       const int n = s_node[warp][q];
       if (a.scale_bytes) warp_copy<true>(p + f.scales, scales, a.scale_bytes, lane);
-      for (int k = lane; k < a.num_topk; k += kWarpSize) {
-        reinterpret_cast<int*>(p + f.ids)[k] = int(a.topk_idx[t * a.num_topk + k]);
-        reinterpret_cast<float*>(p + f.weights)[k] = a.topk_w != nullptr ? a.topk_w[t * a.num_topk + k] : 0.f;
+      for (int k = lane; k < K; k += kWarpSize) {
+        reinterpret_cast<int*>(p + f.ids)[k] = few_topk ? id0 : int(a.topk_idx[t * K + k]);
+        reinterpret_cast<float*>(p + f.weights)[k] = few_topk ? w0 : a.topk_w != nullptr ? a.topk_w[t * K + k] : 0.f;
       }
       if (lane < 2) reinterpret_cast<int*>(p + f.src)[lane] = lane == 0 ? int(t) : c.rank;
       if (n < 0) continue;  // an NVL row: its reader needs no positions
-      for (int j = lane; j < c.L; j += kWarpSize)
-        reinterpret_cast<int*>(p + f.pos)[j] = a.send_pos[t * c.num_ranks + n * c.L + j];
+      const int pos = pos_on(n);
+      if (lane < c.L) reinterpret_cast<int*>(p + f.pos)[lane] = pos;
       intranode::warp_sync();
       if (lane == 0)
         row_written(c, n, a.node_head[t * c.N + n], a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n],
@@ -384,10 +401,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     if (own_row >= 0) {
       if (a.recv_scales != nullptr)
         warp_copy<true>(a.recv_scales + int64_t(own_row) * a.scale_bytes, scales, a.scale_bytes, lane);
-      const int64_t* ids = a.topk_idx + t * a.num_topk;
-      const float* ws = a.topk_w != nullptr ? a.topk_w + t * a.num_topk : nullptr;
-      emit_meta(a, own_row, [&](int k) { return int(ids[k]); }, [&](int k) { return ws != nullptr ? ws[k] : 0.f; },
-                int(t), c.rank, lane);
+      const int64_t* ids = a.topk_idx + t * K;
+      const float* ws = a.topk_w != nullptr ? a.topk_w + t * K : nullptr;
+      emit_meta(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
+                [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank, lane);
     }
     intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
@@ -404,8 +421,9 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFor
   const int src = n * c.L + c.local;
   int dst_row = -1;
   if (lane < c.L) {
+    const int base = a.row_base[src * c.L + lane];  // issued before, not after, the position's load
     const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
-    dst_row = pos >= 0 ? a.row_base[src * c.L + lane] + pos : -1;
+    dst_row = pos >= 0 ? base + pos : -1;
     if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
   }
   const int own_row = intranode::warp_shfl(dst_row, c.local);
