@@ -250,3 +250,17 @@ def test_host_16_byte_slot_accesses_never_tear(publish):
     assert torn == 0, f"{torn} of {reads} 16-byte loads saw a torn slot ({changes} changes seen)"
     if changes < 1000:  # a saturated box never ran the writer alongside the reader: nothing was shown
         pytest.skip(f"the writer thread hardly ran concurrently ({changes} changes in {reads} reads)")
+
+
+def test_proxy_timeout_has_the_one_default(monkeypatch):
+    """UCCL_EP_TIMEOUT_S has one default (config.timeout_s): the proxies used their own (60 s) while the
+    kernels used 300 s and another path 100 s."""
+    from uccl_ep_train.config import timeout_s
+    monkeypatch.delenv("UCCL_EP_TIMEOUT_S", raising=False)
+    with make_group({0: np.zeros(64, np.uint8)}, timeout_s=None) as g:  # None: the proxies' own default
+        assert g.config()["timeout_s"] == timeout_s() == 300.0
+    monkeypatch.setenv("UCCL_EP_TIMEOUT_S", "7.5")
+    with make_group({0: np.zeros(64, np.uint8)}, timeout_s=None) as g:
+        assert g.config()["timeout_s"] == timeout_s() == 7.5
+    with make_group({0: np.zeros(64, np.uint8)}, timeout_s=3.0) as g:  # the keyword wins
+        assert g.config()["timeout_s"] == 3.0

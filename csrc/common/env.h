@@ -14,14 +14,6 @@ inline long env_long(const char* name, long dflt) {
   return (end && *end == 0) ? x : dflt;
 }
 
-inline double env_double(const char* name, double dflt) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return dflt;
-  char* end = nullptr;
-  double x = std::strtod(v, &end);
-  return (end && *end == 0) ? x : dflt;
-}
-
 inline std::string env_str(const char* name, const std::string& dflt = "") {
   const char* v = std::getenv(name);
   return (v && *v) ? std::string(v) : dflt;

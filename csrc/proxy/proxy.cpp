@@ -29,7 +29,6 @@ ProxyConfig ProxyConfig::from_env(int rank, int world, int gpu) {
   c.max_inflight = int(env_long("UCCL_IB_MAX_INFLIGHT_NORMAL", 8));
   // Default: spin when a GPU feeds the rings (latency), sleep adaptively on CPU-only runs.
   c.adaptive_sleep = env_long("UCCL_RDMA_ADAPTIVE_SLEEP", gpu < 0 ? 1 : 0) != 0;
-  c.timeout_s = env_double("UCCL_EP_TIMEOUT_S", 60.0);
   c.fault = env_str("UCCL_EP_FAULT");
   c.provider = env_str("FI_PROVIDER");
   c.ring_publish = env_str("UCCL_EP_RING_PUBLISH");

@@ -69,7 +69,7 @@ struct ProxyConfig {
   int max_inflight = 8;         // per (thread, destination)
   uint64_t max_inflight_bytes = 0;  // per (thread, destination); 0: unlimited
   bool adaptive_sleep = false;  // UCCL_RDMA_ADAPTIVE_SLEEP
-  double timeout_s = 60.0;      // UCCL_EP_TIMEOUT_S
+  double timeout_s = 0;         // deadline of every wait; the binding sets it (uccl_ep_train.config.timeout_s)
   std::string fault;            // UCCL_EP_FAULT
   std::string job;              // unique per job (ipc shared-memory names)
   std::string ring_publish;     // UCCL_EP_RING_PUBLISH: "fence" | "vector" | "" (default: ring_publish_default)

@@ -194,7 +194,11 @@ void register_proxy(py::module_& m) {
              if (!max_inflight.is_none()) c.max_inflight = max_inflight.cast<int>();
              if (!max_inflight_bytes.is_none()) c.max_inflight_bytes = max_inflight_bytes.cast<uint64_t>();
              if (!adaptive_sleep.is_none()) c.adaptive_sleep = adaptive_sleep.cast<bool>();
-             if (!timeout_s.is_none()) c.timeout_s = timeout_s.cast<double>();
+             // UCCL_EP_TIMEOUT_S has one default, in Python: the deadline every other wait uses too
+             c.timeout_s = (timeout_s.is_none() ? py::module_::import("uccl_ep_train.config").attr("timeout_s")()
+                                                : timeout_s)
+                               .cast<double>();
+             UCCL_CHECK(c.timeout_s > 0, "Proxy: timeout_s must be > 0, got " << c.timeout_s);
              if (!fault.is_none()) c.fault = fault.cast<std::string>();
              if (!pin_threads.is_none()) c.pin_threads = pin_threads.cast<bool>();
              if (!ring_publish.is_none()) c.ring_publish = ring_publish.cast<std::string>();

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .. import permute
-from ..config import Config, env_number
+from ..config import Config, env_number, timeout_s
 from ..events import current_raw_stream
 from ..handles import IntranodeHandle
 from .base import Backend, WithoutLowLatency
@@ -110,15 +110,6 @@ def quiesce(device: torch.device, group) -> None:
         dist.barrier(group=group)
 
 
-def _timeout_s() -> float:
-    try:
-        from ..config import timeout_s
-
-        return float(timeout_s())
-    except Exception:  # noqa: BLE001 - the env var alone is enough
-        return float(os.environ.get("UCCL_EP_TIMEOUT_S", "100"))
-
-
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -154,7 +145,7 @@ class NativeBackend(WithoutLowLatency, Backend):
         if len(set(hosts)) > 1:
             raise ValueError(f"native intranode backend: ranks span several hosts ({sorted(set(hosts))}) but "
                              "UCCL_EP_RANKS_PER_NODE / LOCAL_WORLD_SIZE put them on one node")
-        self._timeout = _timeout_s()
+        self._timeout = float(timeout_s())
         from ..gpu_sharing import check_gpu_sharing
 
         # ranks sharing a GPU (under MPS) wait for each other inside the kernels: each takes only its share of
