@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from . import validation as V
 from .backends.base import Backend
-from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, Config, default_config
+from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
 from .events import EventHandle, EventOverlap
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
@@ -93,7 +93,7 @@ class Buffer:
         backend_name: 'native' or 'reference'.
     """
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS
 
     def __init__(self, group: Optional[dist.ProcessGroup], num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,

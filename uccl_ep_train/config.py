@@ -21,11 +21,16 @@ _TOKEN_META_BYTES = _MAX_TOPK * (8 + 4) + _MAX_SCALES * 4 + 16
 NUM_MAX_NVL_PEERS = 8
 
 
+# SMs of a high-throughput call when nobody says otherwise: DeepEP's Buffer.num_sms (Buffer.set_num_sms
+# changes it for the default configs; Megatron's dispatcher sets its own, megatron_patch/settings.py).
+DEFAULT_NUM_SMS = 20
+
+
 @dataclass(frozen=True)
 class Config:
     """Kernel tuning knobs, positional like DeepEP's Config."""
 
-    num_sms: int = 20
+    num_sms: int = DEFAULT_NUM_SMS
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6

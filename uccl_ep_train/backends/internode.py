@@ -194,8 +194,9 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""
         return self._proxy.stats()
 
-    def _num_sms(self, config: Optional[Config]) -> int:
-        return max(1, min(int(getattr(config, "num_sms", 0) or 24), self._device_sms))
+    def _num_sms(self, config: Config) -> int:
+        """The call's SMs: its Config's (Buffer resolves a missing one to its defaults), at most this rank's share."""
+        return max(1, min(config.num_sms, self._device_sms))
 
     def _chunk_rows(self, row_bytes: int) -> int:
         return max(1, (self._chunk_bytes or _CHUNK_BYTES[self._proxy.transport]) // row_bytes)

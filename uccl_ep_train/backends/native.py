@@ -235,9 +235,9 @@ class NativeBackend(WithoutLowLatency, Backend):
             raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
         return max(1, min(n, total))
 
-    def _num_sms(self, config: Optional[Config]) -> int:
-        n = int(getattr(config, "num_sms", 0) or 24)
-        return max(1, min(n, self._device_sms))
+    def _num_sms(self, config: Config) -> int:
+        """The call's SMs: its Config's (Buffer resolves a missing one to its defaults), at most this rank's share."""
+        return max(1, min(config.num_sms, self._device_sms))
 
     # ---- layout --------------------------------------------------------------------------------------
     def get_dispatch_layout(self, topk_idx, num_experts):
