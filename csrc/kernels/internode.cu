@@ -192,8 +192,8 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
   }
 }
 
-// The warp's lanes l < count with ok set publish their value into out[] in lane order (the whole warp
-// calls it, then syncs before reading out); returns how many did.
+// The lanes with ok set publish their value into out[] in lane order (the whole warp calls it; it syncs
+// the warp before returning); returns how many did.
 template <typename P>
 __device__ __forceinline__ int warp_compact(P* out, bool ok, P value, int lane) {
   const uint64_t hit = intranode::warp_ballot(ok);
@@ -295,7 +295,8 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
 
 // The whole warp: outputs row `row` from a token in row format at p (landed here or in the NVL buffer).
 // (The row's small fields are loaded first, so that their round trip overlaps the copies.)
-__device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat& f, const char* p, int64_t row, int lane) {
+__device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat& f, const char* p, int64_t row,
+                                         int lane) {
   const int* ids = reinterpret_cast<const int*>(p + f.ids);
   const float* ws = reinterpret_cast<const float*>(p + f.weights);
   const bool few = a.num_topk <= kWarpSize;  // then lane k holds top-k entry k
@@ -328,9 +329,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   // the token's row-format rows (other nodes' send rows, then node peers' NVL rows), then its own output row
   __shared__ char* s_dst[kWarps][kMaxNodes + kMaxLocal];
   __shared__ int s_node[kWarps][kMaxNodes + kMaxLocal];  // destination node of a send row, -1 for an NVL row
-  const bool x_vec = ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) &
-                      15u) == 0;  // rows of send segments and NVL buffers are 16-byte multiples
-  const int own_seg = c.node;
+  // rows of send segments and NVL buffers are 16-byte multiples; x and recv_x are the caller's
+  const bool x_vec =
+      ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) & 15u) == 0;
   const int R = c.num_ranks, K = a.num_topk;
   const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
   const int base = lane < c.L ? a.row_base[c.rank * c.L + lane] : 0;  // this rank's rows on the node's ranks
@@ -347,8 +348,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       const int v = few_ranks ? intranode::warp_shfl(pos_r, r) : (lane < c.L ? a.send_pos[t * R + r] : -1);
       return lane < c.L ? v : -1;
     };
-    const int own_head = intranode::warp_shfl(head, own_seg);
-    const bool remote = head >= 0 && lane != own_seg;
+    const int own_head = intranode::warp_shfl(head, c.node);
+    const bool remote = head >= 0 && lane != c.node;
     const uint64_t hit = intranode::warp_ballot(remote);
     if (remote) {
       const int q = __popcll(hit & ((1ull << lane) - 1ull));
@@ -360,7 +361,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     const int own_pos = pos_on(c.node);  // -1 everywhere when no rank of this node takes the token
     const int dst_row = own_pos >= 0 ? base + own_pos : -1;
     if (lane < c.L && a.fwd_head != nullptr && own_head >= 0)
-      a.fwd_head[(a.t.recv_row0[own_seg] + own_head) * c.L + lane] = dst_row;
+      a.fwd_head[(a.t.recv_row0[c.node] + own_head) * c.L + lane] = dst_row;
     const int own_row = intranode::warp_shfl(dst_row, c.local);
     const bool peer = dst_row >= 0 && lane != c.local;
     const uint64_t phit = intranode::warp_ballot(peer);

@@ -406,8 +406,8 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
 
 void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden,
                               int64_t topk_w, int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head,
-                              int64_t row_base, int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows,
-                              int64_t stream) {
+                              int64_t row_base, int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms,
+                              int chunk_rows, int64_t stream) {
   check_ready("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");

@@ -365,8 +365,8 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
                                              hidden * x.element_size(), 0)["crow_bytes"]
         self._buf.combine(st.rd, T, x.data_ptr(), _DTYPE_CODES[x.dtype], hidden, _ptr(topk_weights), K, st.num_recv,
                           handle.send_rdma_head.data_ptr(), handle.send_nvl_head.data_ptr(), st.row_base.data_ptr(),
-                          _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config), self._chunk_rows(crow),
-                          current_raw_stream())
+                          _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
+                          self._chunk_rows(crow), current_raw_stream())
         return out, out_w
 
 
