@@ -154,3 +154,29 @@ def test_config_and_hints():
     assert Buffer.get_combine_config(3).num_max_nvl_chunked_send_tokens == Buffer.get_combine_config(2).num_max_nvl_chunked_send_tokens
     big = Buffer.get_low_latency_rdma_size_hint(128, 7168, 16, 256)
     assert big > Buffer.get_low_latency_rdma_size_hint(64, 7168, 16, 256) > 0
+
+
+def _capture_refused(rank: int, world: int, device: str) -> int:
+    buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=1 << 20)
+    x = torch.randn(4, 64, device=device).to(torch.bfloat16)
+    idx = torch.tensor([[0], [1], [0], [1]], device=device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                         num_tokens_per_expert=per_expert, topk_idx=idx)
+    out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                       topk_idx=idx)  # outside capture the Buffer still works
+    assert torch.equal(out[0].cpu(), x.cpu())
+    buf.destroy()
+    return 1
+
+
+@pytest.mark.gpu
+def test_graph_capture_is_refused_with_a_clear_error():
+    """HT kernels take host-side per-call counters: capturing dispatch would replay stale ones, so it raises
+    before any work (a host sync inside capture failed with CUDA's own 'operation not permitted')."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    assert run_ranks(_capture_refused, 1, device="cuda") == [1]

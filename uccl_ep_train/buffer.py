@@ -82,6 +82,16 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
     return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology=topology)
 
 
+def _refuse_capture(op: str) -> None:
+    """High-throughput ops are not CUDA-graph capturable yet: their kernels take host-side per-call counters
+    (signal bases, op numbers) as arguments, so a replayed graph would reuse one call's values and race with
+    the calls around it, and the reference backend synchronises with the host. Refused before any work."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"{op}: high-throughput dispatch/combine cannot be captured in a CUDA graph yet (the "
+                           "kernels take per-call counters from the host; a replay would race with live calls); "
+                           "leave it outside the captured region")
+
+
 class Buffer:
     """Communication buffers and kernels for expert-parallel dispatch/combine (DeepEP-compatible).
 
@@ -363,6 +373,7 @@ class Buffer:
                 is_token_in_rank; docs/api.md, "Internode"). The received rows are the same either way.
             event: the event after the kernels.
         """
+        _refuse_capture("dispatch")
         data, scales = V.split_x(x)
         V.check_device(data, "x", self.device)
         config = self._config(config, self.get_dispatch_config)
@@ -461,6 +472,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
+        _refuse_capture("combine")
         handle = check_ht_handle(handle, self.id)
         V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
         V.check_device(x, "x", self.device)
@@ -511,6 +523,7 @@ class Buffer:
             handle: for combine_expert_major / dispatch_expert_major_cached (and combine / cached dispatch).
             event: the event after the kernels.
         """
+        _refuse_capture("dispatch_expert_major")
         _check_unquantized(x, "dispatch_expert_major")
         V.check_device(x, "x", self.device)
         V.check_num_experts(num_experts, self.group_size)
@@ -548,6 +561,7 @@ class Buffer:
         Returns:
             x_em `[num_rows, hidden]`, event.
         """
+        _refuse_capture("dispatch_expert_major_cached")
         handle = check_ht_handle(handle, self.id)
         _check_unquantized(x, "dispatch_expert_major_cached")
         V.check_device(x, "x", self.device)
@@ -583,6 +597,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
+        _refuse_capture("combine_expert_major")
         handle = check_ht_handle(handle, self.id)
         V.check_tensor(y_em, "y_em", V.FLOAT_DTYPES, 2)
         V.check_device(y_em, "y_em", self.device)

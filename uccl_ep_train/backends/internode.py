@@ -156,9 +156,6 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""
         if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
             return
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"native internode backend: buffers too small ({rdma_need} RDMA / {nvl_need} NVL "
-                               "bytes needed) and they cannot grow during CUDA graph capture")
         grow = lambda have, need: have if need <= have else -(-(need + need // 8) // _GROW_STEP) * _GROW_STEP  # noqa: E731
         rdma, nvl = grow(self._buf.rdma_bytes(), rdma_need), grow(self._buf.nvl_bytes(), nvl_need)
         if self.rank == 0:
@@ -182,9 +179,6 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         if msg:
             self._failed = msg
             raise RuntimeError(f"native internode backend: {msg}")
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("native internode backend: dispatch/combine across nodes cannot be captured in a CUDA "
-                               "graph (the kernels take host-side op counters)")
 
     def check_errors(self) -> None:
         """Raise if a kernel or a proxy thread recorded an error (timeout, ring full, rejected command)."""

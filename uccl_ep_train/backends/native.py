@@ -13,8 +13,9 @@ Intranode high-throughput path (docs/intranode.md, the push plan):
 No queues, no data atomics, deterministic order, bit-exact with `reference` for dispatch.
 
 The receive size needs one device-to-host copy of the counts unless `num_worst_tokens` is given: then the
-whole call is CPU-sync free and CUDA-graph capturable (outputs padded to num_worst_tokens; handle's
-num_recv_tokens is num_worst_tokens, as the combine input has that many rows).
+whole call is CPU-sync free (outputs padded to num_worst_tokens; handle's num_recv_tokens is
+num_worst_tokens, as the combine input has that many rows). It is not CUDA-graph capturable yet: the kernels
+take host-side per-call counters, and Buffer refuses capture.
 
 Waits inside kernels have a deadline (UCCL_EP_TIMEOUT_S); a kernel that times out records rank, peer,
 block and phase in host-mapped memory, and the next call on this backend raises with that message.
@@ -175,10 +176,6 @@ class NativeBackend(WithoutLowLatency, Backend):
 
     def _grow(self, need_bytes: int) -> None:
         """Collective: every rank calls it with the same size (decided from globally known counts)."""
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) is too small for this "
-                               f"call ({need_bytes} bytes needed) and cannot grow during CUDA graph capture; "
-                               f"pass num_nvl_bytes >= {need_bytes} or run one call before capturing")
         new_bytes = _align_up(need_bytes + need_bytes // 8, _GROW_STEP)
         if self.rank == 0:
             log.warning("uccl_ep_train native: growing the NVLink buffer from %d to %d bytes (pass "
