@@ -175,6 +175,53 @@ __device__ void clear_chunk_counts(const Common& c, const int* nchunks) {
       c.chunk_count[n * kMaxChunks + j] = 0;
 }
 
+// Chunk arrivals as one block sees them. Lane 0 of warp 0, the block's watcher, polls the host flags of the
+// chunks the kernel consumes, chunk-major over the remote nodes (the order their senders complete them), and
+// publishes per node how many leading chunks landed; the other warps take a row as soon as its chunk is
+// published, spinning on shared memory only. One host poller per block: a poller per warp (hundreds of
+// uncached reads over PCIe at once) slowed the whole host link, the proxies' rings included; and a block
+// that waited at a barrier per unit of rows while one thread polled left every warp idle meanwhile.
+struct Arrivals {
+  int ready[kMaxNodes];  // chunks [0, ready[n]) from node n landed
+  int failed;            // the watcher's wait failed (the error record says why): stop
+};
+
+__device__ void arrivals_init(Arrivals& s) {
+  if (threadIdx.x < kMaxNodes) s.ready[threadIdx.x] = 0;
+  if (threadIdx.x == 0) s.failed = 0;
+  __syncthreads();
+}
+
+// The watcher (call with the whole block; only thread 0 works): flag_of(n, j) is the flag word of chunk j
+// from node n, nchunks[n] the chunks coming from node n.
+template <typename FlagOf>
+__device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks, FlagOf flag_of, int phase) {
+  if (threadIdx.x != 0) return;
+  int most = 0;
+  for (int n = 0; n < c.N; ++n)
+    if (n != c.node && nchunks[n] > most) most = nchunks[n];
+  for (int j = 0; j < most; ++j)
+    for (int n = 0; n < c.N; ++n) {
+      if (n == c.node || j >= nchunks[n]) continue;
+      if (!wait_geq(c.flags + flag_of(n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank, n * c.L + c.local, phase,
+                    1 + j % c.data_channels)) {
+        *reinterpret_cast<volatile int*>(&s.failed) = 1;
+        return;
+      }
+      __threadfence_system();  // acquire side of the proxy's write-then-flag
+      *reinterpret_cast<volatile int*>(&s.ready[n]) = j + 1;
+    }
+}
+
+// One thread: true once chunk j from node n was published (false when the watcher failed). The thread's
+// later loads, and those of threads that sync with it afterwards, see the chunk's bytes.
+__device__ __forceinline__ bool arrived(const Arrivals& s, int n, int j) {
+  while (*reinterpret_cast<const volatile int*>(&s.ready[n]) <= j)
+    if (*reinterpret_cast<const volatile int*>(&s.failed)) return false;
+  __threadfence_block();
+  return true;
+}
+
 __device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k) {
   int n = 0;
   while (n + 1 < N && row0[n + 1] <= k) ++n;
@@ -435,42 +482,39 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFor
   intranode::warp_sync();  // s_dst is rewritten for the next row
 }
 
-// Rows of the remote segments are taken in units of kWarps consecutive rows of one segment (one row per
-// warp), unit u of all segments by block u % grid. Before a unit, ONE thread of the block waits for the
-// flags of the chunks it spans: the flags live in host memory, and a poller per warp (hundreds of
-// uncached reads over PCIe at once) slowed the whole host link, the proxies' rings included.
+// The rows of the remote segments, concatenated in node order, are dealt to the worker warps (all but the
+// watcher warp 0) of all blocks in turn; a worker forwards a row as soon as its chunk landed (Arrivals).
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs a) {
   const Common& c = a.c;
   if (!barrier_wait(c, c.barrier, kPhaseDispatchForward)) return;
+  __shared__ Arrivals s;
+  arrivals_init(s);
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  __shared__ int ok;
   __shared__ char* s_dst[kWarps][kMaxLocal];
-  bool good = true;
-  int64_t unit0 = 0;  // first unit of segment n, counted over all segments
-  for (int n = 0; n < c.N && good; ++n) {
-    if (n == c.node) continue;  // the pack kernel placed this node's own rows
-    const int64_t rows_n = a.t.recv_row0[n + 1] - a.t.recv_row0[n];
-    const int64_t units_n = (rows_n + kWarps - 1) / kWarps;
-    for (int64_t u = (int64_t(blockIdx.x) + gridDim.x - unit0 % gridDim.x) % gridDim.x; u < units_n;
-         u += gridDim.x) {
-      const int64_t i0 = u * kWarps;
-      if (threadIdx.x == 0) {
-        ok = 1;
-        const int64_t last = (i0 + kWarps < rows_n ? i0 + kWarps : rows_n) - 1;
-        for (int j = int(i0 / a.chunk_rows); j <= int(last / a.chunk_rows) && ok; ++j)
-          ok = wait_geq(c.flags + dispatch_flag(c.num_ranks, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
-                        n * c.L + c.local, kPhaseDispatchForward, 1 + j % c.data_channels);
-        __threadfence_system();  // acquire side of the proxy's write-then-flag
+  if (warp == 0) {
+    watch_arrivals(c, s, a.t.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); },
+                   kPhaseDispatchForward);
+  } else {
+    int64_t total = 0;  // remote rows (the pack kernel placed this node's own)
+    for (int n = 0; n < c.N; ++n)
+      if (n != c.node) total += a.t.recv_row0[n + 1] - a.t.recv_row0[n];
+    const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
+    int n = -1;
+    int64_t seg_lo = 0, seg_hi = 0;  // the concatenated rows [seg_lo, seg_hi) are node n's segment
+    for (int64_t k = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; k < total; k += nw) {
+      while (k >= seg_hi) {
+        do ++n; while (n == c.node);
+        seg_lo = seg_hi;
+        seg_hi += a.t.recv_row0[n + 1] - a.t.recv_row0[n];
       }
-      __syncthreads();
-      good = ok != 0;
-      __syncthreads();  // everyone read `ok` before thread 0 writes it for the next unit
-      if (!good) break;
-      if (i0 + warp < rows_n) forward_row(a, c, f, n, i0 + warp, lane, s_dst[warp]);
+      const int64_t i = k - seg_lo;
+      const bool ok = intranode::warp_shfl(lane == 0 ? int(arrived(s, n, int(i / a.chunk_rows))) : 0, 0) != 0;
+      intranode::warp_sync();  // lane 0's acquire orders the other lanes' loads too
+      if (!ok) break;
+      forward_row(a, c, f, n, i, lane, s_dst[warp]);
     }
-    unit0 += units_n;
   }
   if (last_block(c)) barrier_arrive(c, c.barrier + 1);
 }
@@ -587,34 +631,33 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   }
 }
 
+// Each token is the sum of its nodes' partial rows in node order (+ biases). A worker warp (all but the
+// watcher warp 0) takes a token as soon as the chunks holding its remote partials landed (Arrivals): the
+// reduce overlaps the last chunks' transfers.
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   const Common& c = a.c;
-  __shared__ int ok;
-  if (threadIdx.x == 0) {
-    ok = 1;
-    for (int n = 0; n < c.N && ok; ++n) {
-      if (n == c.node) continue;
-      for (int j = 0; j < a.t.nchunks_send[n] && ok; ++j)
-        if (!wait_geq(c.flags + combine_flag(c.num_ranks, c.N, n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank,
-                      n * c.L + c.local, kPhaseCombineReduce, 1 + j % c.data_channels))
-          ok = 0;
-    }
-    __threadfence_system();
-  }
-  __syncthreads();
-  if (!ok) return;
-  clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's
+  __shared__ Arrivals s;
+  arrivals_init(s);
+  clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's (it finished: it ran before on this stream)
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   __shared__ const float* s_w[kWarps][kMaxNodes];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
-  const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
-  const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  if (warp == 0) {
+    watch_arrivals(c, s, a.t.nchunks_send,
+                   [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, kPhaseCombineReduce);
+    return;
+  }
+  const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
   const char* crecv = c.rdma + a.crecv_off;
-  for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
+  for (int64_t t = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; t < a.num_tokens; t += nw) {
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const bool ok = !(head >= 0 && lane != c.node) || arrived(s, lane, head / a.chunk_rows);
+    const bool failed = intranode::warp_any(!ok);
+    intranode::warp_sync();  // the waiting lanes' acquires order every lane's loads
+    if (failed) break;
     const char* row = crecv + (a.t.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
     warp_compact(s_w[warp], head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
     const int m = warp_compact(s_src[warp], head >= 0, reinterpret_cast<const T*>(row), lane);
