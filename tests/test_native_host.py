@@ -116,11 +116,3 @@ def test_fold_blocks_take_wide_rows_before_the_sm_rule(monkeypatch):
     assert fuse(_Sms(64), 1.5, 8, dispatch=False, config=None, by_sms=False)  # narrow rows still fuse
 
 
-def test_wire_format_settings_must_agree():
-    from uccl_ep_train.backends.native import _check_same_wire_format
-
-    _check_same_wire_format([(None, "0"), (None, "0")])
-    with pytest.raises(ValueError, match="UCCL_EP_EXPAND_BLOCKS differs between ranks"):
-        _check_same_wire_format([("0", None), (None, None)])
-    with pytest.raises(ValueError, match="UCCL_EP_FUSE_MAX_WIDTH"):
-        _check_same_wire_format([(None, "0"), (None, "1e9")])

@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
+from . import agreement
 from . import validation as V
 from .backends.base import Backend
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
@@ -118,7 +119,10 @@ class Buffer:
             num_qps_per_rank: RDMA queue pairs per peer (the proxy's transport uses it).
             allow_nvlink_for_low_latency_mode: let LL traffic between GPUs of one node use NVLink.
             allow_mnnvl: allow multi-node NVLink domains.
-            explicitly_destroy: resources are released by `destroy()` only (not by the destructor).
+            explicitly_destroy: DeepEP's flag, kept for its callers: `destroy()` is the orderly, collective
+                release either way; a Buffer dropped without it runs no collective in its destructor (its
+                resources are freed at the next Buffer creation on the group once every rank dropped it,
+                see agreement.py).
             comm: an mpi4py communicator instead of `group` (not supported: raises NotImplementedError).
         """
         if comm is not None:
@@ -141,10 +145,15 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.device = group_device(group)
         self.id = next(_buffer_ids)
+        self._sequence = agreement.next_sequence(group)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
         self._sync_event: Optional[EventHandle] = None  # after the last call run on the current stream
         self.topology: Topology = detect_topology(group)  # collective: before the backend, which needs it
+        # collective: the same settings on every rank (else the same error on every rank), before any data moves
+        agreement.agree(group, self.device, self._sequence, {
+            "num_nvl_bytes": self.num_nvl_bytes, "num_rdma_bytes": self.num_rdma_bytes,
+            "low_latency_mode": self.low_latency_mode, "num_qps_per_rank": self.num_qps_per_rank})
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device,
                                                          self.topology)
@@ -155,18 +164,30 @@ class Buffer:
             log.info("uccl_ep_train: Buffer uses the %s backend on %s", self.backend_name, self.device)
 
     # ---- lifecycle -------------------------------------------------------------------------------------
-    def destroy(self) -> None:
-        """Release every resource (idempotent); a new Buffer can be made in the same process."""
-        for backend in {id(b): b for b in (self._backend, self._ll_backend) if b is not None}.values():
-            backend.destroy()
+    def _take_backends(self) -> list[Backend]:
+        backends = [b for b in {id(b): b for b in (getattr(self, "_backend", None),
+                                                    getattr(self, "_ll_backend", None)) if b is not None}.values()]
         self._backend = self._ll_backend = None
+        return backends
+
+    def destroy(self) -> None:
+        """Collective (every rank calls it): waits until no rank uses the buffers, then releases every resource
+        (idempotent); a new Buffer can be made in the same process."""
+        for backend in self._take_backends():
+            backend.destroy()
 
     def __del__(self) -> None:
-        if not getattr(self, "explicitly_destroy", True) and getattr(self, "_backend", None) is not None:
-            try:
-                self.destroy()
-            except Exception:  # destructors must not raise
-                pass
+        """No collective here (ranks collect garbage at different times) and no free of memory a peer may
+        still write into: the resources are parked until every rank dropped this Buffer (agreement.py)."""
+        backends = self._take_backends()
+        if not backends:
+            return
+
+        def release() -> None:
+            for backend in backends:
+                backend.release()
+
+        agreement.park(self.group, self._sequence, release)
 
     @property
     def backend(self) -> Backend:

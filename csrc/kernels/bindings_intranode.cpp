@@ -1,4 +1,5 @@
-// pybind11 face of the intranode path: `_native.IntranodeBuffer` (+ `_native.intranode_row_capacity`).
+// pybind11 face of the intranode path: `_native.IntranodeBuffer` (+ `_native.intranode_row_capacity`,
+// `_native.ipc_mappings_open`).
 // Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream): no libtorch here.
 // Without a GPU compiler nothing is registered, and Python falls back to the reference backend.
 #include <pybind11/pybind11.h>
@@ -6,6 +7,7 @@
 
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "kernels/intranode_api.h"
+#include "kernels/ipc_handles.h"
 #endif
 
 namespace py = pybind11;
@@ -21,6 +23,9 @@ void register_intranode(py::module_& m) {
         return uccl_ep::intranode::make_row_layout(data_bytes, x_bytes, scale_bytes, num_topk, with_src).cap_rows;
       },
       "rows of (x, scales, topk idx/weights, src idx) that fit in `data_bytes` of an intranode buffer");
+  m.def(
+      "ipc_mappings_open", [] { return uccl_ep::ipc_mappings().load(); },
+      "peer buffers this process has mapped through IPC and not unmapped (intranode and internode buffers)");
   m.def("dispatch_layout", &uccl_ep::intranode::dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("out_per_rank"),
         py::arg("out_per_expert"), py::arg("out_in_rank"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),

@@ -160,7 +160,7 @@ void InternodeBuffer::destroy() {
   if (nvl_ != nullptr || rdma_ != nullptr || flags_host_ != nullptr || err_host_ != nullptr || notified_ != nullptr)
     (void)gpuSetDevice(device_);
   for (int j = 0; j < kMaxLocal; ++j) {
-    if (j != local_ && peers_[j] != nullptr) keep(gpuIpcCloseMemHandle(peers_[j]));
+    if (j != local_ && peers_[j] != nullptr) keep(ipc_close(peers_[j]));
     peers_[j] = nullptr;
   }
   opened_ = false;

@@ -86,7 +86,7 @@ void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
     if (p == nullptr) {
       for (int q = 0; q < r; ++q)
         if (q != rank_ && peers_[q] != nullptr) {
-          (void)gpuIpcCloseMemHandle(peers_[q]);
+          (void)ipc_close(peers_[q]);
           peers_[q] = nullptr;
         }
       UCCL_THROW("intranode buffer: rank " << rank_ << " could not map the buffer of rank " << r
@@ -103,7 +103,7 @@ void IntranodeBuffer::destroy() {
   if (base_ != nullptr || err_host_ != nullptr) (void)gpuSetDevice(device_);
   for (int r = 0; r < kMaxRanks; ++r) {
     if (r != rank_ && peers_[r] != nullptr) {
-      gpuError_t e = gpuIpcCloseMemHandle(peers_[r]);
+      gpuError_t e = ipc_close(peers_[r]);
       if (first == gpuSuccess) first = e;
     }
     peers_[r] = nullptr;

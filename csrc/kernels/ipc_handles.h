@@ -2,6 +2,8 @@
 // the mapping of a peer's buffer from those bytes (the intranode and internode buffers both use them).
 #pragma once
 
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 #include <string>
 
@@ -9,6 +11,12 @@
 #include "common/portability.h"
 
 namespace uccl_ep {
+
+// Peer mappings this process holds (ipc_open minus ipc_close): leak tests read it (`_native.ipc_mappings_open`).
+inline std::atomic<int64_t>& ipc_mappings() {
+  static std::atomic<int64_t> n{0};
+  return n;
+}
 
 // The IPC handle of the allocation starting at `base`, as bytes.
 inline std::string ipc_handle_bytes(void* base) {
@@ -25,7 +33,15 @@ inline void* ipc_open(const std::string& bytes, const std::string& what, gpuErro
   std::memcpy(&h, bytes.data(), sizeof(h));
   void* p = nullptr;
   *err = gpuIpcOpenMemHandle(&p, h, gpuIpcMemLazyEnablePeerAccess);
-  return *err == gpuSuccess ? p : nullptr;
+  if (*err != gpuSuccess) return nullptr;
+  ipc_mappings().fetch_add(1);
+  return p;
+}
+
+// Unmaps a mapping ipc_open returned.
+inline gpuError_t ipc_close(void* p) {
+  ipc_mappings().fetch_sub(1);
+  return gpuIpcCloseMemHandle(p);
 }
 
 }  // namespace uccl_ep

@@ -137,8 +137,14 @@ class Backend(abc.ABC):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: every rank must call it; returns once all ranks have cleaned."""
 
+    def release(self) -> None:
+        """Release this rank's resources without talking to its peers (the caller knows that none of them
+        uses them any more); idempotent."""
+
     def destroy(self) -> None:
-        """Release every resource; the Buffer can be rebuilt afterwards in the same process."""
+        """Collective: release every resource once no rank uses them (idempotent); the Buffer can be rebuilt
+        afterwards in the same process."""
+        self.release()
 
 
 class WithoutLowLatency:

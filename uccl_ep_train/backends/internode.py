@@ -34,7 +34,7 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend, WithoutLowLatency
-from .native import _module, quiesce
+from .native import SharesMemoryWithPeers, _module, quiesce
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -74,7 +74,7 @@ class InternodeState:
     max_recv: int  # the most rows any rank receives (NVL buffer sizing)
 
 
-class NativeInternodeBackend(WithoutLowLatency, Backend):
+class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     name = "native"
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology):
@@ -100,12 +100,9 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
         if "UCCL_EP_RDMA_CHUNK_BYTES" in os.environ and self._chunk_bytes < 1:
             raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES must be >= 1, got {self._chunk_bytes}")
         sizes: list = [None] * num_ranks
-        dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), self._chunk_bytes,
-                                       len(os.sched_getaffinity(0))), group=group)
-        if len({s[2] for s in sizes}) > 1:
-            raise ValueError(f"UCCL_EP_RDMA_CHUNK_BYTES differs between ranks ({sorted({s[2] for s in sizes})}): "
-                             "senders and receivers must cut chunks alike")
-        self._proxy_options = _shared_gpu_proxy_options(per_gpu, min(s[3] for s in sizes))
+        dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), len(os.sched_getaffinity(0))),
+                               group=group)  # (UCCL_EP_RDMA_CHUNK_BYTES agrees: Buffer checked it, agreement.py)
+        self._proxy_options = _shared_gpu_proxy_options(per_gpu, min(s[2] for s in sizes))
         self._buf = None
         self._proxy = None
         self._failed: Optional[str] = None
@@ -144,13 +141,11 @@ class NativeInternodeBackend(WithoutLowLatency, Backend):
             if buf is not None:
                 buf.destroy()
 
-    def destroy(self) -> None:
+    def release(self) -> None:
         if self._buf is None:
             return
-        try:
-            quiesce(self.device, self.group)
-        finally:
-            self._close()
+        torch.cuda.synchronize(self.device)  # this rank's kernels still using the buffers and rings
+        self._close()
 
     def _ensure(self, rdma_need: int, nvl_need: int) -> None:
         """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""

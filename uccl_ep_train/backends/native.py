@@ -84,7 +84,6 @@ _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one 
 _MIN_SIDE_BLOCKS = 8
 # Settings every rank must share (checked when a backend is made): they decide whether a fresh expert-major
 # dispatch packs positions into the id words.
-_WIRE_FORMAT_VARS = ("UCCL_EP_EXPAND_BLOCKS", "UCCL_EP_FUSE_MAX_WIDTH")
 _MAX_FOLD_ROWS = 1 << 20
 
 
@@ -111,6 +110,19 @@ def quiesce(device: torch.device, group) -> None:
         dist.barrier(group=group)
 
 
+class SharesMemoryWithPeers:
+    """Mixin for the native backends (before Backend): peers map this rank's buffers (IPC) or write into them
+    (proxies), so an orderly destroy() first waits until no rank uses them; release() is the local part."""
+
+    def destroy(self) -> None:
+        if self._buf is None:
+            return
+        try:
+            quiesce(self.device, self.group)
+        finally:
+            self.release()
+
+
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -126,7 +138,7 @@ class NativeHandleState:
     worst: bool
 
 
-class NativeBackend(WithoutLowLatency, Backend):
+class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     name = "native"
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device=None):
@@ -138,11 +150,9 @@ class NativeBackend(WithoutLowLatency, Backend):
             raise ValueError(f"native intranode backend: at most {max_ranks} ranks on one node, got {num_ranks}; "
                              "set UCCL_EP_RANKS_PER_NODE to the ranks of one NVLink domain")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
-        wire = tuple(os.environ.get(v) for v in _WIRE_FORMAT_VARS)
-        hosts_sms: list = [None] * num_ranks
-        dist.all_gather_object(hosts_sms, (socket.gethostname(), sms, wire), group=group)
-        _check_same_wire_format([w for _, _, w in hosts_sms])
-        hosts = [h for h, _, _ in hosts_sms]
+        hosts_sms: list = [None] * num_ranks  # (the ranks' settings agree: Buffer checked them, agreement.py)
+        dist.all_gather_object(hosts_sms, (socket.gethostname(), sms), group=group)
+        hosts = [h for h, _ in hosts_sms]
         if len(set(hosts)) > 1:
             raise ValueError(f"native intranode backend: ranks span several hosts ({sorted(set(hosts))}) but "
                              "UCCL_EP_RANKS_PER_NODE / LOCAL_WORLD_SIZE put them on one node")
@@ -153,7 +163,7 @@ class NativeBackend(WithoutLowLatency, Backend):
         # the SMs (side blocks included), so that every rank's blocks are resident at once
         per_gpu = check_gpu_sharing(group, self.device, "the native backend")
         # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
-        self._device_sms = min(s for _, s, _ in hosts_sms) // per_gpu
+        self._device_sms = min(s for _, s in hosts_sms) // per_gpu
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
@@ -209,14 +219,12 @@ class NativeBackend(WithoutLowLatency, Backend):
         """Raise if a kernel recorded an error (timeout, capacity); cheap (reads host memory)."""
         self._check()
 
-    def destroy(self) -> None:
+    def release(self) -> None:
         if self._buf is None:
             return
-        try:
-            quiesce(self.device, self.group)
-        finally:
-            buf, self._buf = self._buf, None
-            buf.destroy()
+        torch.cuda.synchronize(self.device)  # this rank's kernels still using the buffer
+        buf, self._buf = self._buf, None
+        buf.destroy()
 
     @staticmethod
     def _stream() -> int:
@@ -575,15 +583,6 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
     for i in range(k):  # C(E - epr, k) / C(E, k) as a product
         p_none *= max(num_experts - epr - i, 0) / (num_experts - i)
     return (k / num_ranks) / max(1.0 - p_none, 1e-9)
-
-
-def _check_same_wire_format(per_rank: list) -> None:
-    """Raises, naming the variable, unless every rank's _WIRE_FORMAT_VARS values (one tuple per rank) agree."""
-    for j, var in enumerate(_WIRE_FORMAT_VARS):
-        seen = {values[j] for values in per_rank}
-        if len(seen) > 1:
-            raise ValueError(f"{var} differs between ranks ({sorted(map(str, seen))}): it decides the expert-major "
-                             "dispatch's wire format and must be the same on every rank")
 
 
 def _by_sms(table: tuple, num_sms: int) -> int:

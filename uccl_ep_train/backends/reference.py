@@ -290,7 +290,7 @@ class ReferenceBackend(Backend):
             buf.zero_()
         self.comm.barrier("clean_low_latency_buffer")
 
-    def destroy(self):
+    def release(self):
         self._ll_combine_buffers.clear()
 
 

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# GPU checks on a machine with NVIDIA GPUs (one is enough): builds the native module for the GPU present,
+# then runs every `gpu`-marked test. Multi-rank tests put several ranks on one GPU; the tests' `mps` fixture
+# starts NVIDIA MPS for them (scripts/mps.sh) when no daemon answers, and stops it afterwards.
+#
+#   bash scripts/gpu_check.sh [pytest arguments]      e.g. -k internode, -x
+#
+# PYTHON picks the interpreter (default: .venv/bin/python when present, else python3). The build log goes to
+# build/gpu_check_build.log; the native module is built with the C/C++ compilers in CC / CXX.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+py=${PYTHON:-}
+if [ -z "$py" ]; then
+  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
+fi
+export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast: it can take a shared host's GPUs down
+mkdir -p build
+echo "gpu_check: building the native module (log: build/gpu_check_build.log)"
+if ! "$py" setup.py build_ext --inplace > build/gpu_check_build.log 2>&1; then
+  grep -m 20 -B2 -A8 -i "error" build/gpu_check_build.log || tail -40 build/gpu_check_build.log
+  echo "gpu_check: the native build failed" >&2
+  exit 1
+fi
+"$py" -c "from uccl_ep_train import _native; assert hasattr(_native, 'IntranodeBuffer'), 'built without GPU kernels'"
+exec "$py" -m pytest -m gpu tests -p no:warnings -rs "$@"
