@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks on a machine with NVIDIA GPUs (one is enough): builds the native module for the GPU present,
-# then runs every `gpu`-marked test. Multi-rank tests put several ranks on one GPU; the tests' `mps` fixture
-# starts NVIDIA MPS for them (scripts/mps.sh) when no daemon answers, and stops it afterwards.
+# starts NVIDIA MPS (scripts/mps.sh: multi-rank tests put several ranks on one GPU), runs every `gpu`-marked
+# test, and stops MPS.
 #
 #   bash scripts/gpu_check.sh [pytest arguments]      e.g. -k internode, -x
 #
@@ -22,4 +22,8 @@ if ! "$py" setup.py build_ext --inplace > build/gpu_check_build.log 2>&1; then
   exit 1
 fi
 "$py" -c "from uccl_ep_train import _native; assert hasattr(_native, 'IntranodeBuffer'), 'built without GPU kernels'"
-exec "$py" -m pytest -m gpu tests -p no:warnings -rs "$@"
+# MPS up before pytest starts, down after it exited: a daemon's `quit` waits for its clients, and the
+# pytest process becomes one when a test uses CUDA in it
+eval "$(bash scripts/mps.sh start | grep '^export')"
+trap 'bash scripts/mps.sh stop' EXIT
+"$py" -m pytest -m gpu tests -p no:warnings -rs "$@"

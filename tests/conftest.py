@@ -82,7 +82,12 @@ def mps():
     try:
         yield mps_pipe_directory()
     finally:
-        if started:
+        if started and _cuda_initialised():
+            # this process is an MPS client now (a test used CUDA in it): `quit` waits for its clients, so
+            # it is sent without waiting, and the daemon exits once this process has
+            subprocess.Popen(["bash", str(MPS_SCRIPT), "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+        elif started:
             _mps_script("stop")
         for key, value in saved.items():
             if value is None:
