@@ -68,3 +68,12 @@ def test_bench_help_lists_internode(capsys):
     for name in ("intranode", "internode", "megatron", "expert-major", "proxy"):
         assert f"  {name} " in text
     assert main(["bench"]) == 2
+
+
+def test_records_name_no_machine_directory(tmp_path, monkeypatch):
+    from uccl_ep_train.bench import run_context
+
+    monkeypatch.chdir(tmp_path)
+    cmd = run_context("bench internode", ["--json", "/elsewhere/out/x.json", f"--json={tmp_path}/sub/y.json",
+                                          "--ranks", "2"])["command"]
+    assert cmd == "uccl-ep-train bench internode --json x.json --json=sub/y.json --ranks 2"

@@ -38,8 +38,19 @@ def git_commit() -> str:
     return head + ("-dirty" if changed is None or changed else "")
 
 
+def _portable(arg: str) -> str:
+    """An argument without this machine's directories: an absolute path (also in `--opt=PATH`) becomes
+    relative to the working directory when it lies below it, else its file name."""
+    opt, eq, value = arg.partition("=") if arg.startswith("--") else ("", "", arg)
+    if not os.path.isabs(value):
+        return arg
+    rel = os.path.relpath(value)
+    value = rel if not rel.startswith("..") else os.path.basename(value)
+    return f"{opt}{eq}{value}"
+
+
 def run_context(command: str, argv: list[str]) -> dict:
     """What a record needs to be reproduced: the UTC date, the commit, and the command line as the user
-    types it (`uccl-ep-train <command> <argv>`, no interpreter or install path)."""
+    types it (`uccl-ep-train <command> <argv>`, no interpreter, install path or machine directory)."""
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-            "command": shlex.join(["uccl-ep-train", *command.split(), *argv])}
+            "command": shlex.join(["uccl-ep-train", *command.split(), *map(_portable, argv)])}
