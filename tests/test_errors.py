@@ -15,15 +15,19 @@ from uccl_ep_train.fp8 import per_token_cast_to_fp8
 
 
 def _bad_inputs(rank: int, world: int, device: str) -> int:
+    """The catalogue of bad inputs, on whichever backend the group's device selects (reference on CPU ranks,
+    native on GPUs; across nodes when UCCL_EP_RANKS_PER_NODE says so)."""
     group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
     buf = Buffer(group, int(1e6), 0)
     other = Buffer(group, int(1e6), 0)
     n, h, e = 6, 256, 8
-    x = torch.randn(n, h).to(torch.bfloat16)
-    idx = torch.tensor([[0, 5], [1, -1], [7, 2], [-1, -1], [3, 4], [6, 0]])
-    w = torch.rand(n, 2)
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
-    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
+    idx = torch.tensor([[0, 5], [1, -1], [7, 2], [-1, -1], [3, 4], [6, 0]], device=dev)
+    w = torch.rand(n, 2, device=dev)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
     cases = [
         (TypeError, "x: dtype", lambda: buf.dispatch(x.int(), **layout)),
         (ValueError, "x: expected 2 dimensions", lambda: buf.dispatch(x.view(-1), **layout)),
@@ -38,11 +42,11 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         (ValueError, "topk_idx: has 5 rows but x has 6", lambda: buf.dispatch(x, topk_idx=idx[:5], topk_weights=w[:5], **layout)),
         (ValueError, "is_token_in_rank: expected", lambda: buf.dispatch(x[:5], **layout)),
         (ValueError, "num_tokens_per_rank: .* disagrees", lambda: buf.dispatch(
-            x, num_tokens_per_rank=per_rank + 1, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)),
+            x, **{**layout, "num_tokens_per_rank": per_rank + 1})),
         (ValueError, r"x\[0\]: hidden \(200\) must be divisible by 128", lambda: buf.dispatch(
-            (torch.zeros(n, 200, dtype=torch.float8_e4m3fn), torch.ones(n, 1)), **layout)),
+            (torch.zeros(n, 200, dtype=torch.float8_e4m3fn, device=dev), torch.ones(n, 1, device=dev)), **layout)),
         (ValueError, r"x\[1\]: scales must be", lambda: buf.dispatch(
-            (per_token_cast_to_fp8(x)[0], torch.ones(n, 3)), **layout)),
+            (per_token_cast_to_fp8(x)[0], torch.ones(n, 3, device=dev)), **layout)),
         (TypeError, r"x\[0\]: this device uses float8_e4m3fn", lambda: buf.dispatch(
             (per_token_cast_to_fp8(x)[0].view(torch.float8_e4m3fnuz), per_token_cast_to_fp8(x)[1]), **layout)),
         (ValueError, "expert_alignment", lambda: buf.dispatch(x, expert_alignment=0, **layout)),
@@ -66,8 +70,8 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         (TypeError, "expected the handle", lambda: buf.combine(recv_x, tuple(handle)[:6])),
         (ValueError, "x: has 3 tokens, the handle was made for 6", lambda: buf.dispatch(x[:3], handle=handle)),
         (ValueError, "must be None with a cached handle", lambda: buf.dispatch(x, handle=handle, topk_idx=idx)),
-        (ValueError, r"bias\[0\]: expected", lambda: buf.combine(recv_x, handle, bias=torch.zeros(2, h))),
-        (TypeError, "topk_weights: dtype", lambda: buf.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.size(0), 2, dtype=torch.int32))),
+        (ValueError, r"bias\[0\]: expected", lambda: buf.combine(recv_x, handle, bias=torch.zeros(2, h, device=dev))),
+        (TypeError, "topk_weights: dtype", lambda: buf.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.size(0), 2, dtype=torch.int32, device=dev))),
     ]
     if recv_x.size(0):
         handle_cases.append((ValueError, "x: has 0 rows", lambda: buf.combine(recv_x[:0], handle)))
@@ -87,11 +91,11 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
     ll_ok = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(16, h, 2, e), low_latency_mode=True)
     _, _, ll_handle, _, _ = ll_ok.low_latency_dispatch(x, idx, 16, e, use_fp8=False)
     with pytest.raises(ValueError, match="topk_weights: required"):
-        ll_ok.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16), idx, None, ll_handle)
+        ll_ok.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16, device=dev), idx, None, ll_handle)
     with pytest.raises(ValueError, match="made by another Buffer"):
-        ll.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16), idx, w, ll_handle)
+        ll.low_latency_combine(torch.zeros(e // 2, 32, h, dtype=torch.bfloat16, device=dev), idx, w, ll_handle)
     with pytest.raises(NotImplementedError, match="dispatch_wait_recv_cost_stats"):
-        ll.low_latency_dispatch(x, idx, 16, e, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64))
+        ll.low_latency_dispatch(x, idx, 16, e, dispatch_wait_recv_cost_stats=torch.zeros(2, 2, dtype=torch.int64, device=dev))
 
     # destroy releases; a destroyed Buffer refuses work; a new one works in the same process
     buf.destroy()
@@ -106,6 +110,14 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
 
 def test_bad_inputs_raise_named_errors():
     counts = run_ranks(_bad_inputs, 2)
+    assert counts[0] >= 30
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks_per_node", [None, "1"], ids=["intranode", "internode-2x1"])
+def test_bad_inputs_raise_named_errors_on_the_native_backend(mps, ranks_per_node):
+    env = {"UCCL_EP_BACKEND": "native", **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    counts = run_ranks(_bad_inputs, 2, device="cuda", backend="gloo", ranks_per_gpu=2, env=env, timeout=300)
     assert counts[0] >= 30
 
 
@@ -136,24 +148,41 @@ def test_cross_rank_mismatch_is_reported_on_every_rank():
     assert run_ranks(_mismatch, 2) == ["ok", "ok"]
 
 
-def _missing_peer(rank: int, world: int, device: str) -> str:
+def _missing_peer(rank: int, world: int, device: str, error: type, pattern: str, bound_s: float) -> str:
     group = dist.new_group(list(range(world)))
-    buf = Buffer(group, int(1e6), 0)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buf = Buffer(group, int(1e6), int(1e6))
     if rank == 1:
-        time.sleep(4)  # never calls dispatch
+        time.sleep(bound_s + 2)  # never calls dispatch
         return "absent"
-    x = torch.randn(4, 128).to(torch.bfloat16)
-    idx = torch.tensor([[0], [1], [2], [3]])
-    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    x = torch.randn(4, 128, device=dev).to(torch.bfloat16)
+    idx = torch.tensor([[0], [1], [2], [3]], device=dev)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
     start = time.monotonic()
-    with pytest.raises(CommTimeoutError, match=r"rank 0 timed out after 1s in phase 'dispatch: notify header'"):
-        buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-    assert time.monotonic() - start < 3
+    with pytest.raises(error, match=pattern):
+        buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert)
+    assert time.monotonic() - start < bound_s
     return "timed out"
 
 
 def test_missing_peer_times_out_with_rank_and_phase():
-    results = run_ranks(_missing_peer, 2, env={"UCCL_EP_TIMEOUT_S": "1"}, timeout=60, hard_exit=True)
+    results = run_ranks(_missing_peer, 2, CommTimeoutError,
+                        r"rank 0 timed out after 1s in phase 'dispatch: notify header'", 3,
+                        env={"UCCL_EP_TIMEOUT_S": "1"}, timeout=60, hard_exit=True)
+    assert results == ["timed out", "absent"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks_per_node,pattern", [
+    (None, r"timeout on rank 0 waiting for rank 1 .*notify"),
+    ("1", r"rank 0 .*rank 1.*notify"),
+], ids=["intranode", "internode-2x1"])
+def test_missing_peer_times_out_on_the_native_backend(mps, ranks_per_node, pattern):
+    env = {"UCCL_EP_TIMEOUT_S": "1", "UCCL_EP_BACKEND": "native",
+           **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    results = run_ranks(_missing_peer, 2, (RuntimeError, CommTimeoutError), pattern, 6, device="cuda",
+                        backend="gloo", ranks_per_gpu=2, env=env, timeout=120, hard_exit=True)
     assert results == ["timed out", "absent"]
 
 

@@ -239,3 +239,45 @@ def test_internode_one_gpu(mps, world, L):
     if (world, L) == (2, 1):  # Megatron's setting with tensor-parallel overlap: one hardware queue per process,
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # so anything queued behind the kernels shares it with them
     run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600, env=env)
+
+
+def _dead_proxy(rank, world, device):
+    import time
+
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    if rank == 1:  # rank 1's proxy thread 0 dies after notify's write + flag and the op's READY (3 commands)
+        os.environ["UCCL_EP_FAULT"] = "die_after=3"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(64e6), int(64e6))
+    x, idx, w = _routing(rank, 64, "random", world, 1, seed=7)
+    start = time.monotonic()
+    try:
+        (_, _, _, _, handle, _), _ = _dispatch(buf, x, idx, w, EXPERTS, dev)
+        torch.cuda.synchronize()  # rank 1's kernels leave at their deadline; the next call reports why
+        buf.dispatch(x.to(dev), handle=handle)  # rank 0: its peer no longer answers
+        torch.cuda.synchronize()
+        buf.dispatch(x.to(dev), handle=handle)
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def test_a_dead_proxy_fails_the_gpu_side_within_the_timeout(mps):
+    """Rank 1's proxy thread 0 dies (fault injection) during a dispatch: rank 1's kernels reach their deadline
+    (UCCL_EP_TIMEOUT_S) waiting for what that thread should have delivered, and so do rank 0's in the next op;
+    each rank's next call raises, naming rank, peer, channel and phase; nothing hangs."""
+    why = _ready()
+    if why:
+        pytest.skip(why)
+    env = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "2"}
+    results = run_ranks(_dead_proxy, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=env,
+                        hard_exit=True)
+    (msg0, took0), (msg1, took1) = results
+    assert "timeout on rank 1 (node 1) waiting for rank 0 (node 0)" in msg1, msg1
+    assert "stopped by fault injection after 3 commands" in msg1, msg1  # the dead thread's own error
+    assert "timeout on rank 0 (node 0) waiting for rank 1 (node 1)" in msg0, msg0
+    assert took0 < 12 and took1 < 12, (took0, took1)

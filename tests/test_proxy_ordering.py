@@ -110,9 +110,21 @@ def test_duplicates_and_bad_channels_are_errors():
         emu.on_arrival(N.KIND_ARRIVAL, 0, N.make_imm(100, 0))
 
 
+def test_held_arrivals_are_bounded():
+    """An arrival that never comes cannot make the emulator hold the later ones without bound."""
+    from uccl_ep_train import _native as N
+    emu = N.OrderingEmulator(2)
+    for seq in range(1, (1 << 16) + 1):  # seq 0 never arrives
+        emu.on_arrival(N.KIND_ARRIVAL, 1, N.make_imm(3, seq))
+    with pytest.raises(RuntimeError, match=r"65536 arrivals from peer 1 channel 3 wait for seq 0, which never came"):
+        emu.on_arrival(N.KIND_ARRIVAL, 1, N.make_imm(3, (1 << 16) + 1))
+
+
 def test_fault_spec_parsing():
     from uccl_ep_train import _native as N
-    assert N.parse_fault("reorder=0.3,delay_us=50,seed=1") == {"reorder": 0.3, "delay_us": 50.0, "seed": 1}
+    assert N.parse_fault("reorder=0.3,delay_us=50,seed=1") == {"reorder": 0.3, "delay_us": 50.0, "seed": 1,
+                                                              "die_after": 0}
+    assert N.parse_fault("die_after=3")["die_after"] == 3
     assert N.parse_fault("")["reorder"] == 0.0
     for bad, msg in [("reorder=2", "reorder must be"), ("jitter=1", "unknown key"), ("reorder", "key=value"),
                      ("delay_us=x", "bad value")]:

@@ -19,7 +19,9 @@ FaultSpec FaultSpec::parse(const std::string& s) {
       if (k == "reorder") f.reorder = std::stod(v);
       else if (k == "delay_us") f.delay_us = std::stod(v);
       else if (k == "seed") f.seed = std::stoull(v);
-      else throw std::invalid_argument("UCCL_EP_FAULT: unknown key '" + k + "' (known: reorder, delay_us, seed)");
+      else if (k == "die_after") f.die_after = std::stoull(v);
+      else throw std::invalid_argument("UCCL_EP_FAULT: unknown key '" + k +
+                                       "' (known: reorder, delay_us, seed, die_after)");
     } catch (const std::invalid_argument& e) {
       if (std::string(e.what()).rfind("UCCL_EP_FAULT", 0) == 0) throw;
       throw std::invalid_argument("UCCL_EP_FAULT: bad value for " + k + ": '" + v + "'");
@@ -33,6 +35,7 @@ FaultSpec FaultSpec::parse(const std::string& s) {
 std::string FaultSpec::str() const {
   std::ostringstream os;
   os << "reorder=" << reorder << ",delay_us=" << delay_us << ",seed=" << seed;
+  if (die_after) os << ",die_after=" << die_after;
   return os.str();
 }
 

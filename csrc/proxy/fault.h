@@ -1,6 +1,8 @@
 // Fault injection: UCCL_EP_FAULT="reorder=P,delay_us=D,seed=S" holds back each completion with
 // probability P for about D microseconds (0.5..1.5 D; at least one poll round), so completions reach the
 // proxy out of order and late. Applied to the completions of every transport, local and remote alike.
+// "die_after=N" makes a proxy thread fail (an error, as a crashed thread would leave) once it has taken N
+// commands from its ring: what the GPU side does when its proxy dies is then testable.
 #pragma once
 
 #include <chrono>
@@ -18,6 +20,7 @@ struct FaultSpec {
   double reorder = 0.0;
   double delay_us = 0.0;
   uint64_t seed = 0;
+  uint64_t die_after = 0;  // 0: never
   bool enabled() const { return reorder > 0.0; }
   static FaultSpec parse(const std::string& s);  // throws std::invalid_argument naming the bad key
   std::string str() const;

@@ -33,6 +33,9 @@ void OrderingEmulator::on_arrival(const Completion& c) {
                << " (next expected " << (exp & kSeqMask) << ")");
   auto& pend = pending_[idx];
   if (dist != 0) {
+    if (pend.size() >= kMaxHeld)
+      UCCL_THROW("ordering: " << pend.size() << " arrivals from peer " << c.peer << " channel " << ch
+                 << " wait for seq " << (exp & kSeqMask) << ", which never came (lost in the transport?)");
     if (!pend.emplace(exp + dist, c).second)
       UCCL_THROW("ordering: duplicate arrival from peer " << c.peer << " channel " << ch << " seq " << seq);
     ++out_of_order_;

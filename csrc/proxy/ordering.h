@@ -31,6 +31,11 @@ struct SignalBlock {
 
 class OrderingEmulator {
  public:
+  // Arrivals one (source, channel) may hold while it waits for an earlier one: far more than a sender keeps
+  // in flight on a channel (its ring, ProxyConfig::ring_capacity = 2048 commands by default), so a gap this
+  // large means an arrival was lost; the emulator fails instead of growing without bound.
+  static constexpr size_t kMaxHeld = size_t(1) << 16;
+
   // apply_atomic(region, offset, value) performs the local add; it runs in sequence order.
   using AtomicFn = std::function<void(uint32_t region, uint64_t offset, int64_t value, int src)>;
 

@@ -373,6 +373,9 @@ bool ProxyThread::step() {
     }
     bump(commands_, used);
     consumer_.consume(used);
+    const uint64_t die_after = p_->fault().die_after;
+    if (die_after && commands_.load(std::memory_order_relaxed) >= die_after)
+      UCCL_THROW("stopped by fault injection after " << die_after << " commands (UCCL_EP_FAULT die_after)");
   }
   // Credits: at once when the ring is drained (got < kBatch) or a command waits; otherwise in batches.
   if (got < kBatch || used < got || consumer_.unpublished() >= credit_batch_) consumer_.publish();

@@ -104,6 +104,7 @@ void register_proxy(py::module_& m) {
     d["reorder"] = f.reorder;
     d["delay_us"] = f.delay_us;
     d["seed"] = f.seed;
+    d["die_after"] = f.die_after;
     return d;
   });
   m.def("cpus_near_gpu", &cpus_near_gpu, py::arg("gpu"));
