@@ -1,5 +1,8 @@
-"""`uccl-ep-train doctor`: runs anywhere, says clearly when there are no RDMA devices, writes JSON."""
+"""`uccl-ep-train doctor`: runs anywhere, says clearly when there are no RDMA devices, writes JSON; the settings
+table (config.SETTINGS) is the one list of environment settings: the code reads no other, the README lists all."""
 import json
+import re
+from pathlib import Path
 
 from uccl_ep_train import doctor
 from uccl_ep_train.cli import main as cli_main
@@ -16,7 +19,7 @@ def test_doctor_reports_rdma_state_and_native_module(tmp_path, capsys):
     else:
         for d in report["rdma"]["devices"]:
             assert d["name"] and isinstance(d["ports"], list)
-    assert set(report) >= {"rdma", "gpus", "native", "fabric_providers", "knobs"}
+    assert set(report) >= {"rdma", "gpus", "native", "fabric_providers", "settings", "unread_settings"}
 
 
 def test_doctor_falls_back_to_native_queries_when_pyverbs_is_missing(monkeypatch):
@@ -30,6 +33,42 @@ def test_doctor_falls_back_to_native_queries_when_pyverbs_is_missing(monkeypatch
             assert report["rdma"]["devices"] == [dict(d, source="native") for d in _native.verbs_devices()]
 
 
-def test_doctor_lists_knobs_in_effect(monkeypatch):
+def test_doctor_lists_settings_in_effect_and_names_unread_ones(monkeypatch, capsys):
     monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "3")
-    assert doctor.collect()["knobs"]["UCCL_EP_PROXY_THREADS"] == "3"
+    monkeypatch.setenv("UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC", "1")  # UCCL-EP's; nothing here reads it
+    report = doctor.collect()
+    assert report["settings"]["UCCL_EP_PROXY_THREADS"] == "3"
+    assert report["unread_settings"] == ["UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC"]
+    assert cli_main(["doctor"]) == 0
+    assert "read by nothing here (typo? see the README's settings table): UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC" in \
+        capsys.readouterr().out
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _names_in(paths) -> set:
+    names = set()
+    for path in paths:
+        names |= set(re.findall(r'"(UCCL_(?:EP_|IB_|RDMA_)[A-Z0-9_]+)"', path.read_text()))
+    return names
+
+
+def test_every_setting_the_code_reads_is_in_the_one_table_and_the_readme():
+    from uccl_ep_train.config import SETTINGS
+
+    code = [*ROOT.glob("uccl_ep_train/**/*.py"), *ROOT.glob("megatron_patch/*.py"),
+            *[p for p in ROOT.glob("csrc/**/*") if p.suffix in (".h", ".cpp", ".cu", ".cuh")]]
+    read = _names_in(code) - set(doctor.OTHER_VARS)
+    assert read - set(SETTINGS) == set(), "read by the code but missing from config.SETTINGS"
+    assert set(SETTINGS) - read == set(), "in config.SETTINGS but read by nothing"
+    readme = (ROOT / "README.md").read_text()
+    table = set(re.findall(r"^\| `(UCCL_[A-Z0-9_]+)`", readme, flags=re.M))
+    assert table == set(SETTINGS), f"README settings table: missing {set(SETTINGS) - table}, extra {table - set(SETTINGS)}"
+
+
+def test_settings_checked_for_agreement_are_settings():
+    from uccl_ep_train.agreement import SHARED_SETTINGS
+    from uccl_ep_train.config import SETTINGS
+
+    assert set(SHARED_SETTINGS) <= set(SETTINGS)

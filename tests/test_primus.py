@@ -126,7 +126,7 @@ def test_patches_select_uccl_through_primus_phases(fake_primus, overrides, monke
     backend_args = SimpleNamespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True)
     assert fake_primus.run("setup", params, backend_args) == ["uccl_ep.setup"]
     assert fake_primus.applied == [True]                       # megatron_patch.apply() registered uccl
-    assert os.environ["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "8" and os.environ["UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC"] == "1"
+    assert os.environ["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "8"
     assert settings.num_sms == 24
     assert os.environ["UCCL_EP_BACKEND"] == "auto" and os.environ["UCCL_EP_TIMEOUT_S"] == "300"
     assert backend_args.moe_token_dispatcher_type == "uccl" and backend_args.moe_enable_deepep is False

@@ -120,3 +120,45 @@ def env_number(name: str, default, cast=float):
 def timeout_s() -> float:
     """UCCL_EP_TIMEOUT_S: how long any wait for peers may take before it fails with a named error."""
     return env_number("UCCL_EP_TIMEOUT_S", 300.0)
+
+
+# Every environment setting the library and its native module read: name -> (default, meaning). The README's
+# settings table lists the same names (tests/test_doctor.py checks both against the code); `uccl-ep-train
+# doctor` prints the ones set and names any UCCL_* variable that nothing reads.
+SETTINGS: dict[str, tuple[str, str]] = {
+    # choice of path
+    "UCCL_EP_BACKEND": ("auto", "`auto`, `reference` or `native`"),
+    "UCCL_EP_DEVICE": ("cpu on gloo groups", "`cuda`: a gloo group's Buffers keep CUDA tensors (ranks sharing a GPU)"),
+    "UCCL_EP_RANKS_PER_NODE": ("LOCAL_WORLD_SIZE, else ranks per host", "ranks per node (1-8; emulated nodes)"),
+    "UCCL_EP_ALLOW_SHARED_GPU": ("0", "`1`: ranks may share a GPU without MPS (debugging only: ~5 ms per hand-over)"),
+    # errors
+    "UCCL_EP_TIMEOUT_S": ("300", "any wait for peers fails after this long, naming rank, channel and phase"),
+    "UCCL_EP_CHECK_VALUES": ("1", "`0` skips value checks that sync a GPU with the host"),
+    "UCCL_EP_FAULT": ("off", "fault injection: `reorder=P,delay_us=D,seed=S,die_after=N` (docs/proxy.md)"),
+    # proxies and transports
+    "UCCL_EP_TRANSPORT": ("ipc on one host, verbs with RDMA NICs, else fabric", "`ipc`, `verbs` or `fabric`"),
+    "UCCL_EP_PROXY_THREADS": ("4 (ranks sharing a GPU: by cores)", "proxy threads (channels) per rank"),
+    "UCCL_EP_DISABLE_CPU_AFFINITY": ("0", "`1`: do not pin proxy threads to cores near the GPU"),
+    "UCCL_EP_RDMA_CHUNK_BYTES": ("2 MiB on a NIC, 8 MiB on ipc", "bytes per internode write"),
+    "UCCL_EP_START_PROXIES": ("0", "`1`: start proxies on CPU runs too (initialize_uccl)"),
+    "UCCL_EP_RING_PUBLISH": ("by CPU", "`fence` or `vector`: how the GPU publishes ring commands"),
+    "UCCL_RDMA_ADAPTIVE_SLEEP": ("0 with GPUs, 1 on CPU runs", "`1`: idle proxy threads sleep instead of spinning"),
+    "UCCL_EP_VERBS_DEVICE": ("the first RDMA device", "RDMA device for the verbs transport"),
+    "UCCL_EP_VERBS_NATIVE_ATOMICS": ("0", "`1`: RDMA atomics instead of the ordered emulation"),
+    "UCCL_IB_GID_INDEX": ("-1 (auto)", "RoCE GID index"),
+    "UCCL_IB_SL": ("0", "InfiniBand service level"),
+    "UCCL_IB_TC": ("0", "RoCE traffic class"),
+    "UCCL_IB_MAX_INFLIGHT_NORMAL": ("8", "writes in flight per (proxy thread, destination)"),
+    "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
+    "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 (no limit)", "bytes in flight per (proxy thread, destination)"),
+    "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
+    # intranode kernel tuning (benchmarks sweep them; the defaults follow the SM count: backends/native.py)
+    "UCCL_EP_DISPATCH_PUSH_WARPS": ("12 of 16", "warps per block that push in the intranode dispatch"),
+    "UCCL_EP_COMBINE_PUSH_WARPS": ("8 / 6 / 4 of 16 up to 16 / 24 / more SMs", "the same for the combine"),
+    "UCCL_EP_FLAG_BATCH": ("4", "rows per fence in the intranode dispatch"),
+    "UCCL_EP_COMBINE_FLAG_BATCH": ("4", "the same for the combine"),
+    "UCCL_EP_COMBINE_KERNEL": ("1 (2 in fused fold mode)", "intranode combine: 1 register reduce, 2 staged"),
+    "UCCL_EP_EXPAND_BLOCKS": ("the SMs the call leaves free", "side blocks of the expert-major dispatch"),
+    "UCCL_EP_FOLD_BLOCKS": ("the SMs the call leaves free", "side blocks of the expert-major combine"),
+    "UCCL_EP_FUSE_MAX_WIDTH": ("2.0", "widest expert-major fan-out fused into the copy"),
+}

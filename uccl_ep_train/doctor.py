@@ -3,7 +3,7 @@
 Lists RDMA devices (ports, state, link layer, GIDs, atomics, peer-memory and DMA-BUF support) through
 pyverbs when it loads, else through the native module's libibverbs queries, and says plainly when there
 are none; then GPUs, the native module, compiled transports, libfabric providers with FI_EP_RDM, and the
-proxy knobs in effect. `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
+settings in effect (and UCCL_* variables that nothing reads). `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
 module is required (`--require-native`) and missing.
 """
 from __future__ import annotations
@@ -15,10 +15,9 @@ import shutil
 import subprocess
 import sys
 
-KNOBS = ["UCCL_EP_PROXY_THREADS", "UCCL_EP_DISABLE_CPU_AFFINITY", "UCCL_IB_MAX_INFLIGHT_BYTES",
-         "UCCL_IB_MAX_INFLIGHT_NORMAL", "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY", "UCCL_RDMA_ADAPTIVE_SLEEP",
-         "UCCL_EP_TIMEOUT_S", "UCCL_EP_FAULT", "UCCL_EP_TRANSPORT", "UCCL_IB_GID_INDEX", "UCCL_SOCKET_IFNAME",
-         "UCCL_IB_SL", "UCCL_IB_TC", "UCCL_EP_ENABLE_AGGRESSIVE_ATOMIC", "FI_PROVIDER", "FI_TCP_IFACE"]
+# the launch (slurm/launch.sh, train.sbatch, the Primus YAMLs) and libfabric variables doctor also reports when
+# set (the library's own: config.SETTINGS)
+OTHER_VARS = ["UCCL_SOCKET_IFNAME", "UCCL_EP_TRAIN_HOME", "UCCL_EP_NUM_SMS", "FI_PROVIDER", "FI_TCP_IFACE"]
 
 
 def _pyverbs_devices():
@@ -63,7 +62,8 @@ def _native_info():
 
 
 def collect() -> dict:
-    report: dict = {"rdma": {}, "gpus": [], "native": {}, "fabric_providers": [], "knobs": {}}
+    report: dict = {"rdma": {}, "gpus": [], "native": {}, "fabric_providers": [], "settings": {},
+                    "unread_settings": []}
     native, why = _native_info()
     report["native"] = {
         "importable": native is not None,
@@ -95,7 +95,12 @@ def collect() -> dict:
     except Exception as e:  # pragma: no cover
         report["gpus_error"] = str(e)
     report["fabric_providers"] = _fabric_providers()
-    report["knobs"] = {k: os.environ[k] for k in KNOBS if k in os.environ}
+    from .config import SETTINGS
+
+    report["settings"] = {k: os.environ[k] for k in [*SETTINGS, *OTHER_VARS] if k in os.environ}
+    # a UCCL_* variable nothing reads is usually a typo or a setting of another project (UCCL-EP's own)
+    report["unread_settings"] = sorted(k for k in os.environ if k.startswith(("UCCL_EP_", "UCCL_IB_", "UCCL_RDMA_"))
+                                       and k not in SETTINGS and k not in OTHER_VARS)
     return report
 
 
@@ -148,7 +153,10 @@ def render(r: dict) -> str:
                  + (f" (CUDA {n['with_cuda']}, HIP {n['with_hip']}, transports: {', '.join(n['transports']) or 'none'},"
                     f" GPU producers {n['gpu_producers']})" if n["importable"] else ""))
     lines.append(f"libfabric providers (fi_info -l): {', '.join(r['fabric_providers']) or 'fi_info not found'}")
-    lines.append("proxy knobs set: " + (", ".join(f"{k}={v}" for k, v in r["knobs"].items()) or "none (defaults)"))
+    lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "none set (defaults)"))
+    if r["unread_settings"]:
+        lines.append("set but read by nothing here (typo? see the README's settings table): "
+                     + ", ".join(r["unread_settings"]))
     return "\n".join(lines)
 
 

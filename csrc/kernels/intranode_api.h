@@ -84,10 +84,11 @@ class IntranodeBuffer {
   // (float32 sum in slot order, rounded once: exactly permute.reduce_rows), own rows included. With
   // fold_out (fold mode; [rows of the fold map, hidden], at most 2^20 rows) fold_blocks more blocks
   // beside the num_sms form the rows there while the num_sms blocks push them; else the push warps fold.
+  // variant: 1 reduce through registers, 2 staged through shared memory, 0 the default for the mode.
   void combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens, int64_t send_pos,
                int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out, int64_t out_topk_weights,
                int64_t fold_map, int fold_k, int64_t fold_rows, int64_t fold_out, int64_t fold_out_rows,
-               int fold_blocks, int num_sms, int push_warps, int flag_batch, int64_t stream);
+               int fold_blocks, int num_sms, int push_warps, int flag_batch, int variant, int64_t stream);
 
   // Warps per block of the dispatch / combine kernels (push_warps may be 1..this).
   static int warps_per_block();

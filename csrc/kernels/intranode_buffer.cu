@@ -1,5 +1,4 @@
 // IntranodeBuffer: the IPC-shared device buffer of one rank, its peers' mappings, and the op launchers.
-#include <cstdlib>
 #include <cstring>
 #include <sstream>
 
@@ -294,7 +293,7 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
                               int64_t send_pos, int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out,
                               int64_t out_topk_weights, int64_t fold_map, int fold_k, int64_t fold_rows,
                               int64_t fold_out, int64_t fold_out_rows, int fold_blocks, int num_sms, int push_warps,
-                              int flag_batch, int64_t stream) {
+                              int flag_batch, int variant, int64_t stream) {
   check_open("combine");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
@@ -311,11 +310,11 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.push_warps = push_warps;
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
-  // UCCL_EP_COMBINE_KERNEL: 1 reduce (and fold) through registers, 2 staged through shared memory with
-  // cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200 at 8-24 SMs: 433 vs 359 GB/s at 24),
-  // 2 in fused fold mode (each pushed row reads ~k/R expert rows: see intranode.cu), 1 with fold blocks.
-  const char* variant = std::getenv("UCCL_EP_COMBINE_KERNEL");
-  a.variant = (variant != nullptr && variant[0] != '\0') ? std::atoi(variant) : (fold_map != 0 && fold_out == 0 ? 2 : 1);
+  // variant (UCCL_EP_COMBINE_KERNEL, read by Python): 1 reduce (and fold) through registers, 2 staged through
+  // shared memory with cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200
+  // at 8-24 SMs: 433 vs 359 GB/s at 24), 2 in fused fold mode (each pushed row reads ~k/R expert rows: see
+  // intranode.cu), 1 with fold blocks.
+  a.variant = variant > 0 ? variant : (fold_map != 0 && fold_out == 0 ? 2 : 1);
   UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,

@@ -545,7 +545,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
                           0 if fold_map is None else fold_map.size(1), x.size(0), _ptr(fold_out),
                           0 if fold_out is None else fold_out.size(0), fold_blocks, num_sms,
                           self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", push_warps),
-                          _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH), self._stream())
+                          _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH),
+                          _combine_variant(), self._stream())
         return out, out_w
 
 
@@ -588,6 +589,15 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
 def _by_sms(table: tuple, num_sms: int) -> int:
     """The setting of the first (up to this many SMs, setting) row of `table` that covers num_sms."""
     return next(value for max_sms, value in table if num_sms <= max_sms)
+
+
+def _combine_variant() -> int:
+    """UCCL_EP_COMBINE_KERNEL: 1 (register reduce) or 2 (staged through shared memory); 0 when unset: the
+    kernel's default for the mode (intranode_buffer.cu says which and why)."""
+    v = env_number("UCCL_EP_COMBINE_KERNEL", 0, int)
+    if "UCCL_EP_COMBINE_KERNEL" in os.environ and v not in (1, 2):
+        raise ValueError(f"UCCL_EP_COMBINE_KERNEL must be 1 or 2, got {v}")
+    return v
 
 
 def _env_int(var: str, default: int) -> int:
