@@ -7,6 +7,7 @@ Nothing is linked statically that torch also carries (libstdc++ stays shared).
 """
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import shutil
@@ -37,24 +38,66 @@ def _cuda_home(nvcc: str) -> str:
     return home
 
 
+def _torch():
+    """torch when the build environment has it (it decides which GPU toolchain and targets fit), else None."""
+    try:
+        import torch
+    except Exception:  # an isolated build environment without torch
+        return None
+    return torch
+
+
+def _nvcc() -> str | None:
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if not nvcc:
+        cand = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+        nvcc = cand if os.path.exists(cand) else None
+    return nvcc
+
+
+def _hipcc() -> str | None:
+    hipcc = shutil.which("hipcc")
+    if not hipcc:
+        cand = os.path.join(os.environ.get("ROCM_PATH", "/opt/rocm"), "bin", "hipcc")
+        hipcc = cand if os.path.exists(cand) else None
+    return hipcc
+
+
 def find_gpu_compiler() -> tuple[str, str] | tuple[None, None]:
-    """('cuda', nvcc) or ('hip', hipcc) or (None, None); UCCL_EP_GPU=cuda|hip|none overrides."""
+    """('cuda', nvcc) or ('hip', hipcc) or (None, None); UCCL_EP_GPU=cuda|hip|none overrides. Automatically:
+    the toolchain of the torch present (a ROCm torch builds with hipcc), else nvcc, else hipcc (ROCm's
+    hipcc on an AMD machine is found without any setting)."""
     want = os.environ.get("UCCL_EP_GPU", "auto")
     if want == "none":
         return None, None
-    if want in ("auto", "cuda"):
-        nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
-        if not nvcc:
-            cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-            cand = os.path.join(cuda_home, "bin", "nvcc")
-            nvcc = cand if os.path.exists(cand) else None
-        if nvcc:
-            return "cuda", nvcc
-    if want in ("auto", "hip"):
-        hipcc = shutil.which("hipcc")
-        if hipcc and want == "hip":
-            return "hip", hipcc
+    torch = _torch()
+    rocm_torch = torch is not None and getattr(torch.version, "hip", None)
+    order = {"cuda": ["cuda"], "hip": ["hip"]}.get(want, ["hip", "cuda"] if rocm_torch else ["cuda", "hip"])
+    for kind in order:
+        compiler = _nvcc() if kind == "cuda" else _hipcc()
+        if compiler:
+            return kind, compiler
     return None, None
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_archs(kind: str) -> tuple[str, ...]:
+    """The GPU targets: UCCL_EP_CUDA_ARCHS / UCCL_EP_HIP_ARCHS (comma-separated) if set, else those of the
+    GPUs torch sees here, else the defaults (CUDA: 90, Hopper; HIP: gfx942 and gfx950, MI300 and MI350).
+    CUDA builds also embed PTX of the newest target, so newer GPUs run the kernels (JIT at first load)."""
+    var, default = ("UCCL_EP_CUDA_ARCHS", ("90",)) if kind == "cuda" else ("UCCL_EP_HIP_ARCHS", ("gfx942", "gfx950"))
+    if os.environ.get(var):
+        return tuple(a.strip() for a in os.environ[var].split(",") if a.strip())
+    torch = _torch()
+    try:
+        if torch is not None and torch.cuda.is_available():
+            props = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())]
+            seen = sorted({(f"{p.major}{p.minor}" if kind == "cuda" else p.gcnArchName.split(":")[0]) for p in props})
+            if seen:
+                return tuple(seen)
+    except Exception:  # a driver problem: build for the defaults
+        pass
+    return default
 
 
 class NativeBuildExt(build_ext):
@@ -110,15 +153,17 @@ class NativeBuildExt(build_ext):
         includes = [f"-I{d}" for d in ext.include_dirs]
         defines = [f"-D{k}" if v is None else f"-D{k}={v}" for k, v in ext.define_macros]
         if kind == "cuda":
-            archs = os.environ.get("UCCL_EP_CUDA_ARCHS", "90").split(",")
+            archs = gpu_archs("cuda")
             flags = ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-Xcompiler", "-fPIC",
                      "-DUCCL_EP_WITH_CUDA=1", "-lineinfo"]
             flags += [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs]
+            newest = max(archs, key=int)
+            flags += [f"-gencode=arch=compute_{newest},code=compute_{newest}"]  # PTX for newer GPUs
             host_cxx = os.environ.get("CXX")
             if host_cxx:
                 flags += ["-ccbin", host_cxx]
         else:
-            archs = os.environ.get("UCCL_EP_HIP_ARCHS", "gfx90a,gfx942").split(",")
+            archs = gpu_archs("hip")
             flags = ["-O3", "-std=c++17", "-fPIC", "-DUCCL_EP_WITH_HIP=1", "-x", "hip"]
             flags += [f"--offload-arch={a}" for a in archs]
         objects = []
@@ -161,6 +206,8 @@ def native_build_kwargs() -> dict:
     sources = cpp + (sorted(p for p in glob.glob("csrc/**/*.cu", recursive=True) if keep(p)) if kind else [])
     define_macros, libraries, library_dirs, include_dirs = [], ["pthread"], [], [pybind11.get_include(), "csrc"]
     runtime_library_dirs = []
+    if kind:  # what the kernels were compiled for (`_native.GPU_ARCHS`, Buffer.is_sm90_compiled)
+        define_macros.append(("UCCL_EP_GPU_ARCHS", '"' + ",".join(gpu_archs(kind)) + '"'))
     if kind == "cuda":
         define_macros.append(("UCCL_EP_WITH_CUDA", "1"))
         cuda_home = _cuda_home(find_gpu_compiler()[1])

@@ -20,6 +20,12 @@ PYBIND11_MODULE(_native, m) {
       false
 #endif
   );
+  // the GPU targets the kernels were compiled for ("" without GPU kernels): "90", "gfx942,gfx950", ...
+#if defined(UCCL_EP_GPU_ARCHS)
+  m.attr("GPU_ARCHS") = std::string(UCCL_EP_GPU_ARCHS);
+#else
+  m.attr("GPU_ARCHS") = std::string();
+#endif
   register_proxy(m);
   register_transport(m);
   if (register_proxy_gpu) register_proxy_gpu(m);

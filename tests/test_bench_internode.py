@@ -6,6 +6,8 @@ import json
 import pytest
 import torch
 
+from uccl_ep_train.bench import _portable
+
 REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "device", "gpus",
             "date", "commit", "command", "timing", "backend", "num_tokens", "hidden", "num_experts", "num_topk",
             "rdma_bytes", "proxy_bytes", "proxy_commands_per_s")
@@ -46,7 +48,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert (r["bench"], r["ranks"], r["ranks_per_node"], r["nodes"]) == ("internode", 4, 2, 2)
         assert (r["device"], r["gpus"], r["timing"]) == ("cpu", 0, "api")
         assert {k: r[k] for k in SHAPE} == SHAPE
-        assert r["command"] == "uccl-ep-train bench internode " + " ".join(argv)
+        assert r["command"] == "uccl-ep-train bench internode " + " ".join(_portable(a) for a in argv)
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none

@@ -72,3 +72,26 @@ def test_settings_checked_for_agreement_are_settings():
     from uccl_ep_train.config import SETTINGS
 
     assert set(SHARED_SETTINGS) <= set(SETTINGS)
+
+
+def test_a_gpu_machine_without_usable_kernels_is_told_why(monkeypatch, caplog):
+    """Buffer warns once, loudly, and doctor prints the reason, when GPUs are present but the native kernels
+    cannot serve them (here: simulated, the module built without GPU kernels)."""
+    import types
+
+    import torch
+
+    from uccl_ep_train import buffer
+    from uccl_ep_train.backends import native
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native, "_module", lambda: types.SimpleNamespace(WITH_CUDA=False, GPU_ARCHS=""))
+    why = native.native_problem()
+    assert "built without GPU kernels" in why
+    monkeypatch.setattr(buffer, "_announced", set())
+    with caplog.at_level("WARNING", logger="uccl_ep_train"):
+        buffer._warn_without_native_kernels()
+        buffer._warn_without_native_kernels()
+    warnings = [r.getMessage() for r in caplog.records if "REFERENCE backend" in r.getMessage()]
+    assert len(warnings) == 1 and why in warnings[0]
+    assert doctor.collect()["native"]["problem"] == why

@@ -116,3 +116,35 @@ def test_fold_blocks_take_wide_rows_before_the_sm_rule(monkeypatch):
     assert fuse(_Sms(64), 1.5, 8, dispatch=False, config=None, by_sms=False)  # narrow rows still fuse
 
 
+
+
+def test_gpu_targets_follow_the_setting_or_the_gpus_present(monkeypatch):
+    import native_build
+
+    native_build.gpu_archs.cache_clear()
+    monkeypatch.setenv("UCCL_EP_CUDA_ARCHS", "90,100")
+    monkeypatch.setenv("UCCL_EP_HIP_ARCHS", "gfx950")
+    assert native_build.gpu_archs("cuda") == ("90", "100") and native_build.gpu_archs("hip") == ("gfx950",)
+    native_build.gpu_archs.cache_clear()
+    monkeypatch.delenv("UCCL_EP_CUDA_ARCHS")
+    monkeypatch.delenv("UCCL_EP_HIP_ARCHS")
+    import torch
+    if not torch.cuda.is_available():  # no GPU: Hopper, and AMD's MI300 / MI350
+        assert native_build.gpu_archs("cuda") == ("90",) and native_build.gpu_archs("hip") == ("gfx942", "gfx950")
+    native_build.gpu_archs.cache_clear()
+
+
+def test_a_rocm_torch_picks_hipcc(monkeypatch):
+    import types
+
+    import native_build
+
+    monkeypatch.delenv("UCCL_EP_GPU", raising=False)
+    monkeypatch.setattr(native_build, "_torch", lambda: types.SimpleNamespace(version=types.SimpleNamespace(hip="6.4")))
+    monkeypatch.setattr(native_build, "_hipcc", lambda: "/opt/rocm/bin/hipcc")
+    monkeypatch.setattr(native_build, "_nvcc", lambda: "/usr/local/cuda/bin/nvcc")
+    assert native_build.find_gpu_compiler() == ("hip", "/opt/rocm/bin/hipcc")
+    monkeypatch.setattr(native_build, "_torch", lambda: None)
+    assert native_build.find_gpu_compiler() == ("cuda", "/usr/local/cuda/bin/nvcc")
+    monkeypatch.setattr(native_build, "_nvcc", lambda: None)
+    assert native_build.find_gpu_compiler() == ("hip", "/opt/rocm/bin/hipcc")  # hipcc found without a setting

@@ -49,11 +49,28 @@ def _native_internode_backend() -> tuple[Optional[type], str]:
     return NativeInternodeBackend, ""
 
 
+def _warn_without_native_kernels() -> None:
+    """Once per process, loudly: GPUs are here but the native kernels cannot serve them, so `auto` runs the
+    reference backend (torch.distributed, a host sync per call: several times slower). `doctor` says the same."""
+    try:
+        from .backends.native import native_problem
+    except ImportError as exc:
+        why = f"the native backend does not load ({exc})"
+    else:
+        why = native_problem()
+    if why and "native-missing" not in _announced:
+        _announced.add("native-missing")
+        log.warning("uccl_ep_train: GPUs are present but %s. Falling back to the REFERENCE backend "
+                    "(torch.distributed, several times slower); UCCL_EP_BACKEND=native makes this an error.", why)
+
+
 def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
                   topology: Topology) -> Backend:
     choice = os.environ.get("UCCL_EP_BACKEND", "auto").lower()
     if choice not in ("auto", "reference", "native"):
         raise ValueError(f"UCCL_EP_BACKEND must be auto, reference or native, got {choice!r}")
+    if choice == "auto" and device.type == "cuda":
+        _warn_without_native_kernels()
     if choice != "reference" and device.type == "cuda":
         try:
             from .backends.native import NativeBackend, native_available
@@ -213,8 +230,15 @@ class Buffer:
     # ---- DeepEP static helpers ---------------------------------------------------------------------------
     @staticmethod
     def is_sm90_compiled() -> bool:
-        """True when FP8 dispatch is available (always with the reference backend)."""
-        return True
+        """DeepEP's question, answered for the native module: were its kernels compiled for SM90 (Hopper) or a
+        newer NVIDIA architecture? (FP8 dispatch itself works on every backend here: the reference backend
+        and the native kernels move FP8 rows as bytes.)"""
+        try:
+            from . import _native  # noqa: PLC0415 (optional extension)
+        except ImportError:
+            return False
+        archs = [a for a in str(getattr(_native, "GPU_ARCHS", "")).split(",") if a.isdigit()]
+        return bool(getattr(_native, "WITH_CUDA", False)) and any(int(a) >= 90 for a in archs)
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:

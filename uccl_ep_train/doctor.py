@@ -72,6 +72,7 @@ def collect() -> dict:
         "with_hip": bool(getattr(native, "WITH_HIP", False)) if native else False,
         "transports": list(native.compiled_transports()) if native and hasattr(native, "compiled_transports") else [],
         "gpu_producers": bool(native and hasattr(native, "gpu_push_commands")),
+        "gpu_archs": str(getattr(native, "GPU_ARCHS", "")) if native else "",
     }
     devices, source = _pyverbs_devices()
     if devices is None:
@@ -94,6 +95,12 @@ def collect() -> dict:
                                        "numa_cpus": list(native.cpus_near_gpu(i))[:64] if native and native.WITH_CUDA else []})
     except Exception as e:  # pragma: no cover
         report["gpus_error"] = str(e)
+    try:
+        from .backends.native import native_problem
+
+        report["native"]["problem"] = native_problem()
+    except Exception as e:  # pragma: no cover - torch missing or broken
+        report["native"]["problem"] = f"cannot check ({e})"
     report["fabric_providers"] = _fabric_providers()
     from .config import SETTINGS
 
@@ -150,8 +157,11 @@ def render(r: dict) -> str:
     n = r["native"]
     lines.append("")
     lines.append(f"native module: {'importable' if n['importable'] else n['status']}"
-                 + (f" (CUDA {n['with_cuda']}, HIP {n['with_hip']}, transports: {', '.join(n['transports']) or 'none'},"
-                    f" GPU producers {n['gpu_producers']})" if n["importable"] else ""))
+                 + (f" (CUDA {n['with_cuda']}, HIP {n['with_hip']}, kernels for {n['gpu_archs'] or 'no GPU'}, "
+                    f"transports: {', '.join(n['transports']) or 'none'}, GPU producers {n['gpu_producers']})"
+                    if n["importable"] else ""))
+    if n.get("problem"):
+        lines.append(f"  NATIVE KERNELS UNUSABLE HERE: {n['problem']} (Buffer falls back to the reference backend)")
     lines.append(f"libfabric providers (fi_info -l): {', '.join(r['fabric_providers']) or 'fi_info not found'}")
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "none set (defaults)"))
     if r["unread_settings"]:

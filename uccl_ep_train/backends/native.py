@@ -102,6 +102,30 @@ def native_available() -> bool:
     return hasattr(m, "IntranodeBuffer") and torch.cuda.is_available()
 
 
+def native_problem() -> str:
+    """Why the native kernels cannot serve this machine's GPUs ("" when they can, or when there is no GPU):
+    the module does not import, was built without GPU kernels, or for targets the GPUs cannot run."""
+    if not torch.cuda.is_available():
+        return ""
+    try:
+        m = _module()
+    except ImportError as exc:
+        return f"the native module does not import ({exc}); rebuild it: python setup.py build_ext --inplace"
+    if not hasattr(m, "IntranodeBuffer"):
+        return ("the native module was built without GPU kernels (no nvcc / hipcc found at build time); install "
+                "the CUDA toolkit or ROCm and rebuild: python setup.py build_ext --inplace")
+    archs = [a for a in str(getattr(m, "GPU_ARCHS", "")).split(",") if a]
+    if getattr(m, "WITH_CUDA", False) and archs:
+        cap = torch.cuda.get_device_capability()
+        have = cap[0] * 10 + cap[1]
+        built = sorted(int(a) for a in archs if a.isdigit())
+        # cubins run on their own major architecture at the same or a newer minor; PTX of the newest on newer GPUs
+        if built and not any(b // 10 == have // 10 and b <= have for b in built) and have < built[-1]:
+            return (f"the native kernels were built for sm_{','.join(map(str, built))}, this GPU is sm_{have}; "
+                    f"rebuild with UCCL_EP_CUDA_ARCHS={have}")
+    return ""
+
+
 def quiesce(device: torch.device, group) -> None:
     """Before a native backend releases its buffers: this rank's kernels are done and, after the barrier,
     every peer's too, so nobody still writes into (or reads from) them."""
