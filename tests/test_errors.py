@@ -148,6 +148,46 @@ def test_cross_rank_mismatch_is_reported_on_every_rank():
     assert run_ranks(_mismatch, 2) == ["ok", "ok"]
 
 
+def _native_shape_mismatch(rank: int, world: int, device: str) -> list:
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(group, int(1e8), int(1e8))
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=dev)
+    w = torch.rand(4, 2, device=dev)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert, topk_idx=idx)
+    x = torch.randn(4, 128, device=dev)
+    messages = []
+    for call in (lambda: buf.dispatch(torch.randn(4, 128 * (rank + 1), device=dev).to(torch.bfloat16),
+                                      topk_weights=w, **layout),
+                 lambda: buf.dispatch(x.to(torch.bfloat16 if rank == 0 else torch.float16), topk_weights=w, **layout),
+                 lambda: buf.dispatch(x.to(torch.bfloat16), topk_weights=w if rank == 0 else None, **layout)):
+        with pytest.raises(ValueError) as err:
+            call()
+        messages.append(str(err.value))
+    recv, *_ = buf.dispatch(x.to(torch.bfloat16), topk_weights=w, **layout)  # agreeing calls go on
+    assert recv.size(1) == 128
+    buf.destroy()
+    return messages
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks_per_node", [None, "1"], ids=["intranode", "internode-2x1"])
+def test_native_ranks_disagreeing_on_a_dispatch_get_the_same_error(mps, ranks_per_node):
+    """A fresh dispatch carries its shape with the counts: ranks that differ in row size, dtype or weights all
+    raise the same error, before any row moves, and the next agreeing call works."""
+    env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "30",
+           **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    per_rank = run_ranks(_native_shape_mismatch, 2, device="cuda", backend="gloo", ranks_per_gpu=2, env=env,
+                         timeout=180)
+    assert per_rank[0] == per_rank[1]
+    rows, dtype, weights = per_rank[0]
+    assert "dispatch: ranks disagree on x row bytes: rank 0=256, rank 1=512" in rows
+    assert "dispatch: ranks disagree on x dtype: rank 0=1, rank 1=2" in dtype
+    assert "dispatch: ranks disagree on topk_weights given: rank 0=1, rank 1=0" in weights
+
+
 def _missing_peer(rank: int, world: int, device: str, error: type, pattern: str, bound_s: float) -> str:
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")

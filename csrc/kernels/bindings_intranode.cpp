@@ -17,6 +17,7 @@ void register_intranode(py::module_& m) {
   using uccl_ep::intranode::IntranodeBuffer;
   m.attr("INTRANODE_MAX_RANKS") = uccl_ep::intranode::kMaxRanks;
   m.attr("INTRANODE_WARPS_PER_BLOCK") = IntranodeBuffer::warps_per_block();
+  m.attr("INTRANODE_SHAPE_INTS") = uccl_ep::intranode::kShapeInts;
   m.def(
       "intranode_row_capacity",
       [](int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {

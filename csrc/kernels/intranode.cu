@@ -67,6 +67,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   for (int r = 0; r < R; ++r) {
     int* slot = reinterpret_cast<int*>(a.peers.p[r] + kCountsOffset) + (int64_t)me * kCountsSlotInts;
     for (int i = tid; i < R + epr; i += blockDim.x) slot[i] = i < R ? a.per_rank[i] : a.per_expert[r * epr + i - R];
+    if (tid < kShapeInts) slot[kCountsSlotInts - kShapeInts + tid] = a.shape[tid];
   }
 
   // send_pos[t][r]: exclusive prefix over tokens of is_token_in_rank[:, r]; each thread owns a token chunk.
@@ -105,6 +106,10 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
 
   const volatile int* slots = reinterpret_cast<const volatile int*>(my + kCountsOffset);
   if (tid < R * R) s_counts[tid / R][tid % R] = slots[(int64_t)(tid / R) * kCountsSlotInts + tid % R];
+  // every rank's shape, for the host to check that the ranks agree on the call (after the handle matrices)
+  if (tid < R * kShapeInts)
+    a.info[R * R + epr + R * epr + 2 * R + tid] =
+        slots[(int64_t)(tid / kShapeInts) * kCountsSlotInts + kCountsSlotInts - kShapeInts + tid % kShapeInts];
   __syncthreads();
   if (tid < R) {
     // DeepEP's handle matrices for one channel per rank pair, after the expert-major bases: rows sent to

@@ -13,6 +13,7 @@
 namespace uccl_ep::intranode {
 
 constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
+constexpr int kShapeInts = 8;  // a notify's shape header: the last ints of every counts slot (the host checks them)
 constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 
 // Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.
@@ -59,10 +60,11 @@ class IntranodeBuffer {
   // info int32 [R*R + epr + R*epr + 2R] (epr = experts per rank): the rank prefix matrix, this rank's
   // per-local-expert counts, the expert-major base row of each (source rank, local expert) block
   // (experts in order, within an expert source ranks in order: the order the alltoall dispatcher uses),
-  // then the handle's one-channel matrices: rows sent to each rank, first row of each source rank here.
+  // then the handle's one-channel matrices: rows sent to each rank, first row of each source rank here,
+  // then every rank's `shape` (INTRANODE_SHAPE_INTS each, what the host passed: it checks that they agree).
   void notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
               int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info, int num_worst_tokens,
-              int64_t stream);
+              const std::vector<int>& shape, int64_t stream);
 
   // Push dispatch. flags: kWithTopk (topk_idx given: recv ids/weights written), kWithWeights,
   // kWithSrc (fresh dispatch: recv_src_idx written). Cached dispatch passes 0. Scales when scale_bytes > 0.

@@ -193,11 +193,12 @@ static PeerPtrs peer_ptrs(void* const* peers) {
 
 void IntranodeBuffer::notify(int64_t num_tokens_per_rank, int64_t num_tokens_per_expert, int64_t is_token_in_rank,
                              int num_tokens, int num_experts, int64_t out_send_pos, int64_t out_info,
-                             int num_worst_tokens, int64_t stream) {
+                             int num_worst_tokens, const std::vector<int>& shape, int64_t stream) {
   check_open("dispatch (notify)");
   UCCL_CHECK(num_experts % num_ranks_ == 0, "num_experts " << num_experts << " not divisible by " << num_ranks_);
-  UCCL_CHECK(num_ranks_ + num_experts / num_ranks_ <= kCountsSlotInts,
+  UCCL_CHECK(num_ranks_ + num_experts / num_ranks_ <= kCountsSlotInts - kShapeInts,
              "num_experts " << num_experts << " too large for the counts exchange");
+  UCCL_CHECK(int(shape.size()) == kShapeInts, "notify: shape has " << shape.size() << " ints, expected " << kShapeInts);
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   NotifyArgs a{};
   a.peers = peer_ptrs(peers_);
@@ -206,6 +207,7 @@ void IntranodeBuffer::notify(int64_t num_tokens_per_rank, int64_t num_tokens_per
   a.num_tokens = num_tokens;
   a.num_experts = num_experts;
   a.num_worst_tokens = num_worst_tokens;
+  for (int i = 0; i < kShapeInts; ++i) a.shape[i] = shape[i];
   a.per_rank = as_ptr<const int>(num_tokens_per_rank);
   a.per_expert = as_ptr<const int>(num_tokens_per_expert);
   a.in_rank = as_ptr<const bool>(is_token_in_rank);

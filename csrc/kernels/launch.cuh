@@ -28,6 +28,7 @@ struct SignalArgs {
 struct NotifyArgs {
   PeerPtrs peers;
   int rank, num_ranks, num_tokens, num_experts, num_worst_tokens;
+  int shape[kShapeInts];  // pushed with the counts; every rank's lands in info after the handle matrices
   const int* per_rank;
   const int* per_expert;
   const bool* in_rank;

@@ -34,7 +34,7 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend, WithoutLowLatency
-from .native import SharesMemoryWithPeers, _module, quiesce
+from .native import SharesMemoryWithPeers, _module, check_same_shape, quiesce, shape_header
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -47,9 +47,6 @@ _GROW_STEP = 64 << 20
 # UCCL_EP_RDMA_CHUNK_BYTES overrides (the same value on every rank).
 _CHUNK_BYTES = {"ipc": 8 << 20, "verbs": 2 << 20, "fabric": 2 << 20}
 _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
-_HEADER = ("num_tokens", "x row bytes", "FP8 scale bytes", "num_topk", "topk_weights given", "num_experts",
-           "x dtype")
 
 
 def internode_available() -> bool:
@@ -219,11 +216,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             self._failed = str(exc)
             raise
         rows = self._pinned[:size].numpy().reshape(self.num_ranks, stride).copy()
-        for i, name in enumerate(_HEADER):
-            values = rows[:, i]
-            if (values != values[0]).any() and name != "num_tokens":
-                raise ValueError(f"dispatch: ranks disagree on {name}: " +
-                                 ", ".join(f"rank {r}={int(v)}" for r, v in enumerate(values)))
+        check_same_shape(rows.tolist())
         return rows
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
@@ -249,7 +242,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
         per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
-        header = [T, x_bytes, scale_bytes, K, int(topk_weights is not None), num_experts, _X_DTYPES[x.dtype], 0]
+        header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts)
         rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
         h = int(self._native.INTERNODE_HEADER_INTS)
         counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r

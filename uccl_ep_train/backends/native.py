@@ -126,6 +126,30 @@ def native_problem() -> str:
     return ""
 
 
+# A fresh dispatch's shape as notify carries it to every rank (intranode and internode). The ranks must agree
+# on all of it but the token count: else they write rows of different sizes into each other's buffers.
+SHAPE_FIELDS = ("num_tokens", "x row bytes", "FP8 scale bytes", "num_topk", "topk_weights given", "num_experts",
+                "x dtype")
+_X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
+
+
+def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
+                 topk_weights: Optional[torch.Tensor], num_experts: int) -> list[int]:
+    """SHAPE_FIELDS of a call, then a zero (8 ints: the header notify carries)."""
+    return [x.size(0), x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4,
+            0 if topk_idx is None else topk_idx.size(1), int(topk_weights is not None), num_experts,
+            _X_DTYPES.get(x.dtype, 0), 0]
+
+
+def check_same_shape(per_rank: list) -> None:
+    """Raises the same ValueError on every rank (each passes every rank's header) unless they agree."""
+    for i, name in enumerate(SHAPE_FIELDS):
+        values = [int(h[i]) for h in per_rank]
+        if name != "num_tokens" and len(set(values)) > 1:
+            raise ValueError(f"dispatch: ranks disagree on {name}: " +
+                             ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+
+
 def quiesce(device: torch.device, group) -> None:
     """Before a native backend releases its buffers: this rank's kernels are done and, after the barrier,
     every peer's too, so nobody still writes into (or reads from) them."""
@@ -289,9 +313,10 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         return self._pinned[:size]
 
     def _exchange_counts(self, n: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                         num_worst_tokens: int) -> "_Counts":
-        """notify (per-rank / per-expert counts into every peer), then, unless num_worst_tokens bounds the
-        receive, the one host sync that sizes the outputs."""
+                         num_worst_tokens: int, shape: list[int]) -> "_Counts":
+        """notify (per-rank / per-expert counts and the call's `shape` into every peer), then, unless
+        num_worst_tokens bounds the receive, the one host sync that sizes the outputs and checks that the
+        ranks agree on the shape (the same error on every rank: each reads every rank's)."""
         R, me = self.num_ranks, self.rank
         dev = is_token_in_rank.device
         is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
@@ -303,9 +328,10 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr], and the handle's
         # one-channel matrices [R] + [R] (notify writes them all: no further launches before the host sync)
         o = R * R + epr + R * epr
-        info = torch.empty(o + 2 * R, dtype=torch.int32, device=dev)
+        S = int(self._native.INTRANODE_SHAPE_INTS)  # then every rank's shape
+        info = torch.empty(o + 2 * R + R * S, dtype=torch.int32, device=dev)
         self._buf.notify(per_rank.data_ptr(), per_expert.data_ptr(), is_token_in_rank.data_ptr(), n, num_experts,
-                         send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), self._stream())
+                         send_pos.data_ptr(), info.data_ptr(), int(num_worst_tokens), shape, self._stream())
         c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr,
                     (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
@@ -315,20 +341,21 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             c.max_recv, c.max_send = c.out_rows, min(n * R, R * c.out_rows)
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
-        counts = self._host_counts(R * R + epr)
-        counts.copy_(info[: R * R + epr], non_blocking=True)
+        counts = self._host_counts(info.numel())
+        counts.copy_(info, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()  # one per backend, re-recorded per call (awaited right away)
         self._copied.record()
         self._copied.synchronize()
         host = counts.tolist()
         self._check()
+        check_same_shape([host[o + 2 * R + s * S: o + 2 * R + (s + 1) * S] for s in range(R)])
         last = host[(R - 1) * R: R * R]  # prefix over source ranks: rows each rank receives in all
         c.out_rows, c.max_recv = last[me], max(last)
         # rows source s sends in all = row s of the prefix matrix minus row s - 1, summed over receivers
         c.max_send = max(sum(host[s * R: (s + 1) * R]) - (sum(host[(s - 1) * R: s * R]) if s else 0)
                          for s in range(R))
-        c.per_expert = host[R * R:]
+        c.per_expert = host[R * R: R * R + epr]
         return c
 
     def _launch_dispatch(self, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, flags, num_topk, epr,
@@ -361,7 +388,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             topk_idx = topk_idx.to(torch.int64).contiguous()
             if topk_weights is not None:
                 topk_weights = topk_weights.to(torch.float32).contiguous()
-        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens)
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
+                                  shape_header(x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel()))
         per_expert_list = [_align_up(v, expert_alignment) for v in c.per_expert]
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
             x, x_scales, topk_idx, topk_weights, c, config)
@@ -438,7 +466,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
         # dispatch kernel is launched
         topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused or expand_blocks else None
-        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0)
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0,
+                                  shape_header(x, None, topk_idx, topk_weights, num_experts))
         num_rows, out_rows = sum(c.per_expert), c.out_rows
         if not (fused or expand_blocks):
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
