@@ -52,13 +52,15 @@ def _native_internode_backend() -> tuple[Optional[type], str]:
 def _warn_without_native_kernels() -> None:
     """Once per process, loudly: GPUs are here but the native kernels cannot serve them, so `auto` runs the
     reference backend (torch.distributed, a host sync per call: several times slower). `doctor` says the same."""
+    if "native-missing" in _announced:
+        return
     try:
         from .backends.native import native_problem
     except ImportError as exc:
         why = f"the native backend does not load ({exc})"
     else:
         why = native_problem()
-    if why and "native-missing" not in _announced:
+    if why:
         _announced.add("native-missing")
         log.warning("uccl_ep_train: GPUs are present but %s. Falling back to the REFERENCE backend "
                     "(torch.distributed, several times slower); UCCL_EP_BACKEND=native makes this an error.", why)
@@ -182,10 +184,11 @@ class Buffer:
 
     # ---- lifecycle -------------------------------------------------------------------------------------
     def _take_backends(self) -> list[Backend]:
-        backends = [b for b in {id(b): b for b in (getattr(self, "_backend", None),
-                                                    getattr(self, "_ll_backend", None)) if b is not None}.values()]
+        """This Buffer's backends (each once; the LL one may be the HT one), detached from it."""
+        backends = {id(b): b for b in (getattr(self, "_backend", None), getattr(self, "_ll_backend", None))
+                    if b is not None}
         self._backend = self._ll_backend = None
-        return backends
+        return list(backends.values())
 
     def destroy(self) -> None:
         """Collective (every rank calls it): waits until no rank uses the buffers, then releases every resource

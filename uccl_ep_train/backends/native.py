@@ -82,8 +82,6 @@ _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one 
 # (benchmarks/results/expert_major_side_blocks_2xH200.json). Fewer than _MIN_SIDE_BLOCKS free SMs: as
 # before (_fuse). _MAX_FOLD_ROWS: kMaxFlagRows (device_utils.cuh).
 _MIN_SIDE_BLOCKS = 8
-# Settings every rank must share (checked when a backend is made): they decide whether a fresh expert-major
-# dispatch packs positions into the id words.
 _MAX_FOLD_ROWS = 1 << 20
 
 
