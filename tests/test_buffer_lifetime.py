@@ -113,7 +113,8 @@ def _resources() -> dict:
     IPC mappings."""
     out = {"threads": threading.active_count(), "tasks": len(os.listdir("/proc/self/task")), "children": _children(),
            "fds": len(os.listdir("/proc/self/fd")),
-           "shm": len(os.listdir("/dev/shm")) if os.path.isdir("/dev/shm") else 0}
+           # /dev/shm is the machine's: count the segments our transports and copy agents name (uccl_ep_*)
+           "shm": len([n for n in os.listdir("/dev/shm") if n.startswith("uccl_ep")])}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.synchronize()
         out["gpu_allocated"] = torch.cuda.memory_allocated()
