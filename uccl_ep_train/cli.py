@@ -1,4 +1,15 @@
-"""`uccl-ep-train` command line: each subcommand lives in its own module with a `main(argv) -> int`.
+"""`uccl-ep-train` command line (each subcommand lives in its own module with a `main(argv) -> int`).
+
+USAGE lists them; it is what `uccl-ep-train`, `--help` and an unknown command print.
+"""
+from __future__ import annotations
+
+import importlib
+import sys
+
+USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options; --version)
+
+Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `uccl` dispatcher).
 
     train          the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
     bench NAME     benchmarks (uccl_ep_train.bench.NAME; `bench --help` lists them)
@@ -7,10 +18,6 @@
     pretrain-gpt   Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
     deep-ep-path   print the directory to put on PYTHONPATH so `import deep_ep` resolves to ours
 """
-from __future__ import annotations
-
-import importlib
-import sys
 
 COMMANDS = {
     "train": "uccl_ep_train.train",
@@ -36,14 +43,15 @@ def _bench_usage() -> str:
         f"  {name:<{width}}  {what}" for name, what in BENCHMARKS.items())
 
 
-def _usage() -> str:
-    return (__doc__ or "").strip()
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(USAGE.strip())
+        return 0
+    if argv[0] == "--version":
+        from . import __version__
+
+        print(f"uccl-ep-train {__version__}")
         return 0
     cmd, rest = argv[0], argv[1:]
     if cmd == "bench":
@@ -58,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]
     else:
-        print(f"uccl-ep-train: unknown command {cmd!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"uccl-ep-train: unknown command {cmd!r} (commands: {', '.join(['bench', *COMMANDS])})\n\n"
+              f"{USAGE.strip()}", file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(module)
