@@ -23,7 +23,7 @@ constexpr int kWarpSize = UCCL_WARP_SIZE;
 constexpr int64_t kArriveOffset = 0;
 constexpr int64_t kFreeOffset = 256;
 constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
-constexpr int64_t kExpandDoneOffset = 2048;  // uint64 counter: this rank's dispatch expand blocks that finished
+constexpr int64_t kSideWorkOffset = 2048;  // SideWork's counters (local use only): see SideWork below
 constexpr int64_t kCountsOffset = 4096;
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
 constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
@@ -234,6 +234,44 @@ __device__ __forceinline__ int warp_shfl(int v, int src) {
   return __shfl_sync(0xffffffffu, v, src);
 #endif
 }
+
+// Work beside a launch's communication blocks (the dispatch's expert-major expansion, the combine's fold):
+// items [0, total) go to whichever warp claims them first, side blocks from their start and communication
+// warps once their own part is done (or, for an item they wait on, at once). So the launch completes when
+// its side blocks never become resident (another kernel on another stream holds those SMs): progress does
+// not depend on which blocks run. Counters at kSideWorkOffset of this rank's buffer: items claimed, items
+// finished, blocks exited; the last block of the launch to exit zeroes them for the next launch.
+struct SideWork {
+  unsigned long long* claimed;
+  unsigned long long* done;
+  unsigned int* exited;
+
+  __device__ static SideWork at(char* header) {
+    auto* c = reinterpret_cast<unsigned long long*>(header + kSideWorkOffset);
+    return SideWork{c, c + 1, reinterpret_cast<unsigned int*>(c + 2)};
+  }
+  // The next unclaimed item (the whole warp calls; every lane gets it).
+  __device__ int64_t claim(int lane) const {
+    int64_t k = 0;
+    if (lane == 0) k = (int64_t)atomicAdd(claimed, 1ULL);
+    const int lo = warp_shfl((int)(k & 0xffffffff), 0), hi = warp_shfl((int)(k >> 32), 0);
+    return ((int64_t)hi << 32) | (uint32_t)lo;
+  }
+  // n items finished by this thread's warp (lane 0 calls): its writes and reads happen before the count.
+  __device__ void finish(uint64_t n) const {
+    __threadfence();
+    atomicAdd(done, (unsigned long long)n);
+  }
+  // One thread per block, after the block's last use of the counters.
+  __device__ void exit_block() const {
+    __threadfence();
+    if (atomicAdd(exited, 1u) == gridDim.x - 1) {
+      *claimed = 0;
+      *done = 0;
+      *exited = 0;
+    }
+  }
+};
 
 __device__ __forceinline__ float bf16_to_float(uint16_t b) { return __uint_as_float((uint32_t)b << 16); }
 

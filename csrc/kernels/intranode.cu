@@ -229,8 +229,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   __shared__ int s_dr[kWarps][kMaxRanks], s_ds[kWarps][kMaxRanks], s_nd[kWarps], s_nm[kWarps], s_own[kWarps];
   const bool em = a.em_x != nullptr;
   // Expand blocks (expert-major mode, a.expand_blocks > 0): the last a.expand_blocks blocks write every row's
-  // expert-major copies (own tokens from x, landed rows from the buffer once flagged); the first nblk blocks
-  // push and copy out only the rows' metadata, then wait for them before releasing the buffer.
+  // expert-major copies (own tokens from x, landed rows from the buffer once flagged) as SideWork items; the
+  // first nblk blocks push and copy out only the rows' metadata, then take the items nobody has claimed and
+  // wait for all of them before releasing the buffer.
   const bool expand = a.expand_blocks > 0;
   const int nblk = (int)gridDim.x - a.expand_blocks;
   const char* data = my + kHeaderBytes;
@@ -278,39 +279,52 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     const int n = s_hi[tid] - s_lo[tid] - (int)blockIdx.x;
     s_nrows[tid] = (tid == me || n <= 0) ? 0 : (n + nblk - 1) / nblk;
   }
-  if ((int)blockIdx.x >= nblk) {
-    // An expand block: own tokens first (at hand), then landed rows in receive order (they land in about
-    // that order); a landed row is read from the buffer once its flag is up.
-    __syncthreads();
-    const int64_t ew = (int64_t)((int)blockIdx.x - nblk) * kWarps + w, nwe = (int64_t)a.expand_blocks * kWarps;
-    int64_t landed = 0;
-    for (int r = 0; r < R; ++r)
-      if (r != me) landed += s_hi[r] - s_lo[r];
-    for (int64_t f = ew; f < a.num_tokens + landed; f += nwe) {
-      if (f < a.num_tokens) {
-        const int pos = a.send_pos[f * R + me];
-        const int64_t own = (int64_t)s_dstlo[me] + pos;
-        if (pos < 0 || own >= a.out_rows) continue;
-        const int n = gather_dests(lane < a.em_k ? own_dest(f, own) : -1, 0);
-        warp_push_row<V>(a.x + f * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
-      } else {
-        int src;
-        const int64_t i = row_of_others(f - a.num_tokens, s_lo, s_hi, me, src);
-        const int cached_d = (!a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
-        int ok = 1;
-        if (lane == 0)
-          ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, src, kPhaseDispatch,
-                         (int)i);
-        if (!warp_shfl(ok, 0)) break;
-        warp_sync();
-        int local;
-        const int n = gather_dests(lane < a.em_k ? landed_dest(src, i, cached_d, local) : -1, 0);
-        warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
-      }
-      warp_sync();  // s_dx[w] is rewritten for the next row
+  // Expansion item f: own token f (f < num_tokens, at hand) or the (f - num_tokens)-th landed row of the
+  // others in receive order (they land in about that order), read from the buffer once its flag is up.
+  // False: the row never landed (reported).
+  auto expand_item = [&](int64_t f) {
+    if (f < a.num_tokens) {
+      const int pos = a.send_pos[f * R + me];
+      const int64_t own = (int64_t)s_dstlo[me] + pos;
+      if (pos < 0 || own >= a.out_rows) return true;
+      const int n = gather_dests(lane < a.em_k ? own_dest(f, own) : -1, 0);
+      warp_push_row<V>(a.x + f * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
+    } else {
+      int src;
+      const int64_t i = row_of_others(f - a.num_tokens, s_lo, s_hi, me, src);
+      const int cached_d = (!a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
+      int ok = 1;
+      if (lane == 0)
+        ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, src, kPhaseDispatch,
+                       (int)i);
+      if (!warp_shfl(ok, 0)) return false;
+      warp_sync();
+      int local;
+      const int n = gather_dests(lane < a.em_k ? landed_dest(src, i, cached_d, local) : -1, 0);
+      warp_push_row<V, 8, false>(data + a.lay.off_x + i * a.x_bytes, a.x_bytes, s_dx[w], n, lane);
     }
+    warp_sync();  // s_dx[w] is rewritten for the next row
+    return true;
+  };
+  const SideWork side = SideWork::at(my);
+  auto expand_items = [&]() {  // (after the block barrier that follows s_lo / s_hi)
+    int64_t n = a.num_tokens;
+    for (int r = 0; r < R; ++r)
+      if (r != me) n += s_hi[r] - s_lo[r];
+    return n;
+  };
+  // The warp claims expansion items until none is left (or a row never landed), then counts its own.
+  auto expand_claimed = [&](int64_t total) {
+    uint64_t n = 0;
+    for (int64_t f = side.claim(lane); f < total && expand_item(f); f = side.claim(lane)) ++n;
+    if (lane == 0 && n > 0) side.finish(n);
+  };
+
+  if ((int)blockIdx.x >= nblk) {  // an expand block: expansion items from its start
     __syncthreads();
-    if (tid == 0) signal_add(reinterpret_cast<uint64_t*>(my + kExpandDoneOffset));  // (release) rows read
+    expand_claimed(expand_items());
+    __syncthreads();
+    if (tid == 0) side.exit_block();
     return;
   }
   if (tid == 0) {
@@ -465,17 +479,20 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         for (int64_t i = gtid; i < pad; i += gthreads) a.recv_src[total + i] = -1;
     }
   }
+  // then the expansion items no warp has claimed yet (all of them when no expand block is resident)
+  if (expand && !s_skip) expand_claimed(expand_items());
   __syncthreads();
   if (tid == 0) {
-    // the buffer is free once the expand blocks have read their landed rows too (local blocks, no peer)
+    // the buffer is free once every expansion item has read its landed row (local counter, no peer)
     if (expand)
-      wait_geq(reinterpret_cast<const uint64_t*>(my + kExpandDoneOffset), a.expand_base + a.expand_blocks,
-               a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me, kPhaseDispatch);
+      wait_geq(reinterpret_cast<const uint64_t*>(side.done), (uint64_t)expand_items(), a.sig.timeout_cycles,
+               a.sig.err, a.sig.claim, me, me, kPhaseDispatch);
     for (int r = 0; r < R; ++r)
       if (r != me) {
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
       }
+    if (expand) side.exit_block();
   }
 }
 
@@ -518,8 +535,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   __shared__ const T* s_src[kWarps][kMaxRanks + 2];  // sources in rank order, then bias_0, bias_1
   __shared__ const float* s_wsrc[kWarps][kMaxRanks];
   __shared__ const T* s_fold[kWarps][kMaxExpertMajorTopk];  // fold modes: expert-major rows of one row
-  // Fold blocks (a.fold_out set): the last a.fold_blocks blocks fold every row into a.fold_out and flag it;
-  // the first nblk blocks push and reduce those rows as a plain combine, each row once its flag is up.
+  // Fold blocks (a.fold_out set): the last a.fold_blocks blocks fold every row into a.fold_out and flag it
+  // (SideWork items); the first nblk blocks push and reduce those rows as a plain combine, each row once its
+  // flag is up, forming unclaimed rows themselves while it is down.
   // Fused fold (a.fold_map set, no fold_out): the push warps fold each row while pushing it.
   const bool overlap = a.fold_out != nullptr;
   const bool fold = a.fold_map != nullptr && !overlap;
@@ -569,27 +587,46 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     s_sendbase[tid] = sb;
     s_recvbase[tid] = rb;
   }
-  if ((int)blockIdx.x >= nblk) {
-    // A fold block. Rows go in the order they are consumed: own rows (which the reduce reads in token
-    // order) spread evenly among the rows pushed to peers (which the push warps take destination by
-    // destination); each row's flag is released (fence, then the flag) once the warp stored it.
-    __syncthreads();
-    const int64_t total = s_hi[R - 1], own = s_hi[me] - s_lo[me];
-    const int64_t fw = (int64_t)((int)blockIdx.x - nblk) * kWarps + w, nfw = (int64_t)a.fold_blocks * kWarps;
-    for (int64_t f = fw; f < total; f += nfw) {
-      const int64_t a0 = f * own / total;  // own rows among the first f
-      int64_t i;
-      if ((f + 1) * own / total > a0) {
-        i = s_lo[me] + a0;
-      } else {
-        int s;
-        i = row_of_others(f - a0, s_lo, s_hi, me, s);  // the (f - a0)-th pushed row
-      }
-      fold_row(i, const_cast<char*>(reinterpret_cast<const char*>(rows + i * H)));
-      __threadfence();
-      warp_sync();
-      if (lane == 0) st_relaxed_sys_u32(fold_ready + i, seq);
+  // Fold items (fold blocks): rows in the order they are consumed, own rows (which the reduce reads in token
+  // order) spread evenly among the rows pushed to peers (which the push warps take destination by
+  // destination); item f forms its row into fold_out, then releases the row's flag (fence, then the flag).
+  const SideWork side = SideWork::at(my);
+  __syncthreads();  // s_lo / s_hi
+  const int64_t fold_total = s_hi[R - 1], fold_own = s_hi[me] - s_lo[me];
+  auto fold_item = [&](int64_t f) {
+    const int64_t a0 = f * fold_own / fold_total;  // own rows among the first f
+    int64_t i;
+    if ((f + 1) * fold_own / fold_total > a0) {
+      i = s_lo[me] + a0;
+    } else {
+      int s;
+      i = row_of_others(f - a0, s_lo, s_hi, me, s);  // the (f - a0)-th pushed row
     }
+    fold_row(i, const_cast<char*>(reinterpret_cast<const char*>(rows + i * H)));
+    __threadfence();
+    warp_sync();
+    if (lane == 0) st_relaxed_sys_u32(fold_ready + i, seq);
+  };
+  // Row i formed (the whole warp): while its flag is down, the warp forms unclaimed rows itself; once all
+  // are claimed, it waits for the warp that has row i. False: the row never came (reported).
+  auto folded = [&](int64_t i) {
+    for (;;) {
+      int up = 0;
+      if (lane == 0) up = ld_acquire_sys_u32(fold_ready + i) == seq;
+      if (warp_shfl(up, 0)) return true;
+      const int64_t f = side.claim(lane);
+      if (f >= fold_total) break;
+      fold_item(f);
+    }
+    int ok = 1;
+    if (lane == 0)
+      ok = wait_flag(fold_ready + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me, kPhaseCombine, (int)i);
+    return warp_shfl(ok, 0) != 0;
+  };
+  if ((int)blockIdx.x >= nblk) {  // a fold block: fold items from its start
+    for (int64_t f = side.claim(lane); f < fold_total; f = side.claim(lane)) fold_item(f);
+    __syncthreads();
+    if (tid == 0) side.exit_block();
     return;
   }
   if (tid == 0) {
@@ -623,9 +660,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         if (fold) {
           fold_row(i, dst);
         } else if (overlap) {
-          const bool ok = wait_flag(fold_ready + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me,
-                                    kPhaseCombine, (int)i);
-          if (warp_any(!ok)) {
+          if (!folded(i)) {
             stop = true;
             break;
           }
@@ -674,12 +709,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       bool ok = true;
       int64_t row = 0;
       const bool direct = lane == me && !fold;  // own rows are read in place (fold mode: from the buffer)
+      if (overlap) {  // the own row is formed in fold_out first
+        const int own = warp_shfl(pos, me);
+        if (own >= 0) ok = folded(s_lo[me] + own);
+      }
       if (pos >= 0) {
         if (direct) {
           row = s_lo[me] + pos;
-          if (overlap)
-            ok = wait_flag(fold_ready + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, me, kPhaseCombine,
-                           (int)row);
         } else {
           row = s_recvbase[lane] + pos;
           ok = wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, lane, kPhaseCombine,
@@ -742,12 +778,14 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     }
   }
   __syncthreads();
-  if (tid == 0)
+  if (tid == 0) {
     for (int r = 0; r < R; ++r)
       if (r != me) {
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
       }
+    if (overlap) side.exit_block();
+  }
 }
 
 // ------------------------------------------------------------------------------------------------ launch

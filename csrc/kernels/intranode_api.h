@@ -71,7 +71,8 @@ class IntranodeBuffer {
   // Expert-major mode (em_x != 0): rows go to em_x [em_rows, x_bytes] instead of recv_x; a fresh dispatch
   // takes topk_pos [N, num_topk] int32 and em_base (notify's info + R*R + epr) and writes em_map
   // [out_rows, num_topk]; a cached one reads em_map [out_rows, em_k]. expand_blocks more blocks beside the
-  // num_sms write the expert-major rows while those push (0: the push / copy-out warps write them).
+  // num_sms write the expert-major rows while those push (0: the push / copy-out warps write them); the
+  // num_sms blocks write the rows nobody has taken, so the call completes whether or not those blocks run.
   static constexpr int kWithTopk = 1, kWithWeights = 2, kWithSrc = 4;
   void dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
                 int64_t topk_weights, int flags, int num_topk, int experts_per_rank, int num_tokens, int64_t send_pos,
@@ -85,7 +86,9 @@ class IntranodeBuffer {
   // expert-major [fold_rows, hidden] and each received row is first folded from x's rows fold_map[i][:]
   // (float32 sum in slot order, rounded once: exactly permute.reduce_rows), own rows included. With
   // fold_out (fold mode; [rows of the fold map, hidden], at most 2^20 rows) fold_blocks more blocks
-  // beside the num_sms form the rows there while the num_sms blocks push them; else the push warps fold.
+  // beside the num_sms form the rows there while the num_sms blocks push them (and form the rows they
+  // need that nobody has taken, so the call completes whether or not those blocks run); else the push
+  // warps fold.
   // variant: 1 reduce through registers, 2 staged through shared memory, 0 the default for the mode.
   void combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens, int64_t send_pos,
                int64_t rank_prefix, int64_t bias0, int64_t bias1, int64_t out, int64_t out_topk_weights,
@@ -109,7 +112,6 @@ class IntranodeBuffer {
   void* err_host_ = nullptr;        // pinned, mapped error record
   void* err_dev_ = nullptr;
   uint64_t sig_total_ = 0;          // blocks signalled by all previous ops (same on every rank)
-  uint64_t expand_total_ = 0;       // dispatch expand blocks launched by all previous ops (this rank)
   int64_t timeout_cycles_ = 0;
   int num_device_sms_ = 0;
 };

@@ -277,7 +277,6 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
                "dispatch: expand_blocks " << expand_blocks << " outside [1, " << num_device_sms_ - num_sms
                                           << "] (num_sms " << num_sms << " of " << num_device_sms_ << " SMs)");
     a.expand_blocks = expand_blocks;
-    a.expand_base = expand_total_;
   }
   UCCL_CHECK(push_warps >= 1 && push_warps <= warps_per_block(),
              "dispatch: push_warps " << push_warps << " outside [1, " << warps_per_block() << "]");
@@ -288,7 +287,6 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_dispatch(a, num_sms + a.expand_blocks, as_stream(stream));
   sig_total_ += (uint64_t)num_sms;  // expand blocks signal nobody but the local counter
-  expand_total_ += (uint64_t)a.expand_blocks;
 }
 
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,

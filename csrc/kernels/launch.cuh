@@ -71,10 +71,9 @@ struct DispatchArgs {
   int em_k;
   int64_t em_rows;
   // Expand blocks (expert-major mode): the grid's last expand_blocks blocks write the expert-major rows
-  // (own tokens from x, landed rows from the buffer) while the others push and copy out the metadata; the
-  // latter release the buffer once the local counter at kExpandDoneOffset reaches expand_base + expand_blocks.
+  // (own tokens from x, landed rows from the buffer) while the others push and copy out the metadata; any
+  // warp takes the rows no other has claimed (SideWork), and the buffer is released once all are written.
   int expand_blocks;
-  uint64_t expand_base;
   RowLayout lay;
   SignalArgs sig;
 };
