@@ -47,16 +47,17 @@ def _held_calls(rank, world, device):
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
-    total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    holder = SmHolder(total)
+    # under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the device reports the rank's share of the SMs
+    share = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    holder = SmHolder(world * share)
     capacity = 0
     for r in range(world):  # one rank at a time: the SMs this rank can hold at once
         if r == rank:
-            capacity = holder.resident_capacity(total)
+            capacity = holder.resident_capacity(world * share)
         dist.barrier(group)
-    assert capacity <= total // world + 1, (
-        f"rank {rank} can hold {capacity} of {total} SMs: CUDA_MPS_ACTIVE_THREAD_PERCENTAGE did not limit it "
-        "to its share (is MPS running?)")
+    assert capacity <= share, (
+        f"rank {rank} can hold {capacity} SMs, more than the {share} it reports: "
+        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE did not limit it to its share (is MPS running?)")
     held = capacity - NUM_SMS
     assert held >= 8, f"rank {rank}: {capacity} SMs leave too few to hold beside {NUM_SMS}"
 
