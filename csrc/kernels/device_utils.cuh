@@ -239,16 +239,21 @@ __device__ __forceinline__ int warp_shfl(int v, int src) {
 // items [0, total) go to whichever warp claims them first, side blocks from their start and communication
 // warps once their own part is done (or, for an item they wait on, at once). So the launch completes when
 // its side blocks never become resident (another kernel on another stream holds those SMs): progress does
-// not depend on which blocks run. Counters at kSideWorkOffset of this rank's buffer: items claimed, items
-// finished, blocks exited; the last block of the launch to exit zeroes them for the next launch.
+// not depend on which blocks run. A side block whose items may wait on peers first checks that every
+// communication block of its launch has started (`comm_resident`), else leaves at once: it must not hold an
+// SM a communication block still needs (the peers' rows it would wait for may come from such a block).
+// Counters at kSideWorkOffset of this rank's buffer: items claimed, items finished, blocks exited,
+// communication blocks started; the last block of the launch to exit zeroes them for the next launch.
 struct SideWork {
   unsigned long long* claimed;
   unsigned long long* done;
   unsigned int* exited;
+  unsigned int* started;
 
   __device__ static SideWork at(char* header) {
     auto* c = reinterpret_cast<unsigned long long*>(header + kSideWorkOffset);
-    return SideWork{c, c + 1, reinterpret_cast<unsigned int*>(c + 2)};
+    auto* u = reinterpret_cast<unsigned int*>(c + 2);
+    return SideWork{c, c + 1, u, u + 1};
   }
   // The next unclaimed item (the whole warp calls; every lane gets it).
   __device__ int64_t claim(int lane) const {
@@ -262,6 +267,15 @@ struct SideWork {
     __threadfence();
     atomicAdd(done, (unsigned long long)n);
   }
+  // A communication block has started (one thread per block, before any wait).
+  __device__ void comm_started() const { atomicAdd(started, 1u); }
+  // Whether all `comm_blocks` communication blocks started within `patience` cycles (one thread calls).
+  __device__ bool comm_resident(unsigned int comm_blocks, int64_t patience) const {
+    const long long t0 = clock64();
+    while (*(volatile unsigned int*)started < comm_blocks)
+      if (clock64() - t0 > patience) return false;
+    return true;
+  }
   // One thread per block, after the block's last use of the counters.
   __device__ void exit_block() const {
     __threadfence();
@@ -269,6 +283,7 @@ struct SideWork {
       *claimed = 0;
       *done = 0;
       *exited = 0;
+      *started = 0;
     }
   }
 };

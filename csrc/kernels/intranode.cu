@@ -212,6 +212,10 @@ __device__ __forceinline__ int64_t row_of_others(int64_t g, const int* lo, const
   }
 }
 
+// How long an expand block waits for its launch's communication blocks to have started before it leaves
+// (SideWork): ~50 us, far longer than a launch takes to place its first blocks.
+constexpr int64_t kSidePatienceCycles = 100000;
+
 template <typename V>
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
   constexpr int kWarps = kDispatchThreads / kWarpSize;
@@ -320,13 +324,15 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     if (lane == 0 && n > 0) side.finish(n);
   };
 
-  if ((int)blockIdx.x >= nblk) {  // an expand block: expansion items from its start
+  if ((int)blockIdx.x >= nblk) {  // an expand block: expansion items from its start (see SideWork)
+    if (tid == 0) s_skip = !side.comm_resident(nblk, kSidePatienceCycles);
     __syncthreads();
-    expand_claimed(expand_items());
+    if (!s_skip) expand_claimed(expand_items());
     __syncthreads();
     if (tid == 0) side.exit_block();
     return;
   }
+  if (expand && tid == 0) side.comm_started();
   if (tid == 0) {
     s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
