@@ -1,11 +1,14 @@
 """Co-residency: the native intranode dispatch and combine complete while another stream's kernel holds the
 SMs their side blocks (expansion / fold blocks beside the communication SMs) would use.
 
-Each rank (two ranks on one GPU under MPS, each limited to half the SMs with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE,
-as if it had a GPU of its own) starts a kernel on another stream that holds every SM of its share but the
-call's num_sms and releases them only once the call has completed. A launch that needs its side blocks
-resident (the communication blocks waiting for them) can therefore not finish: it would stall until its
-timeout. The results must equal the reference backend's."""
+One rank on the whole GPU starts a kernel on another stream that holds every SM but the call's num_sms and
+releases them only once the call has completed. A launch that needs its side blocks resident (the
+communication blocks waiting for them) can therefore not finish: it would stall until its timeout (measured:
+the kernels before SideWork did). The results must equal the reference backend's.
+
+(Several ranks on one GPU under MPS, each limited to its share with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE, do not
+make a sharp test: there a plain dispatch, which needs only its num_sms SMs, did not complete with exactly
+num_sms SMs left to each rank, so the SMs a rank really gets at the edge are not known.)"""
 from __future__ import annotations
 
 import os
@@ -20,7 +23,6 @@ from dist_utils import run_ranks
 pytestmark = pytest.mark.gpu
 
 NUM_SMS = 16
-SLACK_SMS = 2
 HELD_SECONDS = 15.0  # a call that has not completed by then waits for the held SMs: the test fails
 
 
@@ -48,23 +50,11 @@ def _held_calls(rank, world, device):
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
-    # under MPS with CUDA_MPS_ACTIVE_THREAD_PERCENTAGE the device reports the rank's share of the SMs
-    share = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    holder = SmHolder(world * share)
-    capacity = 0
-    for r in range(world):  # one rank at a time: the SMs this rank can hold at once
-        if r == rank:
-            capacity = holder.resident_capacity(world * share)
-        dist.barrier(group)
-    assert capacity <= share, (
-        f"rank {rank} can hold {capacity} SMs, more than the {share} it reports: "
-        "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE did not limit it to its share (is MPS running?)")
-    # every SM but the call's num_sms and a slack of SLACK_SMS (measured on one H100 under MPS: a plain
-    # dispatch, which needs just its num_sms, completed with 2 SMs to spare, not with 0), so that at most
-    # SLACK_SMS of its side blocks fit: a launch that needs all its side blocks resident stalls
-    held = capacity - NUM_SMS - SLACK_SMS
-    assert held >= 8, f"rank {rank}: {capacity} SMs leave too few to hold beside {NUM_SMS}"
-
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    holder = SmHolder(total)
+    capacity = holder.resident_capacity(total)
+    assert capacity == total, f"a holder block per SM: {capacity} of {total} became resident"
+    held = total - NUM_SMS
     cfg = Config(NUM_SMS)
     experts, topk, hidden, n = 16 * world, 8, 2048, 1024 + 37 * rank
     g = torch.Generator().manual_seed(7 + rank)
@@ -101,16 +91,14 @@ def _held_calls(rank, world, device):
     return held
 
 
-def test_side_blocks_need_not_be_resident(mps):
+def test_side_blocks_need_not_be_resident():
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    world = 2
-    env = {"CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": str(100 // world),
-           "UCCL_EP_FUSE_MAX_WIDTH": "0",  # the expansion and fold on side blocks (every free SM by default)
+    env = {"UCCL_EP_FUSE_MAX_WIDTH": "0",  # the expansion and fold on side blocks (every free SM by default)
            "UCCL_EP_TIMEOUT_S": "30"}
     for var in ("UCCL_EP_EXPAND_BLOCKS", "UCCL_EP_FOLD_BLOCKS"):
         os.environ.pop(var, None)
-    held = run_ranks(_held_calls, world, device="cuda", backend="gloo", ranks_per_gpu=world, env=env, timeout=300)
-    assert all(h >= 8 for h in held)
+    held = run_ranks(_held_calls, 1, device="cuda", backend="gloo", ranks_per_gpu=1, env=env, timeout=300)
+    assert held[0] > 0
