@@ -16,6 +16,7 @@ alltoall; their gradient flows back through the combine of the weight gradients.
 """
 from __future__ import annotations
 
+import logging
 from typing import List
 
 import torch
@@ -28,6 +29,7 @@ from uccl_ep_train import autograd as ep_autograd
 
 from . import settings
 
+log = logging.getLogger("uccl_ep_train")
 _BUFFER_DEFAULT_SMS = Buffer.num_sms  # DeepEP's class default (20), before anyone calls set_num_sms
 _buffers: dict[int, Buffer] = {}
 _retired: list[Buffer] = []  # outgrown Buffers: earlier layers' backward may still use their handles
@@ -53,6 +55,11 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
             _retired.append(buf)
         buf = Buffer(group, need, 0, explicitly_destroy=True)
         _buffers[key] = buf
+        sms = buf.occupied_sms()
+        if buf.rank == 0 and sms is not None:
+            log.info("uccl dispatcher: %d EP ranks on the %s backend; each dispatch / combine occupies %d "
+                     "communication SMs and up to %d side blocks (%d SMs)", num_ranks, buf.backend_name,
+                     sms["communication"], sms["side"], sms["total"])
     _fits.add(fit)  # (a replacement Buffer is larger: what fitted before still fits)
     return buf
 

@@ -107,3 +107,12 @@ def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout
     if len(results) < world:
         raise AssertionError(f"only ranks {sorted(results)} of {world} finished within {timeout}s")
     return [results[r] for r in range(world)]
+
+
+def gpu_ranks(world: int) -> dict:
+    """run_ranks keywords for `world` ranks on the GPUs present: one per GPU when there are enough (NCCL), else
+    several per GPU over gloo (the test then holds the `mps` fixture)."""
+    count = torch.cuda.device_count()
+    if count >= world:
+        return {"device": "cuda"}
+    return {"device": "cuda", "backend": "gloo", "ranks_per_gpu": -(-world // count)}

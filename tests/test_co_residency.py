@@ -20,8 +20,6 @@ import torch.distributed as dist
 
 from dist_utils import run_ranks
 
-pytestmark = pytest.mark.gpu
-
 NUM_SMS = 16
 HELD_SECONDS = 15.0  # a call that has not completed by then waits for the held SMs: the test fails
 
@@ -56,6 +54,9 @@ def _held_calls(rank, world, device):
     assert capacity == total, f"a holder block per SM: {capacity} of {total} became resident"
     held = total - NUM_SMS
     cfg = Config(NUM_SMS)
+    # what the calls below occupy: their num_sms and, by default, every other SM as side blocks
+    assert nat.occupied_sms(cfg) == {"communication": NUM_SMS, "side": held, "total": total}
+    assert ref.occupied_sms(cfg) is None
     experts, topk, hidden, n = 16 * world, 8, 2048, 1024 + 37 * rank
     g = torch.Generator().manual_seed(7 + rank)
     idx = torch.topk(torch.rand((n, experts), generator=g), topk, dim=1).indices.cuda()
@@ -91,6 +92,7 @@ def _held_calls(rank, world, device):
     return held
 
 
+@pytest.mark.gpu
 def test_side_blocks_need_not_be_resident():
     from uccl_ep_train.backends.native import native_available
 
@@ -102,3 +104,16 @@ def test_side_blocks_need_not_be_resident():
         os.environ.pop(var, None)
     held = run_ranks(_held_calls, 1, device="cuda", backend="gloo", ranks_per_gpu=1, env=env, timeout=300)
     assert held[0] > 0
+
+
+def _occupied(rank, world, device):
+    from uccl_ep_train import Buffer, Config
+
+    buf = Buffer(dist.new_group(list(range(world))), 1 << 20)
+    out = buf.occupied_sms(Config(8)), buf.occupied_sms()
+    buf.destroy()
+    return out
+
+
+def test_reference_backend_runs_no_kernels_of_its_own():
+    assert run_ranks(_occupied, 2) == [(None, None)] * 2

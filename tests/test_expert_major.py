@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import gpu_ranks, run_ranks
 from oracle import make_inputs
 from uccl_ep_train import Buffer, permute
 from uccl_ep_train import autograd as ep_autograd
@@ -270,18 +270,17 @@ def _native_vs_reference(rank, world, device, env):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("env", [{"UCCL_EP_FUSE_MAX_WIDTH": "1e9"},
                                  {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "0", "UCCL_EP_EXPAND_BLOCKS": "0"},
                                  {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "3", "UCCL_EP_EXPAND_BLOCKS": "3"},
                                  {}],
                          ids=["fused", "separate-permute", "side-blocks", "auto"])
-def test_native_expert_major_matches_reference(env):
+def test_native_expert_major_matches_reference(env, mps):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    assert run_ranks(_native_vs_reference, 2, env, device="cuda", timeout=300) == [2 * len(GPU_CASES)] * 2
+    assert run_ranks(_native_vs_reference, 2, env, timeout=300, **gpu_ranks(2)) == [2 * len(GPU_CASES)] * 2
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------
@@ -355,10 +354,9 @@ def test_fold_of_rows_without_local_experts_is_zero():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_native_fold_of_rows_without_local_experts_is_zero():
+def test_native_fold_of_rows_without_local_experts_is_zero(mps):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    assert run_ranks(_rows_without_experts, 2, device="cuda", timeout=120) == [True, True]
+    assert run_ranks(_rows_without_experts, 2, timeout=120, **gpu_ranks(2)) == [True, True]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import gpu_ranks, run_ranks
 
 pytestmark = pytest.mark.gpu
 
@@ -182,14 +182,13 @@ def _check_all(rank, world, device):
     return checks
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA GPUs")
-def test_native_matches_reference():
+def test_native_matches_reference(mps):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    world = min(torch.cuda.device_count(), 8)
-    results = run_ranks(_check_all, world, device="cuda", timeout=900)
+    world = min(max(torch.cuda.device_count(), 2), 8)
+    results = run_ranks(_check_all, world, timeout=900, **gpu_ranks(world))
     assert all(r > 0 for r in results)
 
 
@@ -219,11 +218,10 @@ def _timeout(rank, world, device):
     return msg
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_native_wait_times_out_with_message():
+def test_native_wait_times_out_with_message(mps):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    results = run_ranks(_timeout, 2, device="cuda", timeout=300)
+    results = run_ranks(_timeout, 2, timeout=300, **gpu_ranks(2))
     assert "timeout" in results[0]

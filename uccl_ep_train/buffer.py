@@ -666,6 +666,14 @@ class Buffer:
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em"))
         return combined, combined_w, event
 
+    def occupied_sms(self, config: Optional[Config] = None) -> Optional[dict]:
+        """SMs a high-throughput call with `config` (default: the dispatch default) occupies on this rank while
+        it runs: {"communication": n, "side": m, "total": n + m}. Side blocks are the expert-major calls'
+        expansion / fold blocks beside the communication SMs: by default every SM the call leaves free; the
+        call completes whether or not they get an SM (another stream's kernel may hold them). None for
+        backends that run torch collectives (the reference backend)."""
+        return self.backend.occupied_sms(self._config(config, self.get_dispatch_config))
+
     def _config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")

@@ -137,6 +137,13 @@ class Backend(abc.ABC):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: every rank must call it; returns once all ranks have cleaned."""
 
+    def occupied_sms(self, config: Config) -> Optional[dict]:
+        """SMs one high-throughput call with `config` occupies while it runs: {"communication": its
+        communication SMs, "side": the most blocks beside them an expert-major call adds (the dispatch's
+        expansion, the combine's fold; each holds an SM while it runs), "total": both}. None: the backend
+        runs no kernels of its own (torch collectives)."""
+        return None
+
     def release(self) -> None:
         """Release this rank's resources without talking to its peers (the caller knows that none of them
         uses them any more); idempotent."""

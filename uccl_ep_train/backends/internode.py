@@ -180,6 +180,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""
         return self._proxy.stats()
 
+    def occupied_sms(self, config):
+        n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)
+        return {"communication": n, "side": 0, "total": n}
+
     def _num_sms(self, config: Config) -> int:
         """The call's SMs: its Config's (Buffer resolves a missing one to its defaults), at most this rank's share."""
         return max(1, min(config.num_sms, self._device_sms))

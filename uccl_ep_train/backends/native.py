@@ -561,6 +561,11 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map),
                              fold_out=fold_out, fold_blocks=fold_blocks)
 
+    def occupied_sms(self, config):
+        n = self._num_sms(config)
+        side = max(self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config), self._side_blocks("UCCL_EP_FOLD_BLOCKS", config))
+        return {"communication": n, "side": side, "total": n + side}
+
     def _side_blocks(self, var: str, config: Optional[Config]) -> int:
         """Fold / expand blocks beside the kernel's SMs (see _MIN_SIDE_BLOCKS; `var` overrides); 0: none."""
         free = self._device_sms - self._num_sms(config)
