@@ -12,6 +12,7 @@ out with a message naming rank, peer and phase instead of hanging.
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -214,6 +215,17 @@ def _timeout(rank, world, device):
             msg = str(exc)
         assert "timeout on rank 0" in msg and "dispatch" in msg, msg
     dist.barrier()
+    if rank == 1:  # rank 0's report reached rank 1's buffer: its next call raises it, at once
+        start = time.monotonic()
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=idx)
+        except RuntimeError as exc:
+            msg = str(exc)
+        took = time.monotonic() - start
+        assert "timeout on rank 0" in msg and "rank 0 reported it" in msg, msg
+        assert took < 1.5, f"rank 1 learnt of rank 0's error after {took:.2f}s (its own timeout is 2 s)"
+    dist.barrier()
     buf.destroy()
     return msg
 
@@ -224,4 +236,4 @@ def test_native_wait_times_out_with_message(mps):
     if not native_available():
         pytest.skip("native module built without intranode kernels")
     results = run_ranks(_timeout, 2, timeout=300, **gpu_ranks(2))
-    assert "timeout" in results[0]
+    assert "timeout on rank 0" in results[0] and "rank 0 reported it" in results[1]

@@ -666,6 +666,13 @@ class Buffer:
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em"))
         return combined, combined_w, event
 
+    def check_errors(self) -> None:
+        """Raise RuntimeError if a kernel of this Buffer recorded an error: a wait that timed out or a buffer
+        too small, on this rank or on a peer that told it (native intranode: a failing rank writes its
+        report into every peer's buffer, whose kernels then stop waiting). Reads host memory, no GPU sync:
+        after synchronizing, it tells whether the calls so far succeeded; the next call raises it anyway."""
+        self.backend.check_errors()
+
     def occupied_sms(self, config: Optional[Config] = None) -> Optional[dict]:
         """SMs a high-throughput call with `config` (default: the dispatch default) occupies on this rank while
         it runs: {"communication": n, "side": m, "total": n + m}. Side blocks are the expert-major calls'

@@ -55,24 +55,66 @@ struct ErrorRecord {
   int code, rank, peer, block, phase, need, have, pad;
 };
 
+// Peers that share memory learn of each other's errors through the words after the claim word (in every
+// rank's device buffer): a board with one record per rank (slot r: what rank r reported) and a table of the
+// peers' claim words as mapped in this process (written by the host when the peers' buffers are opened; an
+// empty table tells nobody).
+constexpr int kMaxBoard = 8;
+constexpr int64_t kBoardRel = 64;                               // ErrorRecord[kMaxBoard], after the claim word
+constexpr int64_t kPeerTableRel = kBoardRel + kMaxBoard * 32;   // int64 count, then int* claim[kMaxBoard]
+constexpr int64_t kErrorWordsBytes = kPeerTableRel + 8 + kMaxBoard * 8;
+
+__device__ __forceinline__ ErrorRecord* error_board(int* claim) {
+  return reinterpret_cast<ErrorRecord*>(reinterpret_cast<char*>(claim) + kBoardRel);
+}
+
+__device__ __forceinline__ void write_record(volatile ErrorRecord* r, int code, int rank, int peer, int block,
+                                             int phase, int need, int have) {
+  r->rank = rank;
+  r->peer = peer;
+  r->block = block;
+  r->phase = phase;
+  r->need = need;
+  r->have = have;
+  __threadfence_system();
+  r->code = code;
+  __threadfence_system();
+}
+
 // The record lives in pinned host memory (plain stores only: PCIe atomics are not everywhere); the claim
 // word that picks the one reporter lives in this rank's device buffer (`claim`). `block` names where the
-// wait was (a channel of the internode path); -1: this block.
+// wait was (a channel of the internode path); -1: this block. The report also goes into every peer's board
+// and raises their claim words: their waits stop, and they adopt the record (adopt_peer_error).
 __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int code, int rank, int peer, int phase,
                                              int need, int have, int block = -1) {
   if (atomicCAS(claim, 0, 1) == 0) {
-    err->rank = rank;
-    err->peer = peer;
-    err->block = block < 0 ? (int)blockIdx.x : block;
-    err->phase = phase;
-    err->need = need;
-    err->have = have;
-    __threadfence_system();
-    *(volatile int*)&err->code = code;
-    __threadfence_system();
+    block = block < 0 ? (int)blockIdx.x : block;
+    write_record(err, code, rank, peer, block, phase, need, have);
+    const char* table = reinterpret_cast<const char*>(claim) + kPeerTableRel;
+    const int64_t n = *reinterpret_cast<const volatile int64_t*>(table);
+    int* const* peers = reinterpret_cast<int* const*>(table + 8);
+    for (int64_t r = 0; r < n && r < kMaxBoard && rank < kMaxBoard; ++r) {
+      int* pc = peers[r];
+      if (pc == nullptr || pc == claim) continue;
+      write_record(error_board(pc) + rank, code, rank, peer, block, phase, need, have);
+      atomicCAS_system(pc, 0, 2);  // 2: a peer's error (the peer keeps its own report out of the record)
+    }
     printf("uccl_ep_train native: error %d on rank %d (peer %d, block %d, phase %d, need %d, have %d)\n", code,
-           rank, peer, err->block, phase, need, have);
+           rank, peer, block, phase, need, have);
   }
+}
+
+// After this rank's claim word went up without a report of its own (a peer failed): the peer's record
+// becomes this rank's host record, so that the host raises the peer's error (rank, phase, channel).
+__device__ __forceinline__ void adopt_peer_error(ErrorRecord* err, int* claim) {
+  if (*(volatile int*)claim != 2 || *(volatile int*)&err->code != 0) return;
+  const volatile ErrorRecord* board = error_board(claim);
+  for (int r = 0; r < kMaxBoard; ++r)
+    if (board[r].code != 0) {
+      write_record(err, board[r].code, board[r].rank, board[r].peer, board[r].block, board[r].phase, board[r].need,
+                   board[r].have);
+      return;
+    }
 }
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
@@ -100,7 +142,10 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int
   uint32_t iter = 0;
   while (ld_acquire_sys(p) < target) {
     if ((++iter & 1023u) == 0) {
-      if (*(volatile int*)claim != 0) return false;  // another wait already failed: do not pile up
+      if (*(volatile int*)claim != 0) {  // another wait (or a peer) already failed: do not pile up
+        adopt_peer_error(err, claim);
+        return false;
+      }
       if (clock64() - start > timeout_cycles) {
         report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p), block);
         return false;
@@ -145,7 +190,10 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64
   uint32_t iter = 0;
   while (ld_acquire_sys_u32(p) != seq) {
     if ((++iter & 1023u) == 0) {
-      if (*(volatile int*)claim != 0) return false;
+      if (*(volatile int*)claim != 0) {
+        adopt_peer_error(err, claim);
+        return false;
+      }
       if (clock64() - start > timeout_cycles) {
         report_error(err, claim, kErrTimeout, rank, peer, phase, row, -1);
         return false;

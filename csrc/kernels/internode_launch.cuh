@@ -19,6 +19,7 @@ constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barri
 constexpr int64_t kDoneOffset = 256;         // uint64: blocks of this rank that finished a last-block kernel
 constexpr int64_t kClaimOffset = 512;        // int: the first error claims the report
 constexpr int64_t kChunkCountOffset = 4096;  // int [kMaxNodes * kMaxChunks]: rows done per chunk (per kernel)
+static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
 constexpr int64_t kNvlHeaderBytes = kChunkCountOffset + int64_t(kMaxNodes) * kMaxChunks * 4;
 
 // Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.

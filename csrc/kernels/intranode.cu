@@ -50,6 +50,7 @@ __device__ __forceinline__ void exclusive_scan_rows(int (*s_scan)[kNotifyThreads
 }
 
 __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
+  if (threadIdx.x == 0) adopt_peer_error(a.sig.err, a.sig.claim);  // a peer failed since the last call
   const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, N = a.num_tokens;
   const int epr = a.num_experts / R;
   char* my = a.peers.p[me];
@@ -218,6 +219,7 @@ constexpr int64_t kSidePatienceCycles = 100000;
 
 template <typename V>
 __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchArgs a) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) adopt_peer_error(a.sig.err, a.sig.claim);
   constexpr int kWarps = kDispatchThreads / kWarpSize;
   const int R = a.num_ranks, me = a.rank, tid = threadIdx.x, w = tid / kWarpSize, lane = tid % kWarpSize;
   const int K = a.num_topk, epr = a.experts_per_rank;
@@ -519,6 +521,7 @@ constexpr int kCombineStageBytes = kCombineThreads * kStageSlots * 16;  // 192 K
 // with cp.async (CombineRow::staged, dynamic shared memory of kCombineStageBytes; CUDA only).
 template <typename T, int kVec, int kMode>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs a) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) adopt_peer_error(a.sig.err, a.sig.claim);
   constexpr int kWarps = kCombineThreads / kWarpSize;
   using Row = CombineRow<T, kVec>;
   extern __shared__ int4 s_stage[];  // kMode 2: kStageSlots vectors per lane, lane-interleaved per warp

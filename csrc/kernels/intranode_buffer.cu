@@ -94,6 +94,15 @@ void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
     }
     peers_[r] = p;
   }
+  // the peers' claim words as mapped here (report_error tells them of this rank's errors)
+  static_assert(kMaxRanks <= kMaxBoard && kErrorClaimOffset + kErrorWordsBytes <= kSideWorkOffset,
+                "the error words fit between the claim word and the side-work counters");
+  int64_t table[1 + kMaxBoard] = {num_ranks_};
+  for (int r = 0; r < num_ranks_; ++r)
+    table[1 + r] = reinterpret_cast<int64_t>(static_cast<char*>(peers_[r]) + kErrorClaimOffset);
+  UCCL_CHECK_GPU(gpuMemcpyAsync(reinterpret_cast<char*>(claim_ptr()) + kPeerTableRel, table, sizeof(table),
+                                gpuMemcpyDefault, 0));
+  UCCL_CHECK_GPU(gpuStreamSynchronize(0));
   opened_ = true;
 }
 
@@ -148,6 +157,7 @@ std::string IntranodeBuffer::error() const {
     default:
       os << "error code " << r->code << " on rank " << r->rank;
   }
+  if (r->rank != rank_) os << " [rank " << r->rank << " reported it; rank " << rank_ << " stopped with it]";
   return os.str();
 }
 
@@ -155,7 +165,7 @@ void IntranodeBuffer::clear_error() {
   if (err_host_ != nullptr) std::memset(err_host_, 0, sizeof(ErrorRecord));
   if (base_ != nullptr) {
     UCCL_CHECK_GPU(gpuSetDevice(device_));
-    UCCL_CHECK_GPU(gpuMemset(claim_ptr(), 0, sizeof(int)));
+    UCCL_CHECK_GPU(gpuMemset(claim_ptr(), 0, kPeerTableRel));  // claim word and board (not the peer table)
   }
 }
 

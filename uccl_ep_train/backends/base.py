@@ -137,6 +137,10 @@ class Backend(abc.ABC):
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
         """Collective: every rank must call it; returns once all ranks have cleaned."""
 
+    def check_errors(self) -> None:
+        """Raise RuntimeError if one of this backend's kernels recorded an error (cheap: no GPU sync). The
+        reference backend's failures raise on the call itself."""
+
     def occupied_sms(self, config: Config) -> Optional[dict]:
         """SMs one high-throughput call with `config` occupies while it runs: {"communication": its
         communication SMs, "side": the most blocks beside them an expert-major call adds (the dispatch's
