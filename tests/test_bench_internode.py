@@ -6,9 +6,11 @@ import json
 import pytest
 import torch
 
+from record_check import assert_complete
 from uccl_ep_train.bench import _portable
 
-REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "device", "gpus",
+REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "sms_occupied",
+            "device", "gpus",
             "date", "commit", "command", "timing", "backend", "num_tokens", "hidden", "num_experts", "num_topk",
             "rdma_bytes", "proxy_bytes", "proxy_commands_per_s")
 SHAPE = {"num_tokens": 64, "hidden": 256, "num_experts": 16, "num_topk": 4}
@@ -38,6 +40,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
     assert main(["bench", "internode", *argv]) == 0
     records = json.loads(out.read_text())
     assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fp8", "combine", "alltoall"]
+    assert_complete(records)  # what tests/test_records.py asks of committed records
     H, K = SHAPE["hidden"], SHAPE["num_topk"]
     payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
     remote = [_remote_tokens(r, 4, 2) for r in range(4)]
@@ -52,6 +55,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
+        assert r["sms_occupied"] is None  # the reference backend runs torch collectives, no SMs of its own
         if r["op"] == "alltoall":
             assert r["backend"] == "gloo" and r["sms"] == 0
             assert r["rdma_bytes"] == r["nvl_bytes"] // 2  # half of every rank's slices go to the other node

@@ -5,6 +5,8 @@ import json
 
 import pytest
 
+from record_check import assert_complete
+
 pytest.importorskip("megatron.core")
 
 
@@ -17,8 +19,12 @@ def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks 
                        "--dispatchers", "uccl,alltoall,flex-nosuchbackend,alltoall-x"]) == 0
     records = json.loads(out.read_text())
     assert [r["dispatcher"] for r in records] == ["uccl", "alltoall"]
+    assert_complete(records)  # what tests/test_records.py asks of committed records
     for r in records:
         assert r["ms"] > 0 and r["experts_ms"] > 0 and r["num_topk"] == 2
+        assert (r["device"], r["gpus"], r["timing"]) == ("cpu", 0, "api")
+        assert r["command"].startswith("uccl-ep-train bench megatron --ranks 2 ")
+        assert r["sms_occupied"] is None  # uccl on CPU: the reference backend; alltoall: no Buffer
     text = capfd.readouterr().out
     assert "flex-nosuchbackend: skipped" in text
     assert "only flex takes a backend suffix, got alltoall-x" in text

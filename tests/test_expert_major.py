@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dist_utils import gpu_ranks, run_ranks
 from oracle import make_inputs
+from record_check import assert_complete
 from uccl_ep_train import Buffer, permute
 from uccl_ep_train import autograd as ep_autograd
 
@@ -308,6 +309,9 @@ def test_bench_expert_major_small_shape_runs_and_checks_exactness(tmp_path):
     recs = json.loads(out.read_text())
     assert {r["op"] for r in recs} == {"fresh", "cached", "combine"} and all(r["fused_us"] > 0 for r in recs)
     assert all(r["side_blocks_us"] > 0 for r in recs)
+    assert_complete(recs)  # what tests/test_records.py asks of committed records
+    assert all(r["timing"] == "api" and r["gpus"] == 2 for r in recs)
+    assert all(r["sms_occupied"]["communication"] == 8 for r in recs)
 
 
 # ---- received rows without local experts --------------------------------------------------------------

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from record_check import assert_complete
 from uccl_ep_train import proxy as P
 
 pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
@@ -22,6 +23,8 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
     recs = json.loads(out.read_text())
     ops = {r["op"] for r in recs}
     assert {"pickup_rtt", "fabric_cmds", "fabric_write"} <= ops
+    assert_complete(recs)  # what tests/test_records.py asks of committed records
+    assert all(r["timing"] == "api" and (r["device"], r["gpus"]) == ("cpu", 0) for r in recs)  # host clocks
     for r in recs:
         for key in ("bench", "op", "ranks", "gbps", "us", "device", "sms"):
             assert key in r, (key, r)

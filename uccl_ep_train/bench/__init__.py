@@ -1,9 +1,15 @@
-"""Benchmarks: torchrun/spawn entry points printing DeepEP conventions and writing JSON records."""
+"""Benchmarks: torchrun/spawn entry points printing DeepEP conventions and writing JSON records.
+
+Every record a bench writes says how, where, when and on what code it was measured (tests/record_check.py
+checks it): "command" (`run_context`), "device" with "gpus" (`gpus_used`), "date" and "commit"
+(`run_context`), and "timing": "api" (the interval includes the host API call: CUDA events or the wall
+clock around it) or "kernel" (GPU time only: profiler kernel time, or the GPU's clock read inside a kernel)."""
 from __future__ import annotations
 
 import argparse
 import os
 import shlex
+import socket
 import subprocess
 from datetime import datetime, timezone
 from typing import Optional
@@ -54,3 +60,16 @@ def run_context(command: str, argv: list[str]) -> dict:
     types it (`uccl-ep-train <command> <argv>`, no interpreter, install path or machine directory)."""
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
             "command": shlex.join(["uccl-ep-train", *command.split(), *map(_portable, argv)])}
+
+
+def gpus_used(device, group=None) -> int:
+    """GPUs the ranks of `group` run on (distinct host and device index; 0 when `device` is the CPU).
+    Collective: every rank of `group` calls it."""
+    import torch
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    index = (torch.cuda.current_device() if device.index is None else device.index) if cuda else -1
+    where: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(where, (socket.gethostname(), index), group=group)
+    return len(set(where)) if cuda else 0

@@ -11,7 +11,9 @@ ranks, CUDA events around `--iters` back-to-back calls, as the Megatron dispatch
 "side_blocks": the expansion / fold on blocks beside the kernel's SMs in the same launch (expand / fold
 blocks). The "auto" column is what the backend picks (UCCL_EP_FUSE_MAX_WIDTH, UCCL_EP_EXPAND_BLOCKS,
 UCCL_EP_FOLD_BLOCKS: backends/native.py). Every fused / side-block result is first checked bit-exact
-against the separate path. JSON records with `--json PATH`.
+against the separate path. JSON records with `--json PATH` (timing "api"; the run's command, date, commit,
+device and GPU count; "sms_occupied": Buffer.occupied_sms of the op's default Config at that SM count,
+i.e. the "auto" column's call in this environment: the separate path's kernels add no side blocks).
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args
+from . import add_layer_shape_args, gpus_used, run_context
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -79,7 +81,7 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
+def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], context: dict) -> None:
     os.environ.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", UCCL_EP_BACKEND="native",
                       UCCL_EP_CHECK_VALUES="0")
     torch.cuda.set_device(rank)
@@ -92,6 +94,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     w = torch.rand(T, K, generator=g).cuda()
     x = torch.randn(T, H, generator=g).bfloat16().cuda()
     buf = Buffer(dist.group.WORLD, int(1e9), 0)
+    device, gpus = torch.cuda.get_device_name(), gpus_used(torch.device("cuda", rank))
 
     def separate_fresh():
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
@@ -129,9 +132,12 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                     "fused": timeit(FUSED(fn)), "side_blocks": timeit(SIDE_BLOCKS(fn)), "auto": timeit(fn)}
                for op, fn in (("fresh", fresh), ("cached", cached), ("combine", combine))}
         for op, t in ops.items():
-            rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms, "num_tokens": T, "hidden": H,
-                   "num_experts": E, "num_topk": K, "fold_width": rows / max(num_recv, 1),
-                   "device": torch.cuda.get_device_name(), **{f"{k}_us": v for k, v in t.items()}}
+            # the calls pass no Config: the Buffer's defaults at Buffer.num_sms = sms
+            cfg = (Buffer.get_combine_config if op == "combine" else Buffer.get_dispatch_config)(world)
+            rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms,
+                   "sms_occupied": buf.occupied_sms(cfg), "num_tokens": T, "hidden": H, "num_experts": E,
+                   "num_topk": K, "fold_width": rows / max(num_recv, 1), "device": device, "gpus": gpus,
+                   "timing": "api", **{f"{k}_us": v for k, v in t.items()}, **context}
             records.append(rec)
             if rank == 0:
                 print(f"[expert-major] {op:<8} EP={world} sms={sms} width={rec['fold_width']:.2f}: "
@@ -144,6 +150,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -154,7 +161,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     import torch.multiprocessing as mp
 
     from ..localhost import loopback_init_method
-    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json), nprocs=world, join=True)
+    context = run_context("bench expert-major", argv)
+    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json, context), nprocs=world, join=True)
     return 0
 
 

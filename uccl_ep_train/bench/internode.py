@@ -20,7 +20,9 @@ Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16
   / time.
 NCCL all_to_all_single of the same bytes is the yardstick (op "alltoall"; skipped on a gloo group with
 CUDA tensors). Without GPUs it runs gloo ranks on CPU (reference backend) at a small default shape.
-`--json PATH` writes one record per (op, SMs), averaged over ranks.
+`--json PATH` writes one record per (op, SMs), averaged over ranks, with the run's command, date, commit,
+device and GPU count, and "sms_occupied": Buffer.occupied_sms of the timed call's Config (None for the
+reference backend and all_to_all_single).
 """
 from __future__ import annotations
 
@@ -28,7 +30,6 @@ import argparse
 import dataclasses
 import json
 import os
-import socket
 import statistics
 import sys
 import time
@@ -39,7 +40,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import LAYER_SHAPE, add_layer_shape_args, run_context
+from . import LAYER_SHAPE, add_layer_shape_args, gpus_used, run_context
 from ..localhost import spawn_ranks
 from ..topology import MAX_RANKS_PER_NODE
 
@@ -195,26 +196,24 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
         return sum(int(s["bytes_to"][r]) for r in remote_ranks), sum(int(c) for c in s["commands_to"])
 
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
-    where: list = [None] * world
-    dist.all_gather_object(where, (socket.gethostname(), device.index if cuda else -1), group=group)
-    gpus = len(set(where)) if cuda else 0
+    gpus = gpus_used(device, group)
     common = {"bench": "internode", "ranks": world, "ranks_per_node": L, "nodes": nodes, "device": name,
               "gpus": gpus, "timing": "api", "group": str(dist.get_backend(group)), **shape}
     records = []
     for sms in sms_list:
         dcfg = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms)
         ccfg = dataclasses.replace(Buffer.get_combine_config(world), num_sms=sms)
-        runs = [("dispatch_bf16", lambda: buf.dispatch(x, handle=handle, config=dcfg))]
+        runs = [("dispatch_bf16", dcfg, lambda: buf.dispatch(x, handle=handle, config=dcfg))]
         if not args.no_fp8:
-            runs.append(("dispatch_fp8", lambda: buf.dispatch(x_fp8, handle=handle, config=dcfg)))
-        runs.append(("combine", lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg)))
-        for op, fn in runs:
+            runs.append(("dispatch_fp8", dcfg, lambda: buf.dispatch(x_fp8, handle=handle, config=dcfg)))
+        runs.append(("combine", ccfg, lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg)))
+        for op, cfg, fn in runs:
             us, delta = _time_calls(fn, args.iters, args.warmup, group, cuda, proxy_totals if proxy_stats else None)
             med = statistics.median(us)
             rb = rdma_bytes(op, topk_idx, shape, world, L, rank)
-            records.append({**common, "op": op, "rank": rank, "sms": sms, "us": med, "backend": buf.backend_name,
-                            "rdma_bytes": rb, "nvl_bytes": nvl_bytes[op], "gbps": rb / med / 1e3,
-                            "nvl_gbps": nvl_bytes[op] / med / 1e3,
+            records.append({**common, "op": op, "rank": rank, "sms": sms, "sms_occupied": buf.occupied_sms(cfg),
+                            "us": med, "backend": buf.backend_name, "rdma_bytes": rb, "nvl_bytes": nvl_bytes[op],
+                            "gbps": rb / med / 1e3, "nvl_gbps": nvl_bytes[op] / med / 1e3,
                             "proxy_bytes": delta[0] / args.iters if delta else None,
                             "proxy_commands_per_s": delta[1] / (sum(us) * 1e-6) if delta else None})
 
@@ -236,7 +235,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             us, _ = _time_calls(lambda: dist.all_to_all_single(out, inp, group=group), args.iters, args.warmup,
                                 group, cuda)
             med = statistics.median(us)
-            records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "us": med,
+            records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "sms_occupied": None, "us": med,
                             "backend": str(dist.get_backend(group)), "rdma_bytes": remote, "nvl_bytes": nbytes,
                             "gbps": remote / med / 1e3, "nvl_gbps": nbytes / med / 1e3, "proxy_bytes": None,
                             "proxy_commands_per_s": None})

@@ -9,8 +9,11 @@ count; the fresh dispatch (layout exchange + one host sync for the receive size)
 count as API time. NCCL all_to_all_single moving the same bytes is the yardstick.
 
 Runs its own ranks (torch.multiprocessing, one per GPU) unless started by torchrun. Writes `--json PATH`
-(records: bench, op, ranks, gbps, us, device, sms, tokens, hidden, topk, experts, backend, timing) and
-`--plot PATH.png` (GB/s against SMs).
+(records: bench, op, ranks, gbps, us, device, gpus, sms, sms_occupied, tokens, hidden, topk, experts,
+backend, timing, command, date, commit) and `--plot PATH.png` (GB/s against SMs). "timing" is "kernel" for
+the profiler's kernel time, "api" for events around the call; "sms_occupied" is Buffer.occupied_sms of the
+timed call's Config (None for the reference backend and NCCL): its "side" blocks are those an expert-major
+call adds, the plain dispatch / combine timed here run on the "communication" SMs alone.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from . import gpus_used, run_context
 from ..localhost import free_loopback_port
 
 FP8_BLOCK = 128
@@ -121,14 +125,16 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     bf16_bytes = num_recv * H * 2
     fp8_bytes = num_recv * (H + H // FP8_BLOCK * 4)
     name = torch.cuda.get_device_name(dev)
+    gpus = gpus_used(dev, group)
     shape = {"tokens": T, "hidden": H, "topk": K, "experts": E}
     records = []
 
-    def rec(op, us, nbytes, sms, timing, knobs=None):
+    def rec(op, us, nbytes, sms, timing, knobs=None, cfg=None):
         records.append({"bench": "intranode", "op": op, "ranks": world, "rank": rank, "gbps": nbytes / us / 1e3,
-                        "us": us, "bytes": nbytes, "device": name, "sms": sms, "backend": buf.backend_name,
-                        "timing": timing, "push_warps": 0, "flag_batch": 0, "combine_kernel": -1, **(knobs or {}),
-                        **shape})
+                        "us": us, "bytes": nbytes, "device": name, "gpus": gpus, "sms": sms,
+                        "sms_occupied": buf.occupied_sms(cfg) if cfg is not None else None,
+                        "backend": buf.backend_name, "timing": timing, "push_warps": 0, "flag_batch": 0,
+                        "combine_kernel": -1, **(knobs or {}), **shape})
 
     _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
     sweep = [(sms, pw, fb, ck) for sms in [int(s) for s in args.sms.split(",") if s]
@@ -159,12 +165,12 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
         runs.append(("combine", comb, bf16_bytes, ("combine",)))
         for op, fn, nbytes, names in runs:
             if buf.backend_name == "native":
-                rec(op, _kernel_us(fn, names, args.iters, args.warmup, group), nbytes, sms, "kernel", knobs)
+                rec(op, _kernel_us(fn, names, args.iters, args.warmup, group), nbytes, sms, "kernel", knobs, cfg)
             if not args.no_api:
-                rec(op, _api_us(fn, args.iters, args.warmup, group), nbytes, sms, "api", knobs)
+                rec(op, _api_us(fn, args.iters, args.warmup, group), nbytes, sms, "api", knobs, cfg)
         if not args.no_api:
             rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2, group), bf16_bytes, sms, "api",
-                knobs)
+                knobs, cfg)
     for v, val in saved.items():
         if val is None:
             os.environ.pop(v, None)
@@ -251,10 +257,12 @@ def _plot(summary: list[dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
     if not torch.cuda.is_available():
         print("bench intranode: needs CUDA/HIP GPUs", file=sys.stderr)
         return 2
+    context = run_context("bench intranode", argv)  # the code and command that run, before they run
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -285,7 +293,7 @@ def main(argv=None) -> int:
         if errors:
             print("\n".join(errors), file=sys.stderr)
             return 1
-    summary = _summarise(records)
+    summary = [{**r, **context} for r in _summarise(records)]
     _print(summary)
     if args.json:
         with open(args.json, "w") as f:

@@ -7,7 +7,10 @@ and `flex` (DeepEP backend, when `deep_ep` imports — e.g. ours through `uccl-e
 with the same routing and, with `--num-sms`, the same SM count. Default shape: DeepSeek-V3 layer (4096
 tokens/rank, hidden 7168, 256 experts, top-8, bf16 on GPUs). Reported: mean ms per round trip over `--iters` after `--warmup`, the
 max over ranks, and the identity experts' own fwd+bwd time on the same rows (timed alone) so the
-dispatcher's share can be read off; JSON records with `--json PATH`.
+dispatcher's share can be read off; JSON records with `--json PATH` (timing "api": the host's clock around
+the round trip and a device sync; the run's command, date, commit, device and GPU count; for `uccl`,
+"sms_occupied": Buffer.occupied_sms of the dispatcher's Buffer at its default Config, None on the
+reference backend).
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args
+from . import add_layer_shape_args, gpus_used, run_context
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,7 +146,7 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
 
 
-def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> None:
+def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], context: dict) -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -169,6 +172,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
     probs_full = torch.zeros(T, E).scatter_(1, top.indices, top.values.softmax(dim=1)).to(device)
     x = torch.randn(T, H, generator=g).to(device, dtype)
     grad = torch.randn(T, H, generator=g).to(device, dtype)
+    device_name, gpus = torch.cuda.get_device_name(device) if cuda else "cpu", gpus_used(device)
     records = []
     for kind in [k for k in args.dispatchers.split(",") if k]:
         try:
@@ -213,12 +217,14 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
                                device=device)
         dist.all_reduce(experts, op=dist.ReduceOp.MAX)
         rec = {"bench": "megatron", "op": "round_trip_fwd_bwd", "dispatcher": kind, "ranks": world,
-               "us": mean.item() * 1e6, "ms": mean.item() * 1e3, "gbps": None,
-               "device": torch.cuda.get_device_name(device) if cuda else "cpu", "sms": None,
+               "us": mean.item() * 1e6, "ms": mean.item() * 1e3, "gbps": None, "device": device_name, "gpus": gpus,
+               "timing": "api", "sms": None, "sms_occupied": None,
                "num_tokens": T, "hidden": H, "num_experts": E, "num_topk": K, "dtype": str(dtype),
-               "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3}
+               "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3,
+               **context}
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
+            rec["sms_occupied"] = disp.buffer.occupied_sms()  # the dispatcher's calls pass no Config
         elif kind.startswith("flex"):
             rec["sms"] = args.num_sms  # moe_flex_dispatcher_num_sms (None: the backend's own default)
         if cuda and args.breakdown:
@@ -243,6 +249,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str]) -> No
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.num_sms is not None and (args.num_sms <= 0 or args.num_sms % 2):
@@ -251,7 +258,8 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     from ..localhost import loopback_init_method
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json), nprocs=world, join=True)
+    context = run_context("bench megatron", argv)
+    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json, context), nprocs=world, join=True)
     if args.json:
         print(f"records: {args.json}", file=sys.stderr)
     return 0

@@ -15,6 +15,10 @@ us, device, sms, plus the shape of each measurement):
   fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
 
 Modes: `--mode gpu` (needs CUDA and the native module with ipc), `--mode cpu` (fabric only), `auto`.
+Every record also carries the run's command, date, commit, "gpus" (GPUs the measurement ran on, 0 for CPU
+producers) and "timing": "kernel" where the GPU's globaltimer read inside the probe kernel gives the
+interval (pickup_rtt, pickup, visibility), "api" where the host clock brackets the host call (nop_push:
+launch until the rings drained; ipc_write, fabric_*: push until flushed; the CPU producer's pickup_rtt).
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ import traceback
 
 import numpy as np
 
+from . import run_context
 from ..localhost import spawn_ranks
 
 
@@ -139,8 +144,8 @@ def _gpu_single(args, device):
             sec = _native.gpu_bench_nops(g._native, args.warps_per_ring, args.nops_per_warp, 120.0)
             rate = total / sec
             recs.append(dict(bench="proxy", op="nop_push", ranks=1, gbps=rate * 16 / 1e9, us=sec / total * 1e6,
-                             device=device, sms=0, threads=threads, warps_per_ring=args.warps_per_ring,
-                             ring_publish=g.config().get("ring_publish"),
+                             device=device, gpus=1, timing="api", sms=0, threads=threads,
+                             warps_per_ring=args.warps_per_ring, ring_publish=g.config().get("ring_publish"),
                              commands=total, commands_per_s=rate, commands_per_s_per_thread=rate / threads,
                              cpus=g.thread_cpus()))
             print(f"[nop_push] threads={threads} warps/ring={args.warps_per_ring} publish="
@@ -151,9 +156,9 @@ def _gpu_single(args, device):
                 vis = [x / 1e3 for x in _native.gpu_visibility_latency(g._native, 0, 0, 64, 0, 4096,
                                                                          args.latency_iters)][10:]
                 med, p99 = statistics.median(vis), _pct(vis, 0.99)
-                recs.append(dict(bench="proxy", op="visibility", ranks=1, gbps=0.0, us=med, device=device, sms=0,
-                                 threads=threads, bytes=64, median_us=med, p99_us=p99, iters=len(vis),
-                                 transport="ipc"))
+                recs.append(dict(bench="proxy", op="visibility", ranks=1, gbps=0.0, us=med, device=device, gpus=1,
+                                 timing="kernel", sms=0, threads=threads, bytes=64, median_us=med, p99_us=p99,
+                                 iters=len(vis), transport="ipc"))
                 print(f"[visibility] push -> ipc write -> in-order arrival seen by GPU: median {med:.2f} us "
                       f"p99 {p99:.2f} us", flush=True)
             g.check()
@@ -182,7 +187,8 @@ def _pickup(args, g, device, threads):
         start, seen = np.asarray(st["start_ns"], np.int64), np.asarray(st["seen_ns"], np.int64)
         rtt = ((seen - start) / 1e3)[10:].tolist()
         med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
-        common = dict(ranks=1, gbps=0.0, device=device, sms=0, threads=threads, variant=name, mode=mode,
+        common = dict(ranks=1, gbps=0.0, device=device, gpus=1, timing="kernel", sms=0, threads=threads,
+                      variant=name, mode=mode,
                       idle_sleeps=sleeps, globaltimer_step_ns=step_ns, globaltimer_mean_step_ns=timer_ns,
                       ring_publish=g.config().get("ring_publish"))
         recs.append(dict(bench="proxy", op="pickup_rtt", us=med, median_us=med, p99_us=p99, min_us=min(rtt),
@@ -237,7 +243,8 @@ def _ipc_worker(rank, world, port, args, threads, q):
                 sec = time.perf_counter() - t0
                 gbps = n * chunk / sec / 1e9
                 recs.append(dict(bench="proxy", op="ipc_write", ranks=world, gbps=gbps, us=sec / n * 1e6,
-                                 device=torch.cuda.get_device_name(dev), sms=0, threads=threads, chunk_bytes=chunk,
+                                 device=torch.cuda.get_device_name(dev), timing="api",
+                                 gpus=min(world, torch.cuda.device_count()), sms=0, threads=threads, chunk_bytes=chunk,
                                  commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
                                  commands_per_s=n / sec, transport="ipc", both_directions=True,
                                  max_inflight=g.config()["max_inflight"],
@@ -300,7 +307,8 @@ def _fabric_worker(rank, world, port, args, threads, q):
                     g.wait_flushed(t, base[t] + 1, timeout_s=120)
                 sec = time.perf_counter() - t0
                 recs.append(dict(bench="proxy", op="fabric_write" if chunk else "fabric_cmds", ranks=world,
-                                 gbps=n * chunk / sec / 1e9, us=sec / n * 1e6, device="cpu", sms=0,
+                                 gbps=n * chunk / sec / 1e9, us=sec / n * 1e6, device="cpu", gpus=0,
+                                 timing="api", sms=0,
                                  threads=threads, chunk_bytes=chunk, commands=n, commands_per_s=n / sec,
                                  provider=args.provider, rank=rank, transport="fabric", producer="cpu"))
                 dist.barrier()
@@ -321,7 +329,8 @@ def _cpu_latency(args):
                     pin_threads=False, adaptive_sleep=False) as g:
         rtt = [x / 1e3 for x in _native.cpu_pickup_latency(g._native, 0, args.latency_iters)][10:]
     med, p99 = statistics.median(rtt), _pct(rtt, 0.99)
-    recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device="cpu", sms=0, threads=1,
+    recs.append(dict(bench="proxy", op="pickup_rtt", ranks=1, gbps=0.0, us=med, device="cpu", gpus=0,
+                     timing="api", sms=0, threads=1,
                      median_us=med, p99_us=p99, iters=len(rtt), variant="cpu-producer", producer="cpu"))
     print(f"[pickup_rtt] CPU producer -> proxy -> echo: median {med:.2f} us p99 {p99:.2f} us", flush=True)
     return recs
@@ -341,7 +350,8 @@ def _cpu(args):
 
 
 def main(argv=None) -> int:
-    args = _parse(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parse(argv)
     from uccl_ep_train import proxy as P
     if not P.available():
         print("bench proxy: the native module is not built (python setup.py build_ext --inplace)", file=sys.stderr)
@@ -354,6 +364,7 @@ def main(argv=None) -> int:
         except Exception:
             gpu_ok = False
         mode = "gpu" if gpu_ok else "cpu"
+    context = run_context("bench proxy", argv)
     records = []
     if mode == "gpu":
         device = _device_name()
@@ -369,6 +380,7 @@ def main(argv=None) -> int:
     else:
         records += _cpu_latency(args)
         records += _cpu(args)
+    records = [{**r, **context} for r in records]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
         with open(args.json, "w") as f:
