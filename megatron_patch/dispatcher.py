@@ -55,7 +55,7 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
             _retired.append(buf)
         buf = Buffer(group, need, 0, explicitly_destroy=True)
         _buffers[key] = buf
-        sms = buf.occupied_sms()
+        sms = buf.occupied_sms(expert_major=True)  # its dispatch / combine are the expert-major calls
         if buf.rank == 0 and sms is not None:
             log.info("uccl dispatcher: %d EP ranks on the %s backend; each dispatch / combine occupies %d "
                      "communication SMs and up to %d side blocks (%d SMs)", num_ranks, buf.backend_name,

@@ -55,8 +55,9 @@ def _held_calls(rank, world, device):
     held = total - NUM_SMS
     cfg = Config(NUM_SMS)
     # what the calls below occupy: their num_sms and, by default, every other SM as side blocks
-    assert nat.occupied_sms(cfg) == {"communication": NUM_SMS, "side": held, "total": total}
-    assert ref.occupied_sms(cfg) is None
+    assert nat.occupied_sms(cfg, expert_major=True) == {"communication": NUM_SMS, "side": held, "total": total}
+    assert nat.occupied_sms(cfg) == {"communication": NUM_SMS, "side": 0, "total": NUM_SMS}
+    assert ref.occupied_sms(cfg, expert_major=True) is None
     experts, topk, hidden, n = 16 * world, 8, 2048, 1024 + 37 * rank
     g = torch.Generator().manual_seed(7 + rank)
     idx = torch.topk(torch.rand((n, experts), generator=g), topk, dim=1).indices.cuda()
@@ -110,7 +111,7 @@ def _occupied(rank, world, device):
     from uccl_ep_train import Buffer, Config
 
     buf = Buffer(dist.new_group(list(range(world))), 1 << 20)
-    out = buf.occupied_sms(Config(8)), buf.occupied_sms()
+    out = buf.occupied_sms(Config(8), expert_major=True), buf.occupied_sms()
     buf.destroy()
     return out
 

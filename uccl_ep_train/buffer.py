@@ -673,13 +673,14 @@ class Buffer:
         after synchronizing, it tells whether the calls so far succeeded; the next call raises it anyway."""
         self.backend.check_errors()
 
-    def occupied_sms(self, config: Optional[Config] = None) -> Optional[dict]:
+    def occupied_sms(self, config: Optional[Config] = None, expert_major: bool = False) -> Optional[dict]:
         """SMs a high-throughput call with `config` (default: the dispatch default) occupies on this rank while
-        it runs: {"communication": n, "side": m, "total": n + m}. Side blocks are the expert-major calls'
-        expansion / fold blocks beside the communication SMs: by default every SM the call leaves free; the
-        call completes whether or not they get an SM (another stream's kernel may hold them). None for
-        backends that run torch collectives (the reference backend)."""
-        return self.backend.occupied_sms(self._config(config, self.get_dispatch_config))
+        it runs: {"communication": n, "side": m, "total": n + m}. Plain dispatch / combine add no side blocks;
+        the expert-major calls (`expert_major=True`) add expansion / fold blocks beside the communication
+        SMs, by default every SM the call leaves free. A call completes whether or not its side blocks get an
+        SM (another stream's kernel may hold them). None for backends that run torch collectives (the
+        reference backend)."""
+        return self.backend.occupied_sms(self._config(config, self.get_dispatch_config), expert_major)
 
     def _config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
         if config is not None and not isinstance(config, Config):

@@ -141,11 +141,11 @@ class Backend(abc.ABC):
         """Raise RuntimeError if one of this backend's kernels recorded an error (cheap: no GPU sync). The
         reference backend's failures raise on the call itself."""
 
-    def occupied_sms(self, config: Config) -> Optional[dict]:
+    def occupied_sms(self, config: Config, expert_major: bool) -> Optional[dict]:
         """SMs one high-throughput call with `config` occupies while it runs: {"communication": its
-        communication SMs, "side": the most blocks beside them an expert-major call adds (the dispatch's
-        expansion, the combine's fold; each holds an SM while it runs), "total": both}. None: the backend
-        runs no kernels of its own (torch collectives)."""
+        communication SMs, "side": the most blocks beside them the call adds (expert-major calls: the
+        dispatch's expansion, the combine's fold; each holds an SM while it runs), "total": both}. None:
+        the backend runs no kernels of its own (torch collectives)."""
         return None
 
     def release(self) -> None:

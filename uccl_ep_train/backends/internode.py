@@ -180,7 +180,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""
         return self._proxy.stats()
 
-    def occupied_sms(self, config):
+    def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)
         return {"communication": n, "side": 0, "total": n}
 

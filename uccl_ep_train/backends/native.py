@@ -561,9 +561,10 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map),
                              fold_out=fold_out, fold_blocks=fold_blocks)
 
-    def occupied_sms(self, config):
+    def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)
-        side = max(self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config), self._side_blocks("UCCL_EP_FOLD_BLOCKS", config))
+        side = max(self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config),
+                   self._side_blocks("UCCL_EP_FOLD_BLOCKS", config)) if expert_major else 0
         return {"communication": n, "side": side, "total": n + side}
 
     def _side_blocks(self, var: str, config: Optional[Config]) -> int:

@@ -135,7 +135,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
             # the calls pass no Config: the Buffer's defaults at Buffer.num_sms = sms
             cfg = (Buffer.get_combine_config if op == "combine" else Buffer.get_dispatch_config)(world)
             rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms,
-                   "sms_occupied": buf.occupied_sms(cfg), "num_tokens": T, "hidden": H, "num_experts": E,
+                   "sms_occupied": buf.occupied_sms(cfg, expert_major=True), "num_tokens": T, "hidden": H, "num_experts": E,
                    "num_topk": K, "fold_width": rows / max(num_recv, 1), "device": device, "gpus": gpus,
                    "timing": "api", **{f"{k}_us": v for k, v in t.items()}, **context}
             records.append(rec)

@@ -12,8 +12,8 @@ Runs its own ranks (torch.multiprocessing, one per GPU) unless started by torchr
 (records: bench, op, ranks, gbps, us, device, gpus, sms, sms_occupied, tokens, hidden, topk, experts,
 backend, timing, command, date, commit) and `--plot PATH.png` (GB/s against SMs). "timing" is "kernel" for
 the profiler's kernel time, "api" for events around the call; "sms_occupied" is Buffer.occupied_sms of the
-timed call's Config (None for the reference backend and NCCL): its "side" blocks are those an expert-major
-call adds, the plain dispatch / combine timed here run on the "communication" SMs alone.
+timed call's Config (None for the reference backend and NCCL): the plain dispatch / combine timed here add
+no side blocks.
 """
 from __future__ import annotations
 

@@ -224,7 +224,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
                **context}
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
-            rec["sms_occupied"] = disp.buffer.occupied_sms()  # the dispatcher's calls pass no Config
+            rec["sms_occupied"] = disp.buffer.occupied_sms(expert_major=True)  # the dispatcher's calls pass no Config
         elif kind.startswith("flex"):
             rec["sms"] = args.num_sms  # moe_flex_dispatcher_num_sms (None: the backend's own default)
         if cuda and args.breakdown:
