@@ -7,7 +7,6 @@ into a cubin and launched through the CUDA driver API (ctypes), so the tests nee
 from __future__ import annotations
 
 import ctypes
-import shutil
 import subprocess
 import tempfile
 import time
@@ -43,7 +42,11 @@ class SmHolder:
     """Holds up to `max_blocks` SMs of the current device on `stream` (one block per SM)."""
 
     def __init__(self, max_blocks: int, seconds: float = 60.0):
-        nvcc = shutil.which("nvcc") or str(Path(torch.utils.cpp_extension.CUDA_HOME or "/usr/local/cuda") / "bin" / "nvcc")
+        from native_build import find_gpu_compiler  # the build's own lookup (NVCC, PATH, CUDA_HOME)
+
+        kind, nvcc = find_gpu_compiler()
+        if kind != "cuda":
+            raise RuntimeError(f"SmHolder needs nvcc (CUDA), found {kind or 'no GPU compiler'}")
         major, minor = torch.cuda.get_device_capability()
         with tempfile.TemporaryDirectory() as tmp:
             src, cubin = Path(tmp) / "hold.cu", Path(tmp) / "hold.cubin"
