@@ -157,26 +157,58 @@ def test_config_and_hints():
 
 
 def _capture_refused(rank: int, world: int, device: str) -> int:
-    buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=1 << 20)
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, num_nvl_bytes=1 << 20)
     x = torch.randn(4, 64, device=device).to(torch.bfloat16)
     idx = torch.tensor([[0], [1], [0], [1]], device=device)
     per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+    layout = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
     torch.cuda.synchronize()
-    with pytest.raises(RuntimeError, match="captured in a CUDA graph"):
-        with torch.cuda.graph(torch.cuda.CUDAGraph()):
-            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                         num_tokens_per_expert=per_expert, topk_idx=idx)
-    out = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                       topk_idx=idx)  # outside capture the Buffer still works
+    refusals = [
+        ("dispatch: cannot be captured in a CUDA graph: a fresh dispatch sizes its outputs .* num_worst_tokens",
+         lambda: buf.dispatch(x, topk_idx=idx, **layout)),
+        ("dispatch_expert_major: cannot be captured in a CUDA graph: its outputs are sized",
+         lambda: buf.dispatch_expert_major(x, idx, None, 2)),
+    ]
+    if buf.backend_name == "native":  # the small buffer would have to grow: collective, so not in a graph
+        big_x, big_idx = torch.randn(4096, 4096, device=device).to(torch.bfloat16), idx.repeat(1024, 1)
+        big_rank, _, big_expert, big_in, _ = buf.get_dispatch_layout(big_idx, 2)
+        torch.cuda.synchronize()
+        refusals.append(("must grow to .* inside CUDA-graph capture", lambda: buf.dispatch(
+            big_x, topk_idx=big_idx, num_tokens_per_rank=big_rank, is_token_in_rank=big_in,
+            num_tokens_per_expert=big_expert, num_worst_tokens=4096)))
+    for pattern, call in refusals:
+        with pytest.raises(RuntimeError, match=pattern):
+            with torch.cuda.graph(torch.cuda.CUDAGraph()):
+                call()
+    out = buf.dispatch(x, topk_idx=idx, **layout)  # outside capture the Buffer still works
     assert torch.equal(out[0].cpu(), x.cpu())
     buf.destroy()
     return 1
 
 
+def _capture_refused_by_reference(rank: int, world: int, device: str) -> int:
+    buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=1 << 20)
+    assert buf.backend_name == "reference"
+    x = torch.randn(4, 64, device=device).to(torch.bfloat16)
+    idx = torch.tensor([[0], [1], [0], [1]], device=device)
+    per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 2)
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="on the reference backend: it synchronises with the host"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                         topk_idx=idx, num_worst_tokens=8)
+    buf.destroy()
+    return 1
+
+
 @pytest.mark.gpu
-def test_graph_capture_is_refused_with_a_clear_error():
-    """HT kernels take host-side per-call counters: capturing dispatch would replay stale ones, so it raises
-    before any work (a host sync inside capture failed with CUDA's own 'operation not permitted')."""
+def test_graph_capture_refuses_host_sized_calls_with_a_clear_error():
+    """Capture takes only what replays exactly (tests/test_cuda_graphs.py replays it): a fresh dispatch without
+    num_worst_tokens, the fresh expert-major dispatch (both size outputs on the host), a call that would grow
+    the buffer, and every call of the reference backend raise before any work (a host sync inside capture
+    failed with CUDA's own 'operation not permitted')."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     assert run_ranks(_capture_refused, 1, device="cuda") == [1]
+    assert run_ranks(_capture_refused_by_reference, 1, device="cuda", env={"UCCL_EP_BACKEND": "reference"}) == [1]

@@ -116,7 +116,10 @@ def test_bad_inputs_raise_named_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks_per_node", [None, "1"], ids=["intranode", "internode-2x1"])
 def test_bad_inputs_raise_named_errors_on_the_native_backend(mps, ranks_per_node):
-    env = {"UCCL_EP_BACKEND": "native", **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    # the catalogue's value errors are the host's checks (opt-in where the kernels check the values:
+    # tests/test_cuda_graphs.py checks the GPU's)
+    env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_CHECK_VALUES": "1",
+           **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
     counts = run_ranks(_bad_inputs, 2, device="cuda", backend="gloo", ranks_per_gpu=2, env=env, timeout=300)
     assert counts[0] >= 30
 

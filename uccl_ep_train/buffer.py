@@ -102,14 +102,25 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
     return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology=topology)
 
 
-def _refuse_capture(op: str) -> None:
-    """High-throughput ops are not CUDA-graph capturable yet: their kernels take host-side per-call counters
-    (signal bases, op numbers) as arguments, so a replayed graph would reuse one call's values and race with
-    the calls around it, and the reference backend synchronises with the host. Refused before any work."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(f"{op}: high-throughput dispatch/combine cannot be captured in a CUDA graph yet (the "
-                           "kernels take per-call counters from the host; a replay would race with live calls); "
-                           "leave it outside the captured region")
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _check_capture(op: str, backend: Backend, host_sync: str = "") -> None:
+    """Inside CUDA-graph capture only calls that replay exactly are taken: the backend's kernels must be
+    capture-safe (its `capture_refusal` is empty) and the call must not size its outputs on the host
+    (`host_sync` says why this one would). Refused before any work, with the reason."""
+    if not _capturing():
+        return
+    if backend.capture_refusal:
+        raise RuntimeError(f"{op}: cannot be captured in a CUDA graph on the {backend.name} backend: "
+                           f"{backend.capture_refusal}")
+    if host_sync:
+        raise RuntimeError(f"{op}: cannot be captured in a CUDA graph: {host_sync}")
+
+
+_FRESH_SIZES = ("a fresh dispatch sizes its outputs from the receive counts on the host; pass num_worst_tokens "
+                "(the most rows this rank can receive) or capture the cached dispatch")
 
 
 class Buffer:
@@ -311,6 +322,14 @@ class Buffer:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")
+        if checks is not None and not V.host_value_checks(self.backend.checks_values_on_device):
+            checks = None
+        if self._comm_stream is not None and _capturing():
+            # In a CUDA graph every call runs on the capturing stream (the graph orders it; a side stream
+            # would need a fork and join per call); previous_event is waited on there.
+            if previous_event is not None and previous_event.event is not None:
+                previous_event.event.current_stream_wait()
+            return fn(), EventOverlap(EventHandle(), None)
         if self._comm_stream is None:  # CPU ranks: the work is complete when fn returns
             if previous_event is not None and previous_event.event is not None:
                 previous_event.event.current_stream_wait()
@@ -358,7 +377,8 @@ class Buffer:
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
-        """Compute the dispatch layout from the routing (local, no communication).
+        """Compute the dispatch layout from the routing (local, no communication). Expert ids outside
+        [-1, num_experts) are an error (checked on the GPU by the native kernels, see docs/api.md "Errors").
 
         Arguments:
             topk_idx: `[num_tokens, num_topk]` int64 (int32 accepted), expert ids, -1 means no selection.
@@ -377,6 +397,7 @@ class Buffer:
         V.check_topk(topk_idx, None, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else 0)
         V.check_device(topk_idx, "topk_idx", self.device)
         backend = self.backend
+        _check_capture("get_dispatch_layout", backend)
 
         def run():
             per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
@@ -407,8 +428,8 @@ class Buffer:
                 ranks span several nodes (`self.topology`), None on one node and in cached mode.
             topk_idx: `[num_tokens, num_topk]` int64 expert ids, -1 for none. topk_weights: same shape, float32.
             expert_alignment: round each per-expert receive count up to a multiple of this.
-            num_worst_tokens: if > 0, pad outputs to this many rows (no CPU sync for sizes); the
-                per-expert count list is then empty.
+            num_worst_tokens: if > 0, pad outputs to this many rows (no CPU sync for sizes: the call can be
+                captured in a CUDA graph); the per-expert count list is then empty.
             config, previous_event, async_finish, allocate_on_comm_stream: as in DeepEP.
 
         Returns:
@@ -421,10 +442,10 @@ class Buffer:
                 is_token_in_rank; docs/api.md, "Internode"). The received rows are the same either way.
             event: the event after the kernels.
         """
-        _refuse_capture("dispatch")
         data, scales = V.split_x(x)
         V.check_device(data, "x", self.device)
         config = self._config(config, self.get_dispatch_config)
+        _check_capture("dispatch", self.backend, "" if handle is not None or num_worst_tokens else _FRESH_SIZES)
         if num_tokens_per_rdma_rank is not None and not self.topology.internode:
             raise ValueError("dispatch: num_tokens_per_rdma_rank must be None: this Buffer's ranks are on one node "
                              "(get_dispatch_layout returns None for it then)")
@@ -520,7 +541,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
-        _refuse_capture("combine")
+        _check_capture("combine", self.backend)
         handle = check_ht_handle(handle, self.id)
         V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
         V.check_device(x, "x", self.device)
@@ -571,7 +592,9 @@ class Buffer:
             handle: for combine_expert_major / dispatch_expert_major_cached (and combine / cached dispatch).
             event: the event after the kernels.
         """
-        _refuse_capture("dispatch_expert_major")
+        _check_capture("dispatch_expert_major", self.backend,
+                       "its outputs are sized by the exact per-expert counts on the host; capture "
+                       "dispatch_expert_major_cached and combine_expert_major, or dispatch with num_worst_tokens")
         _check_unquantized(x, "dispatch_expert_major")
         V.check_device(x, "x", self.device)
         V.check_num_experts(num_experts, self.group_size)
@@ -609,7 +632,7 @@ class Buffer:
         Returns:
             x_em `[num_rows, hidden]`, event.
         """
-        _refuse_capture("dispatch_expert_major_cached")
+        _check_capture("dispatch_expert_major_cached", self.backend)
         handle = check_ht_handle(handle, self.id)
         _check_unquantized(x, "dispatch_expert_major_cached")
         V.check_device(x, "x", self.device)
@@ -645,7 +668,7 @@ class Buffer:
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
         """
-        _refuse_capture("combine_expert_major")
+        _check_capture("combine_expert_major", self.backend)
         handle = check_ht_handle(handle, self.id)
         V.check_tensor(y_em, "y_em", V.FLOAT_DTYPES, 2)
         V.check_device(y_em, "y_em", self.device)
@@ -724,6 +747,7 @@ class Buffer:
                 src_info, handle[1] layout_range), event, hook.
         """
         self._check_low_latency("low_latency_dispatch")
+        _check_capture("low_latency_dispatch", self.low_latency_backend)
         if dispatch_wait_recv_cost_stats is not None:
             raise NotImplementedError("low_latency_dispatch: dispatch_wait_recv_cost_stats is not supported")
         V.check_tensor(x, "x", (torch.bfloat16,), 2)
@@ -783,6 +807,7 @@ class Buffer:
             combined_x `[num_tokens, hidden]` bf16, event, hook.
         """
         self._check_low_latency("low_latency_combine")
+        _check_capture("low_latency_combine", self.low_latency_backend)
         if use_logfmt:
             raise NotImplementedError("low_latency_combine: use_logfmt is not supported")
         if combine_wait_recv_cost_stats is not None:

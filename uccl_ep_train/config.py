@@ -133,7 +133,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_EP_ALLOW_SHARED_GPU": ("0", "`1`: ranks may share a GPU without MPS (debugging only: ~5 ms per hand-over)"),
     # errors
     "UCCL_EP_TIMEOUT_S": ("300", "any wait for peers fails after this long, naming rank, channel and phase"),
-    "UCCL_EP_CHECK_VALUES": ("1", "`0` skips value checks that sync a GPU with the host"),
+    "UCCL_EP_CHECK_VALUES": ("unset: on the host unless the kernels check them", "`1`: check values on the host before any communication (a sync per call), `0`: never"),
     "UCCL_EP_FAULT": ("off", "fault injection: `reorder=P,delay_us=D,seed=S,die_after=N` (docs/proxy.md)"),
     # proxies and transports
     "UCCL_EP_TRANSPORT": ("ipc on one host, verbs with RDMA NICs, else fabric", "`ipc`, `verbs` or `fabric`"),

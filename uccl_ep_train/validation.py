@@ -35,13 +35,25 @@ def trusted_values():
         _trusted.on = old
 
 
+def host_value_checks(checked_on_device: bool) -> bool:
+    """Whether a call runs the checks that read tensor values on the host (expert id range, count
+    consistency): each syncs a GPU with the host. UCCL_EP_CHECK_VALUES=1: always, 0: never; unset: unless the
+    backend's kernels check the same values (`checked_on_device`, reported as errors on the call's host sync
+    or the next call). Never inside CUDA-graph capture, where a sync is an error."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        return False
+    setting = os.environ.get("UCCL_EP_CHECK_VALUES", "")
+    if setting not in ("", "0", "1"):
+        raise ValueError(f"UCCL_EP_CHECK_VALUES must be 0 or 1, got {setting!r}")
+    return setting == "1" or (setting == "" and not checked_on_device)
+
+
 def value_checks(t: torch.Tensor) -> bool:
-    """Checks that read tensor values (expert id range, count consistency) sync a GPU with the host:
-    always on for CPU tensors; on for GPU tensors unless UCCL_EP_CHECK_VALUES=0 (for graph capture/speed)
-    or inside `trusted_values()`."""
+    """Within the checks a call runs (host_value_checks): always for CPU tensors; for GPU tensors unless
+    UCCL_EP_CHECK_VALUES=0 or inside `trusted_values()`."""
     if t.device.type == "cpu":
         return True
-    return os.environ.get("UCCL_EP_CHECK_VALUES", "1") != "0" and not getattr(_trusted, "on", False)
+    return os.environ.get("UCCL_EP_CHECK_VALUES", "") != "0" and not getattr(_trusted, "on", False)
 
 
 def check_tensor(t: Any, arg: str, dtypes: Sequence[torch.dtype], ndim: int, contiguous: bool = True) -> torch.Tensor:

@@ -18,6 +18,11 @@ void register_intranode(py::module_& m) {
   m.attr("INTRANODE_MAX_RANKS") = uccl_ep::intranode::kMaxRanks;
   m.attr("INTRANODE_WARPS_PER_BLOCK") = IntranodeBuffer::warps_per_block();
   m.attr("INTRANODE_SHAPE_INTS") = uccl_ep::intranode::kShapeInts;
+  {
+    py::tuple fields(uccl_ep::intranode::kShapeInts - 1);
+    for (int i = 0; i < uccl_ep::intranode::kShapeInts - 1; ++i) fields[i] = py::str(uccl_ep::intranode::kShapeFields[i]);
+    m.attr("INTRANODE_SHAPE_FIELDS") = fields;
+  }
   m.def(
       "intranode_row_capacity",
       [](int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {

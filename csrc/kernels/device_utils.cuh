@@ -24,6 +24,7 @@ constexpr int64_t kArriveOffset = 0;
 constexpr int64_t kFreeOffset = 256;
 constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
 constexpr int64_t kSideWorkOffset = 2048;  // SideWork's counters (local use only): see SideWork below
+constexpr int64_t kOpSeqOffset = 3072;     // OpSeq: the signal base of the next op (local use only)
 constexpr int64_t kCountsOffset = 4096;
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
 constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
@@ -48,8 +49,20 @@ inline gpuError_t query_device(int device, double timeout_s, int* num_sms, int64
   return e;
 }
 
-enum ErrorCode : int { kErrNone = 0, kErrTimeout = 1, kErrCapacity = 2, kErrWorstTokens = 3 };
-enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3 };
+// kErrBadCounts: num_tokens_per_rank[peer] = need, is_token_in_rank sends have. kErrBadExpert: token `peer`
+// has expert id `need`, outside [-1, have). Both are the GPU's value checks (the host's are opt-in).
+// kErrShape: field `block` of the call's shape is `need` here and `have` on rank `peer` (checked on the GPU
+// when num_worst_tokens spares the host sync that checks it otherwise).
+enum ErrorCode : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrCapacity = 2,
+  kErrWorstTokens = 3,
+  kErrBadCounts = 4,
+  kErrBadExpert = 5,
+  kErrShape = 6
+};
+enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3, kPhaseLayout = 4 };
 
 struct ErrorRecord {
   int code, rank, peer, block, phase, need, have, pad;
@@ -81,6 +94,19 @@ __device__ __forceinline__ void write_record(volatile ErrorRecord* r, int code, 
   __threadfence_system();
 }
 
+// After this rank's claim word went up without a report of its own (a peer failed): the peer's record
+// becomes this rank's host record, so that the host raises the peer's error (rank, phase, channel).
+__device__ __forceinline__ void adopt_peer_error(ErrorRecord* err, int* claim) {
+  if (*(volatile int*)claim != 2 || *(volatile int*)&err->code != 0) return;
+  const volatile ErrorRecord* board = error_board(claim);
+  for (int r = 0; r < kMaxBoard; ++r)
+    if (board[r].code != 0) {
+      write_record(err, board[r].code, board[r].rank, board[r].peer, board[r].block, board[r].phase, board[r].need,
+                   board[r].have);
+      return;
+    }
+}
+
 // The record lives in pinned host memory (plain stores only: PCIe atomics are not everywhere); the claim
 // word that picks the one reporter lives in this rank's device buffer (`claim`). `block` names where the
 // wait was (a channel of the internode path); -1: this block. The report also goes into every peer's board
@@ -101,20 +127,9 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
     }
     printf("uccl_ep_train native: error %d on rank %d (peer %d, block %d, phase %d, need %d, have %d)\n", code,
            rank, peer, block, phase, need, have);
+  } else {
+    adopt_peer_error(err, claim);  // a peer's report came first: the host raises that one
   }
-}
-
-// After this rank's claim word went up without a report of its own (a peer failed): the peer's record
-// becomes this rank's host record, so that the host raises the peer's error (rank, phase, channel).
-__device__ __forceinline__ void adopt_peer_error(ErrorRecord* err, int* claim) {
-  if (*(volatile int*)claim != 2 || *(volatile int*)&err->code != 0) return;
-  const volatile ErrorRecord* board = error_board(claim);
-  for (int r = 0; r < kMaxBoard; ++r)
-    if (board[r].code != 0) {
-      write_record(err, board[r].code, board[r].rank, board[r].peer, board[r].block, board[r].phase, board[r].need,
-                   board[r].have);
-      return;
-    }
 }
 
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
@@ -290,18 +305,16 @@ __device__ __forceinline__ int warp_shfl(int v, int src) {
 // not depend on which blocks run. A side block whose items may wait on peers first checks that every
 // communication block of its launch has started (`comm_resident`), else leaves at once: it must not hold an
 // SM a communication block still needs (the peers' rows it would wait for may come from such a block).
-// Counters at kSideWorkOffset of this rank's buffer: items claimed, items finished, blocks exited,
-// communication blocks started; the last block of the launch to exit zeroes them for the next launch.
+// Counters at kSideWorkOffset of this rank's buffer: items claimed, items finished, communication blocks
+// started; the last block of the launch to exit zeroes them for the next launch (OpSeq::exit_block).
 struct SideWork {
   unsigned long long* claimed;
   unsigned long long* done;
-  unsigned int* exited;
   unsigned int* started;
 
   __device__ static SideWork at(char* header) {
     auto* c = reinterpret_cast<unsigned long long*>(header + kSideWorkOffset);
-    auto* u = reinterpret_cast<unsigned int*>(c + 2);
-    return SideWork{c, c + 1, u, u + 1};
+    return SideWork{c, c + 1, reinterpret_cast<unsigned int*>(c + 2)};
   }
   // The next unclaimed item (the whole warp calls; every lane gets it).
   __device__ int64_t claim(int lane) const {
@@ -324,14 +337,37 @@ struct SideWork {
       if (clock64() - t0 > patience) return false;
     return true;
   }
-  // One thread per block, after the block's last use of the counters.
-  __device__ void exit_block() const {
+  __device__ void reset() const {
+    *claimed = 0;
+    *done = 0;
+    *started = 0;
+  }
+};
+
+// The signal base of an op: the blocks that every earlier op signalled to each peer (the same number on every
+// rank: they run the same ops with the same SM counts), from which the op's waits and row-flag values are
+// counted. It lives in this rank's buffer, not in the kernel arguments, so that a launch captured in a CUDA
+// graph reads the current base at every replay: every block reads it at its start, and the last block of the
+// launch to exit advances it by the blocks that signalled (then zeroes the SideWork counters). The next op on
+// the stream starts after that.
+struct OpSeq {
+  unsigned long long* base;
+  unsigned int* exited;
+  char* header;
+
+  __device__ static OpSeq at(char* header) {
+    auto* b = reinterpret_cast<unsigned long long*>(header + kOpSeqOffset);
+    return OpSeq{b, reinterpret_cast<unsigned int*>(b + 1), header};
+  }
+  __device__ uint64_t read() const { return *reinterpret_cast<volatile unsigned long long*>(base); }
+  // One thread per block, after every thread of the block is done with the base and the SideWork counters.
+  __device__ void exit_block(uint64_t signalled) const {
     __threadfence();
     if (atomicAdd(exited, 1u) == gridDim.x - 1) {
-      *claimed = 0;
-      *done = 0;
+      *base += signalled;
       *exited = 0;
-      *started = 0;
+      SideWork::at(header).reset();
+      __threadfence();
     }
   }
 };

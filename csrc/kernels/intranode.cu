@@ -56,20 +56,15 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   char* my = a.peers.p[me];
   uint64_t* arrive = reinterpret_cast<uint64_t*>(my + kArriveOffset);
   uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
+  const OpSeq op = OpSeq::at(my);
+  const uint64_t base = op.read();
   __shared__ int s_scan[kMaxRanks][kNotifyThreads];
   __shared__ int s_lane[kMaxRanks][kWarpSize];
   __shared__ int s_counts[kMaxRanks][kMaxRanks];
+  __shared__ int s_total[kMaxRanks], s_bad;
 
-  if (tid < R && tid != me) wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseNotify);
+  if (tid < R && tid != me) wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseNotify);
   __syncthreads();
-
-  // Push this rank's counts into slot [me] of every rank (own included): per-rank counts, then the
-  // destination's local experts.
-  for (int r = 0; r < R; ++r) {
-    int* slot = reinterpret_cast<int*>(a.peers.p[r] + kCountsOffset) + (int64_t)me * kCountsSlotInts;
-    for (int i = tid; i < R + epr; i += blockDim.x) slot[i] = i < R ? a.per_rank[i] : a.per_expert[r * epr + i - R];
-    if (tid < kShapeInts) slot[kCountsSlotInts - kShapeInts + tid] = a.shape[tid];
-  }
 
   // send_pos[t][r]: exclusive prefix over tokens of is_token_in_rank[:, r]; each thread owns a token chunk.
   const int chunk = (N + (int)blockDim.x - 1) / (int)blockDim.x;
@@ -87,6 +82,8 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
     if (r < R) s_scan[r][tid] = run[r];
   __syncthreads();
   exclusive_scan_rows(s_scan, s_lane, R);
+  if (tid == kNotifyThreads - 1)
+    for (int r = 0; r < R; ++r) s_total[r] = s_scan[r][tid] + run[r];  // tokens is_token_in_rank sends to r
 #pragma unroll
   for (int r = 0; r < kMaxRanks; ++r)
     if (r < R) run[r] = s_scan[r][tid];
@@ -96,16 +93,51 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
       if (r < R) a.send_pos[(int64_t)t * R + r] = a.in_rank[(int64_t)t * R + r] ? run[r]++ : -1;
   }
 
+  __syncthreads();
+  // The counts must be what is_token_in_rank sends (receivers place rows by them, senders by the mask); the
+  // host checks it only with UCCL_EP_CHECK_VALUES=1. A mismatch, or an error pending from before (e.g. an
+  // expert id out of range in the layout), is reported to every rank, and no count leaves this rank.
+  if (tid == 0) {
+    s_bad = *(volatile int*)a.sig.claim != 0;
+    if (s_bad) adopt_peer_error(a.sig.err, a.sig.claim);
+    for (int r = 0; r < R && !s_bad; ++r)
+      if (s_total[r] != a.per_rank[r]) {
+        report_error(a.sig.err, a.sig.claim, kErrBadCounts, me, r, kPhaseNotify, a.per_rank[r], s_total[r]);
+        s_bad = 1;
+      }
+  }
+  __syncthreads();
+  if (s_bad) {
+    if (tid == 0) op.exit_block(1);
+    return;
+  }
+  // Push this rank's counts into slot [me] of every rank (own included): per-rank counts, then the
+  // destination's local experts, and the call's shape at the slot's end.
+  for (int r = 0; r < R; ++r) {
+    int* slot = reinterpret_cast<int*>(a.peers.p[r] + kCountsOffset) + (int64_t)me * kCountsSlotInts;
+    for (int i = tid; i < R + epr; i += blockDim.x) slot[i] = i < R ? a.per_rank[i] : a.per_expert[r * epr + i - R];
+    if (tid < kShapeInts) slot[kCountsSlotInts - kShapeInts + tid] = a.shape[tid];
+  }
   __threadfence_system();
   __syncthreads();
   if (tid == 0)
     for (int r = 0; r < R; ++r)
       if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
   if (tid < R && tid != me)
-    wait_geq(&arrive[tid], a.sig.base + 1, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseNotify);
+    wait_geq(&arrive[tid], base + 1, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseNotify);
   __syncthreads();
 
   const volatile int* slots = reinterpret_cast<const volatile int*>(my + kCountsOffset);
+  // Without a host sync (num_worst_tokens) the ranks' shapes are compared here: every rank finds a mismatch
+  // (it differs from its own shape on some rank), reports it, and its dispatch then moves nothing.
+  if (a.num_worst_tokens > 0 && tid < R && tid != me)
+    for (int i = 1; i < kShapeInts - 1; ++i) {
+      const int theirs = slots[(int64_t)tid * kCountsSlotInts + kCountsSlotInts - kShapeInts + i];
+      if (theirs != a.shape[i]) {
+        report_error(a.sig.err, a.sig.claim, kErrShape, me, tid, kPhaseNotify, a.shape[i], theirs, i);
+        break;
+      }
+    }
   if (tid < R * R) s_counts[tid / R][tid % R] = slots[(int64_t)(tid / R) * kCountsSlotInts + tid % R];
   // every rank's shape, for the host to check that the ranks agree on the call (after the handle matrices)
   if (tid < R * kShapeInts)
@@ -153,9 +185,11 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
     }
   }
   __syncthreads();
-  if (tid == 0)
+  if (tid == 0) {
     for (int r = 0; r < R; ++r)
       if (r != me) signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
+    op.exit_block(1);
+  }
 }
 
 // Whether any rank's buffer must hold more rows than fit (data rows and row flags) in this op: rows_of(r)
@@ -227,7 +261,9 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   char* my = a.peers.p[me];
   uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
   const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
-  const uint32_t seq = (uint32_t)(a.sig.base + 1);
+  const OpSeq op = OpSeq::at(my);
+  const uint64_t base = op.read();
+  const uint32_t seq = (uint32_t)(base + 1);
   __shared__ int s_P[kMaxRanks * kMaxRanks];
   __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_dstlo[kMaxRanks], s_nrows[kMaxRanks];
   __shared__ int s_skip, s_next;
@@ -331,16 +367,18 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     __syncthreads();
     if (!s_skip) expand_claimed(expand_items());
     __syncthreads();
-    if (tid == 0) side.exit_block();
+    if (tid == 0) op.exit_block(nblk);
     return;
   }
   if (expand && tid == 0) side.comm_started();
   if (tid == 0) {
-    s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
+    // an error pending (this rank's or a peer's: the layout and counts may be garbage): move nothing
+    s_skip = *(volatile int*)a.sig.claim != 0 ||
+             over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
   }
   if (tid < R && tid != me)
-    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
+    wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
   __syncthreads();
 
   const bool has_scales = a.scale_bytes > 0;
@@ -500,7 +538,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
       }
-    if (expand) side.exit_block();
+    op.exit_block(nblk);
   }
 }
 
@@ -537,7 +575,9 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   char* my = a.peers.p[me];
   uint64_t* free_ = reinterpret_cast<uint64_t*>(my + kFreeOffset);
   const uint32_t* my_flags = reinterpret_cast<const uint32_t*>(my + kFlagsOffset);
-  const uint32_t seq = (uint32_t)(a.sig.base + 1);
+  const OpSeq op = OpSeq::at(my);
+  const uint64_t base = op.read();
+  const uint32_t seq = (uint32_t)(base + 1);
   __shared__ int s_P[kMaxRanks * kMaxRanks];
   __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_sendbase[kMaxRanks], s_recvbase[kMaxRanks];
   __shared__ int s_skip, s_next;
@@ -635,11 +675,11 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   if ((int)blockIdx.x >= nblk) {  // a fold block: fold items from its start
     for (int64_t f = side.claim(lane); f < fold_total; f = side.claim(lane)) fold_item(f);
     __syncthreads();
-    if (tid == 0) side.exit_block();
+    if (tid == 0) op.exit_block(nblk);
     return;
   }
   if (tid == 0) {
-    s_skip = over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
+    s_skip = *(volatile int*)a.sig.claim != 0 || over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
       int total = 0;
       for (int r = 0; r < R; ++r) total += count(s, r);
       return total;
@@ -647,7 +687,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     s_next = 0;
   }
   if (tid < R && tid != me)
-    wait_geq(&free_[tid], a.sig.base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
+    wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
   __syncthreads();
 
   if (!s_skip && w < push_warps) {
@@ -793,7 +833,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kArriveOffset) + me);
         signal_add(reinterpret_cast<uint64_t*>(a.peers.p[r] + kFreeOffset) + me);
       }
-    if (overlap) side.exit_block();
+    op.exit_block(nblk);
   }
 }
 

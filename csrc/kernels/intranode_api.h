@@ -14,6 +14,10 @@ namespace uccl_ep::intranode {
 
 constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
 constexpr int kShapeInts = 8;  // a notify's shape header: the last ints of every counts slot (the host checks them)
+// What the shape header's ints are (the host fills them in this order; the ranks must agree on all but the
+// first); the last int is unused.
+constexpr const char* kShapeFields[kShapeInts - 1] = {"num_tokens", "x row bytes", "FP8 scale bytes", "num_topk",
+                                                       "topk_weights given", "num_experts", "x dtype"};
 constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 
 // Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.
@@ -111,7 +115,6 @@ class IntranodeBuffer {
   bool opened_ = false;
   void* err_host_ = nullptr;        // pinned, mapped error record
   void* err_dev_ = nullptr;
-  uint64_t sig_total_ = 0;          // blocks signalled by all previous ops (same on every rank)
   int64_t timeout_cycles_ = 0;
   int num_device_sms_ = 0;
 };

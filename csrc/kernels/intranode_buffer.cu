@@ -95,8 +95,9 @@ void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
     peers_[r] = p;
   }
   // the peers' claim words as mapped here (report_error tells them of this rank's errors)
-  static_assert(kMaxRanks <= kMaxBoard && kErrorClaimOffset + kErrorWordsBytes <= kSideWorkOffset,
-                "the error words fit between the claim word and the side-work counters");
+  static_assert(kMaxRanks <= kMaxBoard && kErrorClaimOffset + kErrorWordsBytes <= kSideWorkOffset &&
+                    kSideWorkOffset + 24 <= kOpSeqOffset && kOpSeqOffset + 16 <= kCountsOffset,
+                "the error words, side-work counters and op sequence fit before the counts");
   int64_t table[1 + kMaxBoard] = {num_ranks_};
   for (int r = 0; r < num_ranks_; ++r)
     table[1 + r] = reinterpret_cast<int64_t>(static_cast<char*>(peers_[r]) + kErrorClaimOffset);
@@ -138,8 +139,8 @@ std::string IntranodeBuffer::error() const {
   if (err_host_ == nullptr) return "";
   const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
   if (r->code <= 0) return "";
-  static const char* phases[] = {"?", "notify", "dispatch", "combine"};
-  const char* phase = (r->phase >= 1 && r->phase <= 3) ? phases[r->phase] : "?";
+  static const char* phases[] = {"?", "notify", "dispatch", "combine", "layout"};
+  const char* phase = (r->phase >= 1 && r->phase <= 4) ? phases[r->phase] : "?";
   std::ostringstream os;
   switch (r->code) {
     case kErrTimeout:
@@ -153,6 +154,21 @@ std::string IntranodeBuffer::error() const {
       break;
     case kErrWorstTokens:
       os << "rank " << r->rank << " receives " << r->need << " tokens, more than num_worst_tokens=" << r->have;
+      break;
+    case kErrBadCounts:
+      os << "num_tokens_per_rank on rank " << r->rank << " disagrees with is_token_in_rank: " << r->need
+         << " tokens for rank " << r->peer << ", the mask sends " << r->have
+         << " (found on the GPU; UCCL_EP_CHECK_VALUES=1 checks on the host before any communication)";
+      break;
+    case kErrBadExpert:
+      os << "topk_idx on rank " << r->rank << ": token " << r->peer << " has expert id " << r->need
+         << ", outside [-1, " << r->have
+         << ") (found on the GPU; UCCL_EP_CHECK_VALUES=1 checks on the host before any communication)";
+      break;
+    case kErrShape:
+      os << "dispatch: ranks disagree on "
+         << (r->block >= 0 && r->block < kShapeInts - 1 ? kShapeFields[r->block] : "the call's shape") << ": rank "
+         << r->rank << "=" << r->need << ", rank " << r->peer << "=" << r->have;
       break;
     default:
       os << "error code " << r->code << " on rank " << r->rank;
@@ -183,7 +199,7 @@ void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_exp
   if (num_tokens == 0) return;
   launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
                          as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
-                         as_stream(stream));
+                         as_stream(stream), LayoutReport{});
 }
 
 void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
@@ -191,8 +207,11 @@ void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_
                                       int64_t stream) {
   UCCL_CHECK(base_ != nullptr, "get_dispatch_layout: the intranode buffer was destroyed");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  uccl_ep::intranode::dispatch_layout(topk_idx, num_tokens, num_topk, num_experts, num_ranks_, out_per_rank,
-                                      out_per_expert, out_in_rank, stream);
+  if (num_tokens == 0) return;
+  // ids out of range are reported (to every rank: this rank's next notify then moves nothing)
+  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_,
+                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
+                         as_stream(stream), LayoutReport{static_cast<ErrorRecord*>(err_dev_), claim_ptr(), rank_});
 }
 
 static PeerPtrs peer_ptrs(void* const* peers) {
@@ -223,9 +242,8 @@ void IntranodeBuffer::notify(int64_t num_tokens_per_rank, int64_t num_tokens_per
   a.in_rank = as_ptr<const bool>(is_token_in_rank);
   a.send_pos = as_ptr<int>(out_send_pos);
   a.info = as_ptr<int>(out_info);
-  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_notify(a, as_stream(stream));
-  sig_total_ += 1;
 }
 
 void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes, int64_t topk_idx,
@@ -294,9 +312,8 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   UCCL_CHECK(flag_batch >= 1, "dispatch: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
   a.lay = make_row_layout(data_bytes(), x_bytes, scale_bytes, a.num_topk, a.with_src);
-  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_dispatch(a, num_sms + a.expand_blocks, as_stream(stream));
-  sig_total_ += (uint64_t)num_sms;  // expand blocks signal nobody but the local counter
 }
 
 void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_weights, bool with_weights, int num_topk, int num_tokens,
@@ -358,9 +375,8 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   const int64_t elem = dtype == kDtypeFp32 ? 4 : 2;
   a.lay = make_row_layout(data_bytes(), (int64_t)hidden * elem, 0, a.num_topk, false);
   // combine uses off_x for rows and off_topk_w for weights: keep them where make_row_layout put them
-  a.sig = SignalArgs{sig_total_, timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
+  a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_combine(a, num_sms + a.fold_blocks, as_stream(stream));
-  sig_total_ += (uint64_t)num_sms;  // fold blocks signal nobody
 }
 
 }  // namespace uccl_ep::intranode

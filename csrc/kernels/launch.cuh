@@ -18,8 +18,8 @@ struct PeerPtrs {
   char* p[kMaxRanks];  // every rank's buffer base as mapped on this GPU (own included)
 };
 
+// What a kernel's waits need (the signal base is not here but in the buffer: OpSeq).
 struct SignalArgs {
-  uint64_t base;           // blocks signalled by all previous ops
   int64_t timeout_cycles;  // per wait
   ErrorRecord* err;        // pinned host memory, mapped
   int* claim;              // in this rank's device buffer (kErrorClaimOffset)
@@ -109,8 +109,14 @@ struct CombineArgs {
   SignalArgs sig;
 };
 
+// Where the layout kernel reports expert ids out of range (null claim: it skips them silently).
+struct LayoutReport {
+  ErrorRecord* err = nullptr;
+  int* claim = nullptr;
+  int rank = 0;
+};
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream);
+                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream, LayoutReport report);
 void launch_notify(const NotifyArgs& a, gpuStream_t stream);
 void launch_dispatch(const DispatchArgs& a, int num_blocks, gpuStream_t stream);
 void launch_combine(const CombineArgs& a, int num_blocks, gpuStream_t stream);

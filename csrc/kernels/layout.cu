@@ -9,7 +9,8 @@ namespace uccl_ep::intranode {
 __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const int64_t* topk_idx, int num_tokens,
                                                                          int num_topk, int num_experts,
                                                                          int num_ranks, int* per_rank,
-                                                                         int* per_expert, bool* in_rank) {
+                                                                         int* per_expert, bool* in_rank,
+                                                                         LayoutReport report) {
   extern __shared__ int s_counts[];  // [num_experts + num_ranks]
   for (int i = threadIdx.x; i < num_experts + num_ranks; i += blockDim.x) s_counts[i] = 0;
   __syncthreads();
@@ -20,7 +21,11 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
     for (int r = 0; r < num_ranks; ++r) row[r] = false;
     for (int k = 0; k < num_topk; ++k) {
       const int64_t e = ids[k];
-      if (e < 0 || e >= num_experts) continue;  // -1: no selection
+      if (e < 0 || e >= num_experts) {  // -1: no selection
+        if (e != -1 && report.claim != nullptr)
+          report_error(report.err, report.claim, kErrBadExpert, report.rank, t, kPhaseLayout, (int)e, num_experts);
+        continue;
+      }
       atomicAdd(&s_counts[e], 1);
       const int r = (int)(e / experts_per_rank);
       bool first = true;  // the first of the token's slots on rank r counts the token there
@@ -43,7 +48,8 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
 }
 
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream) {
+                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream,
+                            LayoutReport report) {
   UCCL_CHECK(num_ranks >= 1, "num_ranks " << num_ranks << " must be >= 1");
   UCCL_CHECK(num_experts % num_ranks == 0, "num_experts " << num_experts << " not divisible by " << num_ranks);
   const int smem = (num_experts + num_ranks) * (int)sizeof(int);
@@ -51,7 +57,7 @@ void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_top
   int blocks = (num_tokens + kLayoutThreads - 1) / kLayoutThreads;
   blocks = blocks < 1 ? 1 : (blocks > 128 ? 128 : blocks);
   dispatch_layout_kernel<<<blocks, kLayoutThreads, smem, stream>>>(topk_idx, num_tokens, num_topk, num_experts,
-                                                                   num_ranks, per_rank, per_expert, in_rank);
+                                                                   num_ranks, per_rank, per_expert, in_rank, report);
   UCCL_CHECK_GPU(gpuGetLastError());
 }
 

@@ -26,6 +26,12 @@ from ..topology import Topology
 class Backend(abc.ABC):
     name: str = "abstract"
     supports_low_latency: bool = True  # False: Buffer serves low-latency calls with the reference backend
+    # Why its calls cannot be captured in a CUDA graph ("": they can, as long as their sizes need no host sync:
+    # Buffer checks that part); Buffer refuses capture with this reason before any work.
+    capture_refusal: str = "it has not been made capture-safe"
+    # True: its kernels check the values the host would otherwise read back (expert ids in range, counts that
+    # match the mask) and report them as errors, so Buffer skips the host's value checks by default.
+    checks_values_on_device: bool = False
 
     def __init__(self, group, rank: int, num_ranks: int, owner: int, num_nvl_bytes: int, num_rdma_bytes: int, *,
                  topology: Optional[Topology] = None):

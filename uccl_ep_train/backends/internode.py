@@ -73,6 +73,8 @@ class InternodeState:
 
 class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     name = "native"
+    capture_refusal = ("its kernels take per-call op numbers from the host and its proxies are driven call by call "
+                       "(capture-safe calls: the native backend on one node)")
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)

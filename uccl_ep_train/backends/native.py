@@ -14,8 +14,10 @@ No queues, no data atomics, deterministic order, bit-exact with `reference` for 
 
 The receive size needs one device-to-host copy of the counts unless `num_worst_tokens` is given: then the
 whole call is CPU-sync free (outputs padded to num_worst_tokens; handle's num_recv_tokens is
-num_worst_tokens, as the combine input has that many rows). It is not CUDA-graph capturable yet: the kernels
-take host-side per-call counters, and Buffer refuses capture.
+num_worst_tokens, as the combine input has that many rows). Such a dispatch, cached dispatch and combine
+can be captured in a CUDA graph: the kernels read their signal base from the buffer, not from arguments.
+Values the host would read back (expert ids, counts against the mask, the ranks' shapes without a host
+sync) are checked by the kernels and reported like timeouts.
 
 Waits inside kernels have a deadline (UCCL_EP_TIMEOUT_S); a kernel that times out records rank, peer,
 block and phase in host-mapped memory, and the next call on this backend raises with that message.
@@ -124,16 +126,15 @@ def native_problem() -> str:
     return ""
 
 
-# A fresh dispatch's shape as notify carries it to every rank (intranode and internode). The ranks must agree
-# on all of it but the token count: else they write rows of different sizes into each other's buffers.
-SHAPE_FIELDS = ("num_tokens", "x row bytes", "FP8 scale bytes", "num_topk", "topk_weights given", "num_experts",
-                "x dtype")
+# A fresh dispatch's shape as notify carries it to every rank (intranode and internode): the native module's
+# INTRANODE_SHAPE_FIELDS name its ints. The ranks must agree on all of it but the token count: else they write
+# rows of different sizes into each other's buffers.
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
 
 
 def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_experts: int) -> list[int]:
-    """SHAPE_FIELDS of a call, then a zero (8 ints: the header notify carries)."""
+    """The call's shape (the native module's INTRANODE_SHAPE_FIELDS), then a zero: the header notify carries."""
     return [x.size(0), x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4,
             0 if topk_idx is None else topk_idx.size(1), int(topk_weights is not None), num_experts,
             _X_DTYPES.get(x.dtype, 0), 0]
@@ -141,7 +142,7 @@ def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Op
 
 def check_same_shape(per_rank: list) -> None:
     """Raises the same ValueError on every rank (each passes every rank's header) unless they agree."""
-    for i, name in enumerate(SHAPE_FIELDS):
+    for i, name in enumerate(_module().INTRANODE_SHAPE_FIELDS):
         values = [int(h[i]) for h in per_rank]
         if name != "num_tokens" and len(set(values)) > 1:
             raise ValueError(f"dispatch: ranks disagree on {name}: " +

@@ -37,6 +37,7 @@ def _align_up(n: int, a: int) -> int:
 
 class ReferenceBackend(Backend):
     name = "reference"
+    capture_refusal = "it synchronises with the host in every call (torch.distributed collectives)"
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device: torch.device, *,
                  topology: Optional[Topology] = None):
