@@ -187,6 +187,10 @@ class NativeHandleState:
 
 class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     name = "native"
+    # Capture-safe: the kernels read their signal base from the buffer (OpSeq in device_utils.cuh), not from
+    # arguments, so replays stay in step with the peers; only growing the buffer (host + collective) is refused.
+    capture_refusal = ""
+    checks_values_on_device = True  # layout: expert ids; notify: counts against the mask (and shapes)
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device=None):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes)
@@ -250,7 +254,13 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     def _ensure(self, rows: int, x_bytes: int, scale_bytes: int, num_topk: int, with_src: bool) -> None:
         cap = self._native.intranode_row_capacity(self._buf.data_bytes(), x_bytes, scale_bytes, num_topk, with_src)
         if rows > cap:
-            self._grow(self._bytes_for(rows, x_bytes, scale_bytes, num_topk, with_src))
+            need = self._bytes_for(rows, x_bytes, scale_bytes, num_topk, with_src)
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) must grow to {need} "
+                                   "bytes for this call, which cannot happen inside CUDA-graph capture (it is "
+                                   "collective); make the Buffer with num_nvl_bytes >= that, or run the call once "
+                                   "before capturing")
+            self._grow(need)
 
     def _check(self) -> None:
         if self._failed is not None:
