@@ -73,3 +73,52 @@ def gpus_used(device, group=None) -> int:
     where: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(where, (socket.gethostname(), index), group=group)
     return len(set(where)) if cuda else 0
+
+
+def init_rank_group(rank: int, world: int, port: int):
+    """The process group of a spawned bench rank, on 127.0.0.1:`port` -> its device. One rank per GPU: NCCL.
+    More ranks than GPUs: rank r on GPU r % count over a gloo group with CUDA tensors (UCCL_EP_DEVICE=cuda;
+    NCCL refuses two ranks per GPU), which should run under NVIDIA MPS (`warn_without_mps`). No GPU: gloo on
+    the CPU."""
+    import torch
+    import torch.distributed as dist
+    from datetime import timedelta
+
+    for var, value in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
+                       ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("GLOO_SOCKET_IFNAME", "lo")):
+        os.environ.setdefault(var, value)
+    init, timeout = f"tcp://127.0.0.1:{port}", timedelta(minutes=10)
+    if not torch.cuda.is_available():
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    device = torch.device("cuda", rank % gpus)
+    torch.cuda.set_device(device)
+    if world > gpus:
+        os.environ["UCCL_EP_DEVICE"] = "cuda"
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+    else:
+        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timeout,
+                                device_id=device)
+    return device
+
+
+def warn_without_mps(world: int, tag: str) -> None:
+    """Before spawning `world` ranks: when they outnumber the GPUs, say how they share them, make them load
+    their kernels eagerly (gpu_sharing.sharing_verdict), and warn when NVIDIA MPS is not running."""
+    import sys
+
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if world <= gpus:
+        return
+    print(f"[{tag}] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
+          file=sys.stderr)
+    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # the spawned ranks inherit it before CUDA starts
+    from ..gpu_sharing import mps_active
+
+    if not mps_active():
+        print(f"[{tag}] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "
+              "wait for each other crawl (`bash scripts/mps.sh start`, then export what it prints)", file=sys.stderr)

@@ -34,13 +34,12 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import LAYER_SHAPE, add_layer_shape_args, gpus_used, run_context
+from . import LAYER_SHAPE, add_layer_shape_args, gpus_used, init_rank_group, run_context, warn_without_mps
 from ..localhost import spawn_ranks
 from ..topology import MAX_RANKS_PER_NODE
 
@@ -247,27 +246,8 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
 
 def _worker(rank: int, world: int, port: int, args, shape: dict, q) -> None:
     try:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        init = f"tcp://127.0.0.1:{port}"
-        timeout = timedelta(minutes=10)
-        if torch.cuda.is_available():
-            gpus = torch.cuda.device_count()
-            device = torch.device("cuda", rank % gpus)
-            torch.cuda.set_device(device)
-            if world > gpus:  # ranks share GPUs: NCCL refuses two ranks per GPU
-                os.environ["UCCL_EP_DEVICE"] = "cuda"
-                dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
-            else:
-                dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timeout,
-                                        device_id=device)
-        else:
-            device = torch.device("cpu")
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-            dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        device = init_rank_group(rank, world, port)
         try:
             records = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
         finally:
@@ -313,26 +293,6 @@ def _print(summary: list[dict]) -> None:
         pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
         print(f"{r['op']:<15}{r['sms']:>5}{r['us']:>11.1f}{r['gbps']:>9.4g} ({r['gbps_min']:>5.4g})"
               f"{r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}", flush=True)
-
-
-def _check_sharing(world: int) -> None:
-    gpus = torch.cuda.device_count()
-    if world <= gpus:
-        return
-    print(f"[internode] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
-          file=sys.stderr)
-    # ranks sharing a GPU must load their kernels eagerly (uccl_ep_train.gpu_sharing.sharing_verdict); the
-    # spawned ranks inherit this before they start CUDA
-    os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")
-    try:
-        from ..gpu_sharing import mps_active
-    except ImportError:
-        print("[internode] warning: cannot check NVIDIA MPS (uccl_ep_train.gpu_sharing is missing); ranks sharing a "
-              "GPU without MPS time-slice it", file=sys.stderr)
-        return
-    if not mps_active():
-        print("[internode] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "
-              "wait for each other crawl (`bash scripts/mps.sh start`, then export what it prints)", file=sys.stderr)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -388,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         records = [r for rs in gathered for r in rs]
     else:
         if cuda:
-            _check_sharing(world)
+            warn_without_mps(world, "internode")
         out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args, shape), timeout=1800)
         records = [r for rank in sorted(out) for r in out[rank]]
     summary = [{**r, **context} for r in summarise(records)]

@@ -5,15 +5,21 @@ this rank receives (its own tokens included) over the kernel time, and µs per c
 from the profiler (kernels whose names contain `dispatch` / `combine`), as DeepEP's bench_kineto does;
 the time the Python API takes (events around the Buffer call, host work included) is printed beside it.
 Timed like DeepEP's tuning: cached-handle dispatch (BF16 and FP8 + scales) and combine (BF16) per SM
-count; the fresh dispatch (layout exchange + one host sync for the receive size) is timed once per SM
-count as API time. NCCL all_to_all_single moving the same bytes is the yardstick.
+count, then the fresh dispatch (layout, notify, dispatch) twice: sized by the host (one host sync for the
+receive size) and sync-free with num_worst_tokens = ranks x tokens ("_worst"). NCCL all_to_all_single
+moving the same bytes is the yardstick (one rank per GPU only).
 
-Runs its own ranks (torch.multiprocessing, one per GPU) unless started by torchrun. Writes `--json PATH`
-(records: bench, op, ranks, gbps, us, device, gpus, sms, sms_occupied, tokens, hidden, topk, experts,
-backend, timing, command, date, commit) and `--plot PATH.png` (GB/s against SMs). "timing" is "kernel" for
-the profiler's kernel time, "api" for events around the call; "sms_occupied" is Buffer.occupied_sms of the
-timed call's Config (None for the reference backend and NCCL): the plain dispatch / combine timed here add
-no side blocks.
+Every "api" record also carries, for the same call, "kernel_us" (the device time of the call's own kernels:
+layout, notify, dispatch / combine, from the profiler) and "host_us" (the host's time per call when calls
+are issued back to back without a sync): a sync-free call's API time approaches its kernel time because the
+host runs ahead of the GPU; a call that syncs adds the host's time to it.
+
+Runs its own ranks (spawned; one per GPU, or `--num-processes` more sharing the GPUs under MPS over a gloo
+group) unless started by torchrun. Writes `--json PATH` (records: bench, op, ranks, gbps, us, device, gpus,
+sms, sms_occupied, tokens, hidden, topk, experts, backend, timing, kernel_us, host_us, command, date,
+commit) and `--plot PATH.png` (GB/s against SMs). "timing" is "kernel" for the profiler's kernel time, "api"
+for events around the call; "sms_occupied" is Buffer.occupied_sms of the timed call's Config (None for the
+reference backend and NCCL): the plain dispatch / combine timed here add no side blocks.
 """
 from __future__ import annotations
 
@@ -21,20 +27,21 @@ import argparse
 import json
 import os
 import sys
-from datetime import timedelta
+import time
 
 import torch
 import torch.distributed as dist
 
-from . import gpus_used, run_context
-from ..localhost import free_loopback_port
+from . import gpus_used, init_rank_group, run_context, warn_without_mps
+from ..localhost import spawn_ranks
 
 FP8_BLOCK = 128
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="uccl-ep-train bench intranode", description=__doc__.splitlines()[0])
-    p.add_argument("--num-processes", type=int, default=0, help="ranks to spawn (default: all visible GPUs)")
+    p.add_argument("--num-processes", type=int, default=0,
+                   help="ranks to spawn (default: all visible GPUs; more share the GPUs, under NVIDIA MPS)")
     p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
     p.add_argument("--hidden", type=int, default=7168)
     p.add_argument("--topk", type=int, default=8)
@@ -87,16 +94,19 @@ def _kernel_us(fn, names, iters, warmup, group):
 
 
 def _api_us(fn, iters, warmup, group):
+    """(µs per call between events around `iters` back-to-back calls, µs of host time per call)."""
     for _ in range(warmup):
         fn()
     _align(group)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
     start.record()
     for _ in range(iters):
         fn()
     end.record()
+    host = (time.perf_counter() - t0) * 1e6 / iters
     torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / iters
+    return start.elapsed_time(end) * 1000.0 / iters, host
 
 
 def _rank_main(rank: int, world: int, args) -> list[dict]:
@@ -129,12 +139,12 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     shape = {"tokens": T, "hidden": H, "topk": K, "experts": E}
     records = []
 
-    def rec(op, us, nbytes, sms, timing, knobs=None, cfg=None):
+    def rec(op, us, nbytes, sms, timing, knobs=None, cfg=None, **times):
         records.append({"bench": "intranode", "op": op, "ranks": world, "rank": rank, "gbps": nbytes / us / 1e3,
                         "us": us, "bytes": nbytes, "device": name, "gpus": gpus, "sms": sms,
                         "sms_occupied": buf.occupied_sms(cfg) if cfg is not None else None,
                         "backend": buf.backend_name, "timing": timing, "push_warps": 0, "flag_batch": 0,
-                        "combine_kernel": -1, **(knobs or {}), **shape})
+                        "combine_kernel": -1, **(knobs or {}), **shape, **times})
 
     _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
     sweep = [(sms, pw, fb, ck) for sms in [int(s) for s in args.sms.split(",") if s]
@@ -156,53 +166,58 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
         d_bf16 = lambda: buf.dispatch(x, handle=handle, config=cfg)  # noqa: E731
         d_fp8 = lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)  # noqa: E731
         comb = lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)  # noqa: E731
-        fresh = lambda: buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,  # noqa: E731
-                                     num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w,
-                                     config=cfg)
-        runs = [("dispatch_bf16", d_bf16, bf16_bytes, ("dispatch",))]
+
+        def fresh(worst=0):  # the whole fresh call, layout included, as a training step makes it
+            pr, _, pe, ir, _ = buf.get_dispatch_layout(topk_idx, E)
+            return buf.dispatch(x, num_tokens_per_rank=pr, is_token_in_rank=ir, num_tokens_per_expert=pe,
+                                topk_idx=topk_idx, topk_weights=topk_w, num_worst_tokens=worst, config=cfg)
+
+        runs = [("dispatch_bf16", d_bf16, bf16_bytes, ("dispatch",), args.iters)]
         if not args.no_fp8:
-            runs.append(("dispatch_fp8", d_fp8, fp8_bytes, ("dispatch",)))
-        runs.append(("combine", comb, bf16_bytes, ("combine",)))
-        for op, fn, nbytes, names in runs:
-            if buf.backend_name == "native":
-                rec(op, _kernel_us(fn, names, args.iters, args.warmup, group), nbytes, sms, "kernel", knobs, cfg)
-            if not args.no_api:
-                rec(op, _api_us(fn, args.iters, args.warmup, group), nbytes, sms, "api", knobs, cfg)
+            runs.append(("dispatch_fp8", d_fp8, fp8_bytes, ("dispatch",), args.iters))
+        runs.append(("combine", comb, bf16_bytes, ("combine",), args.iters))
         if not args.no_api:
-            rec("dispatch_bf16_fresh", _api_us(fresh, max(args.iters // 2, 3), 2, group), bf16_bytes, sms, "api",
-                knobs, cfg)
+            fresh_names = ("dispatch", "notify")  # (the layout kernel's name contains "dispatch")
+            runs += [("dispatch_bf16_fresh", fresh, bf16_bytes, fresh_names, max(args.iters // 2, 3)),
+                     ("dispatch_bf16_fresh_worst", lambda: fresh(world * T), bf16_bytes, fresh_names, args.iters)]
+        for op, fn, nbytes, names, iters in runs:
+            kernel = None
+            if buf.backend_name == "native":
+                kernel = _kernel_us(fn, names, iters, args.warmup, group)
+                rec(op, kernel, nbytes, sms, "kernel", knobs, cfg)
+            if not args.no_api:
+                api, host = _api_us(fn, iters, args.warmup, group)
+                rec(op, api, nbytes, sms, "api", knobs, cfg, kernel_us=kernel, host_us=host)
     for v, val in saved.items():
         if val is None:
             os.environ.pop(v, None)
         else:
             os.environ[v] = val
 
-    if not args.no_nccl:
+    if not args.no_nccl and str(dist.get_backend(group)) == "nccl":  # (ranks sharing a GPU: a gloo group)
         # the same bytes through NCCL: every rank sends num_recv rows' worth, split evenly over ranks
         n = (bf16_bytes // 2) // world * world
         inp = torch.randn(n, device=dev).to(torch.bfloat16)
         out = torch.empty_like(inp)
         a2a = lambda: dist.all_to_all_single(out, inp, group=group)  # noqa: E731
-        rec("nccl_all_to_all", _api_us(a2a, args.iters, args.warmup, group), n * 2, 0, "api")
+        api, host = _api_us(a2a, args.iters, args.warmup, group)
+        rec("nccl_all_to_all", api, n * 2, 0, "api", host_us=host)
     buf.destroy()
     return records
 
 
 def _worker(rank, world, port, args, q):
     try:
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-        os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-        os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=300), device_id=torch.device("cuda", rank))
-        q.put((rank, _rank_main(rank, world, args)))
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException as exc:  # report, do not hang the parent
+        init_rank_group(rank, world, port)
+        try:
+            records = _rank_main(rank, world, args)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, "ok", records))
+    except BaseException:  # report, do not hang the parent
         import traceback
 
-        q.put((rank, f"rank {rank} failed: {exc}\n{traceback.format_exc()}"))
+        q.put((rank, "error", traceback.format_exc()))
 
 
 def _summarise(records: list[dict]) -> list[dict]:
@@ -216,15 +231,22 @@ def _summarise(records: list[dict]) -> list[dict]:
         base = {k: v for k, v in rs[0].items() if k not in ("rank", "gbps", "us", "bytes")}
         base.update(gbps=sum(r["gbps"] for r in rs) / len(rs), gbps_min=min(r["gbps"] for r in rs),
                     us=sum(r["us"] for r in rs) / len(rs), bytes=sum(r["bytes"] for r in rs) // len(rs))
+        for key in ("kernel_us", "host_us"):  # api records: the same call's kernel and host time
+            if all(r.get(key) is not None for r in rs):
+                base[key] = sum(r[key] for r in rs) / len(rs)
         out.append(base)
     return out
 
 
 def _print(summary: list[dict]) -> None:
-    print(f"{'op':<22}{'timing':<8}{'SMs':>5}{'push':>5}{'fb':>8}{'ck':>4}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}")
+    print(f"{'op':<26}{'timing':<8}{'SMs':>5}{'push':>5}{'fb':>8}{'ck':>4}{'µs':>10}{'NVL GB/s':>10}{'min rank':>10}"
+          f"{'kernel µs':>11}{'host µs':>9}{'api/kernel':>11}")
     for r in summary:
-        print(f"{r['op']:<22}{r['timing']:<8}{r['sms']:>5}{r.get('push_warps', 0):>5}{r.get('flag_batch', 0):>8}"
-              f"{r.get('combine_kernel', -1):>4}{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}")
+        k, h = r.get("kernel_us"), r.get("host_us")
+        extra = (f"{k:>11.1f}" if k else f"{'':>11}") + (f"{h:>9.1f}" if h else f"{'':>9}")
+        extra += f"{r['us'] / k:>11.2f}" if k and r["timing"] == "api" else ""
+        print(f"{r['op']:<26}{r['timing']:<8}{r['sms']:>5}{r.get('push_warps', 0):>5}{r.get('flag_batch', 0):>8}"
+              f"{r.get('combine_kernel', -1):>4}{r['us']:>10.1f}{r['gbps']:>10.1f}{r['gbps_min']:>10.1f}{extra}")
 
 
 def _plot(summary: list[dict], path: str) -> None:
@@ -275,24 +297,10 @@ def main(argv=None) -> int:
             return 0
         records = [r for rs in gathered for r in rs]
     else:
-        import torch.multiprocessing as mp
-
         world = args.num_processes or torch.cuda.device_count()
-        port = free_loopback_port()
-        ctx = mp.get_context("spawn")
-        q = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, args, q), daemon=True) for r in range(world)]
-        for p in procs:
-            p.start()
-        records, errors = [], []
-        for _ in range(world):
-            rank, payload = q.get(timeout=1800)
-            (errors.append(payload) if isinstance(payload, str) else records.extend(payload))
-        for p in procs:
-            p.join(timeout=30)
-        if errors:
-            print("\n".join(errors), file=sys.stderr)
-            return 1
+        warn_without_mps(world, "intranode")
+        out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args), timeout=1800)
+        records = [r for rank in sorted(out) for r in out[rank]]
     summary = [{**r, **context} for r in _summarise(records)]
     _print(summary)
     if args.json:
