@@ -25,7 +25,7 @@ from . import agreement
 from . import validation as V
 from .backends.base import Backend
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
-from .events import EventHandle, EventOverlap
+from .events import EventHandle, EventOverlap, capturing
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
@@ -102,15 +102,11 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
     return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology=topology)
 
 
-def _capturing() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _check_capture(op: str, backend: Backend, host_sync: str = "") -> None:
     """Inside CUDA-graph capture only calls that replay exactly are taken: the backend's kernels must be
     capture-safe (its `capture_refusal` is empty) and the call must not size its outputs on the host
     (`host_sync` says why this one would). Refused before any work, with the reason."""
-    if not _capturing():
+    if not capturing():
         return
     if backend.capture_refusal:
         raise RuntimeError(f"{op}: cannot be captured in a CUDA graph on the {backend.name} backend: "
@@ -324,7 +320,7 @@ class Buffer:
                             f"got {type(previous_event).__name__}")
         if checks is not None and not V.host_value_checks(self.backend.checks_values_on_device):
             checks = None
-        if self._comm_stream is not None and _capturing():
+        if self._comm_stream is not None and capturing():
             # In a CUDA graph every call runs on the capturing stream (the graph orders it; a side stream
             # would need a fork and join per call); previous_event is waited on there.
             if previous_event is not None and previous_event.event is not None:

@@ -24,6 +24,12 @@ def current_raw_stream(device_index: Optional[int] = None) -> int:
     return torch.cuda.current_stream(index).cuda_stream
 
 
+def capturing() -> bool:
+    """Whether the current stream is being captured into a CUDA graph (cheap: no device query when CUDA was
+    never initialised in this process, so nothing can be capturing)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
 class EventHandle:
     """A point in a stream's work: CUDA event where CUDA is in use, an already-complete marker on CPU."""
 

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from .events import capturing
 from .fp8 import FP8_BLOCK, fp8_dtype_for
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -40,7 +41,7 @@ def host_value_checks(checked_on_device: bool) -> bool:
     consistency): each syncs a GPU with the host. UCCL_EP_CHECK_VALUES=1: always, 0: never; unset: unless the
     backend's kernels check the same values (`checked_on_device`, reported as errors on the call's host sync
     or the next call). Never inside CUDA-graph capture, where a sync is an error."""
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if capturing():
         return False
     setting = os.environ.get("UCCL_EP_CHECK_VALUES", "")
     if setting not in ("", "0", "1"):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from .. import permute
 from ..config import Config, env_number, timeout_s
-from ..events import current_raw_stream
+from ..events import capturing, current_raw_stream
 from ..handles import IntranodeHandle
 from .base import Backend, WithoutLowLatency
 
@@ -255,7 +255,7 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         cap = self._native.intranode_row_capacity(self._buf.data_bytes(), x_bytes, scale_bytes, num_topk, with_src)
         if rows > cap:
             need = self._bytes_for(rows, x_bytes, scale_bytes, num_topk, with_src)
-            if torch.cuda.is_current_stream_capturing():
+            if capturing():
                 raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) must grow to {need} "
                                    "bytes for this call, which cannot happen inside CUDA-graph capture (it is "
                                    "collective); make the Buffer with num_nvl_bytes >= that, or run the call once "
