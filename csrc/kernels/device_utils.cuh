@@ -107,6 +107,9 @@ __device__ __forceinline__ void adopt_peer_error(ErrorRecord* err, int* claim) {
     }
 }
 
+// Whether an error was claimed on this rank (its own, or a peer's report): its ops then move nothing.
+__device__ __forceinline__ bool error_pending(const int* claim) { return *(const volatile int*)claim != 0; }
+
 // The record lives in pinned host memory (plain stores only: PCIe atomics are not everywhere); the claim
 // word that picks the one reporter lives in this rank's device buffer (`claim`). `block` names where the
 // wait was (a channel of the internode path); -1: this block. The report also goes into every peer's board

@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   // host checks it only with UCCL_EP_CHECK_VALUES=1. A mismatch, or an error pending from before (e.g. an
   // expert id out of range in the layout), is reported to every rank, and no count leaves this rank.
   if (tid == 0) {
-    s_bad = *(volatile int*)a.sig.claim != 0;
+    s_bad = error_pending(a.sig.claim);
     if (s_bad) adopt_peer_error(a.sig.err, a.sig.claim);
     for (int r = 0; r < R && !s_bad; ++r)
       if (s_total[r] != a.per_rank[r]) {
@@ -373,7 +373,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   if (expand && tid == 0) side.comm_started();
   if (tid == 0) {
     // an error pending (this rank's or a peer's: the layout and counts may be garbage): move nothing
-    s_skip = *(volatile int*)a.sig.claim != 0 ||
+    s_skip = error_pending(a.sig.claim) ||
              over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
   }
@@ -679,7 +679,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     return;
   }
   if (tid == 0) {
-    s_skip = *(volatile int*)a.sig.claim != 0 || over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
+    s_skip = error_pending(a.sig.claim) || over_capacity(a.lay, a.sig, R, me, kPhaseCombine, [&](int s) {
       int total = 0;
       for (int r = 0; r < R; ++r) total += count(s, r);
       return total;
