@@ -13,14 +13,24 @@ straight to their expert rows and folds while it combines); the reference backen
 permute.expand_rows and permute.reduce_rows + combine, with the same values.
 Routing probabilities travel as the dispatch's top-k weights and are applied by the experts, as with
 alltoall; their gradient flows back through the combine of the weight gradients.
+
+Two paths, chosen from Megatron's settings and logged once:
+- dropless, or token dropping without padding: the dispatch exchanges the per-expert counts and the host
+  reads them (one sync per dispatch), because the experts need `tokens_per_expert` on the host anyway;
+- drop-and-pad (`moe_pad_expert_input_to_capacity` with `moe_expert_capacity_factor`): every expert gets
+  exactly `capacity` rows from each EP rank, as Megatron's alltoall dispatcher pads them, so every size is
+  known on the host before the dispatch: no host sync at all, and the layer can be captured in a CUDA graph.
+  The router's padding selections (probability 0) are not sent; their rows are zeros instead of the padding
+  tokens' activations, which changes nothing the experts return (the probability multiplies them by 0).
 """
 from __future__ import annotations
 
 import logging
-from typing import List
+from typing import List, Optional
 
 import torch
 
+from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -34,6 +44,7 @@ _BUFFER_DEFAULT_SMS = Buffer.num_sms  # DeepEP's class default (20), before anyo
 _buffers: dict[int, Buffer] = {}
 _retired: list[Buffer] = []  # outgrown Buffers: earlier layers' backward may still use their handles
 _fits: set[tuple[int, int, int]] = set()  # (group id, hidden bytes, Buffer.num_sms) the group's Buffer holds
+_logged_paths: set[str] = set()
 
 
 def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buffer:
@@ -73,14 +84,27 @@ def destroy_buffers() -> None:
     _fits.clear()
 
 
+def _log_path(buffer: Buffer, capacity: int) -> None:
+    """Say once per process (rank 0) which path the dispatcher takes: sync-free (drop-and-pad) or not."""
+    path = "drop-and-pad" if capacity else "counts"
+    if path in _logged_paths:
+        return
+    _logged_paths.add(path)
+    if buffer.rank == 0:
+        if capacity:
+            log.info("uccl dispatcher: drop-and-pad (capacity %d rows per expert and EP rank): every size is known "
+                     "before the dispatch: no host sync, CUDA-graph capturable on the %s backend", capacity,
+                     buffer.backend_name)
+        else:
+            log.info("uccl dispatcher: dropless / token dropping: each dispatch reads the per-expert counts on the "
+                     "host (one sync); moe_pad_expert_input_to_capacity with moe_expert_capacity_factor avoids it")
+
+
 def check_config(config: TransformerConfig) -> None:
     """Reject, at config time, what this dispatcher does not do (with the flag to change)."""
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
         raise ValueError(f"moe_token_dispatcher_type='uccl' does not support expert tensor parallelism "
                          f"(expert_tensor_parallel_size={config.expert_tensor_parallel_size}); set it to 1")
-    if config.moe_pad_expert_input_to_capacity:
-        raise ValueError("moe_token_dispatcher_type='uccl' does not support moe_pad_expert_input_to_capacity "
-                         "(token dropping with moe_expert_capacity_factor alone is supported)")
     if getattr(config, "moe_router_padding_for_quantization", False):
         raise ValueError("moe_token_dispatcher_type='uccl' does not support moe_router_padding_for_quantization")
     if getattr(config, "moe_latent_size", None):
@@ -115,12 +139,21 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         self.handle = None
         self.expert_map = None
         self.tokens_per_expert_list = None
+        self.drop_and_pad = bool(config.moe_pad_expert_input_to_capacity)
+        self.capacity: Optional[int] = None  # drop-and-pad: rows per (local expert, EP rank), set per batch
 
     # ---- dispatch --------------------------------------------------------------------------------------
     def dispatch_preprocess(self, hidden_states: torch.Tensor, routing_map: torch.Tensor, probs: torch.Tensor):
         """Routing map + probs -> top-k ids (-1 for dropped slots) and float32 top-k weights. Local only."""
         self.hidden_shape = hidden_states.shape
         hidden_states = hidden_states.view(-1, self.hidden_shape[-1])
+        if self.drop_and_pad:
+            # the router's capacity (the same formula on the same token count) and its real selections: the
+            # padding ones it added to fill each expert's capacity have probability 0
+            self.capacity = get_capacity(num_tokens=hidden_states.size(0) * self.router_topk,
+                                         num_experts=self.num_experts,
+                                         capacity_factor=self.config.moe_expert_capacity_factor)
+            routing_map = routing_map & (probs != 0)
         # The first k selected experts of each token, in expert order (a token dropped by a capacity
         # factor has fewer than k: its remaining slots are -1, weight 0); one kernel on GPUs.
         self.topk_idx, weights = permute.topk_from_routing_map(routing_map, probs, self.router_topk)
@@ -135,9 +168,14 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         if self.shared_experts is not None:
             self.shared_experts.wait_current_stream()
         buffer = get_buffer(self.ep_group, hidden_states.size(1) * hidden_states.element_size())
+        capacity = self.capacity if self.drop_and_pad else 0
+        # drop-and-pad: every size is known (each rank receives at most every rank's tokens once)
+        worst = self.ep_size * hidden_states.size(0) if capacity else 0
+        _log_path(buffer, capacity)
         with validation.trusted_values():  # top-k ids come from dispatch_preprocess: no value-reading syncs
             x_em, _, recv_w, counts, em_map, handle = ep_autograd.dispatch_expert_major(
-                buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts)
+                buffer, hidden_states.contiguous(), self.topk_idx, probs, self.num_experts,
+                num_worst_tokens=worst, expert_capacity=capacity)
         self.buffer, self.handle, self.expert_map, self.tokens_per_expert_list = buffer, handle, em_map, counts
         if self.shared_experts is not None:
             self.shared_experts.linear_fc1_forward_and_act(x_em)
@@ -147,10 +185,12 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         """(expert-major rows, tokens_per_expert on the host, the probability of each row).
 
         The rows are already expert-major (the dispatch placed them); only the per-slot probabilities
-        are spread to their rows (a scatter; no host sync: the counts came with the dispatch)."""
+        are spread to their rows (a scatter; no host sync: the counts came with the dispatch, or are the
+        capacity's; padding rows get probability 0)."""
         num_rows = sum(self.tokens_per_expert_list)
         tokens_per_expert = torch.tensor(self.tokens_per_expert_list, dtype=torch.int64)
-        permuted_probs = permute.expand_probs(probs, self.expert_map, num_rows).to(self.probs_dtype)
+        permuted_probs = permute.expand_probs(probs, self.expert_map, num_rows,
+                                              padded=self.drop_and_pad).to(self.probs_dtype)
         return hidden_states, tokens_per_expert, permuted_probs
 
     # ---- combine ---------------------------------------------------------------------------------------
@@ -164,7 +204,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             self.shared_experts.wait_current_stream()
         with validation.trusted_values():  # the map is the one our dispatch returned: no value-reading syncs
             out = ep_autograd.combine_expert_major(self.buffer, hidden_states.contiguous(), self.handle,
-                                                   self.expert_map)
+                                                   self.expert_map,
+                                                   expert_capacity=self.capacity if self.drop_and_pad else 0)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

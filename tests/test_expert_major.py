@@ -136,6 +136,69 @@ def test_autograd_pair_matches_composed_gradients(world):
     assert run_ranks(_grads, world) == [1] * world
 
 
+def _capacity_layout(rank, world, device):
+    """dispatch_expert_major with num_worst_tokens and expert_capacity (Megatron's drop-and-pad sizes, no host
+    sync on the native backend) against the exact layout: the same rows, each (local expert, source rank)
+    block padded with zero rows to the capacity; the receive-order outputs padded to num_worst_tokens
+    (ids -1, map -1); the combine and the gradients through the autograd pair equal the exact path's bit for
+    bit. A capacity too small raises naming expert_capacity."""
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, int(1e6), 0)
+    experts, hidden, topk = 3 * world, 48, 3
+    epr = experts // world
+    me = make_inputs(rank, _tokens(rank, world), hidden, topk, experts, seed=21, dtype=torch.float32, mask_prob=0.2)
+    worst = sum(_tokens(r, world) for r in range(world))
+    # the most tokens any source sends to one expert (every rank computes the same from the shared seed)
+    most = max(int((make_inputs(r, _tokens(r, world), hidden, topk, experts, seed=21, dtype=torch.float32,
+                                mask_prob=0.2).topk_idx == e).sum()) for r in range(world) for e in range(experts))
+    cap = most + 2  # room to spare: every block has padding rows
+    results = []
+    for capacity in (0, cap):
+        x = me.x.clone().requires_grad_(True)
+        w = me.topk_weights.clone().requires_grad_(True)
+        x_em, ridx, recv_w, counts, em, handle = ep_autograd.dispatch_expert_major(
+            buf, x, me.topk_idx, w, experts, num_worst_tokens=worst if capacity else 0, expert_capacity=capacity)
+        m = sum(counts)
+        probs = permute.expand_probs(recv_w, em, m, padded=bool(capacity))
+        y_em = torch.tanh(x_em) * probs[:, None]
+        out = ep_autograd.combine_expert_major(buf, y_em, handle, em, expert_capacity=capacity)
+        g = torch.linspace(-1, 1, out.numel()).view_as(out)
+        (out * g).sum().backward()
+        results.append((x_em.detach(), ridx, em, counts, handle, out.detach(), x.grad, w.grad))
+    exact, padded = results
+    n = exact[1].size(0)  # rows received
+    tag = f"rank {rank}"
+    assert padded[3] == [world * cap] * epr, f"{tag}: tokens_per_expert {padded[3]}"
+    assert padded[0].shape == (epr * world * cap, hidden)
+    assert padded[1].size(0) == padded[2].size(0) == padded[4].num_recv_tokens == worst
+    _same(padded[1][:n], exact[1], f"{tag}: recv_topk_idx")
+    assert bool((padded[1][n:] == -1).all()) and bool((padded[2][n:] == -1).all()), f"{tag}: padding rows"
+    em_e, em_p = exact[2], padded[2][:n]
+    assert torch.equal(em_e >= 0, em_p >= 0), f"{tag}: the same slots are named"
+    named = em_p[em_p >= 0].long()
+    _same(padded[0][named], exact[0][em_e[em_e >= 0].long()], f"{tag}: rows at their capacity slots")
+    unnamed = torch.ones(padded[0].size(0), dtype=torch.bool)
+    unnamed[named] = False
+    assert bool((padded[0][unnamed] == 0).all()) and int(unnamed.sum()) > 0, f"{tag}: padding rows are zeros"
+    # block (e, s) starts at (e * world + s) * cap: the first row of expert 0 from source 0 is slot 0
+    src_rows = torch.diff(exact[4].rank_prefix_matrix[:, rank].long(), prepend=torch.zeros(1, dtype=torch.long))
+    first = torch.nonzero(exact[1][: int(src_rows[0])] == 0)
+    if len(first):
+        assert int(em_p[first[0, 0], first[0, 1]]) == 0, f"{tag}: block (0, 0) starts at row 0"
+    for i, what in ((5, "combined"), (6, "x.grad"), (7, "topk_weights.grad")):
+        _same(padded[i], exact[i], f"{tag}: {what}")
+    with pytest.raises(ValueError, match="expert_capacity"):
+        buf.dispatch_expert_major(me.x, me.topk_idx, me.topk_weights, experts, num_worst_tokens=worst,
+                                  expert_capacity=1 if most > 1 else 0)
+    buf.destroy()
+    return 1
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_capacity_layout_equals_exact_layout_padded(world):
+    assert run_ranks(_capacity_layout, world) == [1] * world
+
+
 def _errors(rank, world, device):
     """Every bad call raises on every rank before communicating (so nothing hangs); then a good call works."""
     group = dist.new_group(list(range(world)))
@@ -166,6 +229,12 @@ def _errors(rank, world, device):
     bad(TypeError, "^topk_weights: dtype", lambda: buf.dispatch_expert_major(x, idx, w.double(), experts))
     bad(ValueError, "^num_experts", lambda: buf.dispatch_expert_major(x, idx, w, experts + 1))
     bad(TypeError, "^config", lambda: buf.dispatch_expert_major(x, idx, w, experts, config=3))
+    bad(ValueError, "^num_worst_tokens: .*only with expert_capacity",
+        lambda: buf.dispatch_expert_major(x, idx, w, experts, num_worst_tokens=64))
+    bad(ValueError, "^expert_capacity: ", lambda: buf.dispatch_expert_major(x, idx, w, experts, expert_capacity=-1))
+    bad(ValueError, "^num_rows: .*whole blocks",
+        lambda: buf.dispatch_expert_major_cached(x, handle, em, m, expert_capacity=m + 1))
+    bad(ValueError, "^y_em: .*whole blocks", lambda: buf.combine_expert_major(y_em, handle, em, expert_capacity=m + 1))
     # cached
     bad(TypeError, "^em_map: dtype", lambda: buf.dispatch_expert_major_cached(x, handle, em.long(), m))
     bad(ValueError, "^em_map: has", lambda: buf.dispatch_expert_major_cached(x, handle, em[1:].contiguous(), m))

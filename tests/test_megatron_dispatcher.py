@@ -16,7 +16,9 @@ def _layer_parity(rank: int, world: int, device: str, overrides: dict) -> int:
         kind = type(layer.token_dispatcher).__name__
         assert kind == ("UCCLTokenDispatcher" if dispatcher == "uccl" else "MoEAlltoAllTokenDispatcher")
         g = torch.Generator().manual_seed(rank)
-        x = torch.randn(7 + rank, 2, 64, generator=g).to(device).requires_grad_(True)
+        # drop-and-pad needs one token count on every rank (one capacity), as Megatron's alltoall does
+        n = 8 if overrides.get("moe_pad_expert_input_to_capacity") else 7 + rank
+        x = torch.randn(n, 2, 64, generator=g).to(device).requires_grad_(True)
         out, _ = layer(x)
         (out * torch.arange(out.numel(), device=device).view_as(out).sin()).sum().backward()
         grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
@@ -34,6 +36,9 @@ def _layer_parity(rank: int, world: int, device: str, overrides: dict) -> int:
     (2, {}),
     (4, {}),
     (2, {"moe_expert_capacity_factor": 0.5}),  # token dropping: dropped slots are -1
+    # drop-and-pad: the sync-free path (capacity-padded expert rows)
+    (2, {"moe_expert_capacity_factor": 0.5, "moe_pad_expert_input_to_capacity": True}),
+    (4, {"moe_expert_capacity_factor": 1.5, "moe_pad_expert_input_to_capacity": True}),
     (2, {"moe_shared_expert_overlap": True}),  # shared expert driven by the dispatcher's hooks
     (2, {"moe_router_score_function": "sigmoid", "moe_router_enable_expert_bias": True,
          "moe_router_load_balancing_type": "seq_aux_loss", "moe_shared_expert_intermediate_size": None}),
@@ -67,8 +72,6 @@ def test_gpt_loss_curve_matches_alltoall_for_20_steps():
 
 def _config_checks(rank: int, world: int, device: str) -> int:
     init_parallel(world)
-    with pytest.raises(ValueError, match="does not support moe_pad_expert_input_to_capacity"):
-        moe_config("uccl", moe_expert_capacity_factor=1.0, moe_pad_expert_input_to_capacity=True)
     with pytest.raises(ValueError, match="expert tensor parallelism"):
         moe_config("uccl", expert_tensor_parallel_size=2)
     cfg = moe_config("uccl")

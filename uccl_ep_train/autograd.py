@@ -81,10 +81,12 @@ class DispatchExpertMajor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor,
-                topk_weights: Optional[torch.Tensor], num_experts: int):
+                topk_weights: Optional[torch.Tensor], num_experts: int, num_worst_tokens: int = 0,
+                expert_capacity: int = 0):
         x_em, recv_idx, recv_w, counts, em_map, handle, _ = buffer.dispatch_expert_major(
-            x, topk_idx, topk_weights, num_experts)
-        ctx.buffer, ctx.handle, ctx.has_w = buffer, handle, topk_weights is not None
+            x, topk_idx, topk_weights, num_experts, num_worst_tokens=num_worst_tokens,
+            expert_capacity=expert_capacity)
+        ctx.buffer, ctx.handle, ctx.has_w, ctx.capacity = buffer, handle, topk_weights is not None, expert_capacity
         ctx.save_for_backward(recv_idx, em_map)
         ctx.mark_non_differentiable(recv_idx, em_map)
         return x_em, recv_idx, recv_w, counts, em_map, handle
@@ -98,17 +100,19 @@ class DispatchExpertMajor(torch.autograd.Function):
             grad_w = torch.where(recv_idx >= 0, grad_recv_w, 0.0).float().contiguous()
         with validation.trusted_values():  # em_map and handle come from the forward: no value-reading syncs
             grad_x, grad_topk_w, _ = ctx.buffer.combine_expert_major(grad_x_em.contiguous(), ctx.handle, em_map,
-                                                                     topk_weights=grad_w)
-        return None, grad_x, None, grad_topk_w, None
+                                                                     topk_weights=grad_w,
+                                                                     expert_capacity=ctx.capacity)
+        return None, grad_x, None, grad_topk_w, None, None, None
 
 
 class CombineExpertMajor(torch.autograd.Function):
     """y_em (expert-major rows) -> combined_x on the tokens' home ranks."""
 
     @staticmethod
-    def forward(ctx: Any, buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor):
-        combined, _, _ = buffer.combine_expert_major(y_em, handle, em_map)
-        ctx.buffer, ctx.handle, ctx.rows = buffer, handle, y_em.size(0)
+    def forward(ctx: Any, buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
+                expert_capacity: int = 0):
+        combined, _, _ = buffer.combine_expert_major(y_em, handle, em_map, expert_capacity=expert_capacity)
+        ctx.buffer, ctx.handle, ctx.rows, ctx.capacity = buffer, handle, y_em.size(0), expert_capacity
         ctx.save_for_backward(em_map)
         return combined
 
@@ -117,17 +121,22 @@ class CombineExpertMajor(torch.autograd.Function):
         (em_map,) = ctx.saved_tensors
         with validation.trusted_values():  # em_map was checked (or trusted) by the forward
             grad_em, _ = ctx.buffer.dispatch_expert_major_cached(grad_combined.contiguous(), ctx.handle, em_map,
-                                                                 num_rows=ctx.rows)
-        return None, grad_em, None, None
+                                                                 num_rows=ctx.rows, expert_capacity=ctx.capacity)
+        return None, grad_em, None, None, None
 
 
 def dispatch_expert_major(buffer: Buffer, x: torch.Tensor, topk_idx: torch.Tensor,
-                          topk_weights: Optional[torch.Tensor], num_experts: int):
+                          topk_weights: Optional[torch.Tensor], num_experts: int, num_worst_tokens: int = 0,
+                          expert_capacity: int = 0):
     """Differentiable expert-major dispatch: returns (x_em, recv_topk_idx, recv_topk_weights,
-    tokens_per_expert_list, em_map, handle); see Buffer.dispatch_expert_major."""
-    return DispatchExpertMajor.apply(buffer, x, topk_idx, topk_weights, num_experts)
+    tokens_per_expert_list, em_map, handle); see Buffer.dispatch_expert_major (num_worst_tokens and
+    expert_capacity: the sync-free capacity layout)."""
+    return DispatchExpertMajor.apply(buffer, x, topk_idx, topk_weights, num_experts, num_worst_tokens,
+                                     expert_capacity)
 
 
-def combine_expert_major(buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor):
-    """Differentiable expert-major combine: returns combined_x `[num_tokens, hidden]`."""
-    return CombineExpertMajor.apply(buffer, y_em, handle, em_map)
+def combine_expert_major(buffer: Buffer, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
+                         expert_capacity: int = 0):
+    """Differentiable expert-major combine: returns combined_x `[num_tokens, hidden]` (expert_capacity: the
+    dispatch's, for a capacity layout)."""
+    return CombineExpertMajor.apply(buffer, y_em, handle, em_map, expert_capacity)

@@ -564,12 +564,20 @@ class Buffer:
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                               num_experts: int, config: Optional[Config] = None,
                               previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                              allocate_on_comm_stream: bool = False):
+                              allocate_on_comm_stream: bool = False, num_worst_tokens: int = 0,
+                              expert_capacity: int = 0):
         """Dispatch tokens straight into expert-major order: one row per (received token, local expert),
         grouped by local expert, within an expert by source rank, then source token index (the order
         `dispatch` + `permute.expert_major_map` + `permute.expand_rows` give, bit for bit). The layout is
-        computed here (no get_dispatch_layout call needed); counts are exact (expert_alignment=1, no
-        num_worst_tokens).
+        computed here (no get_dispatch_layout call needed); counts are exact (expert_alignment=1) unless
+        `expert_capacity` is given.
+
+        Without a host sync (CUDA-graph capturable on the native one-node backend): pass both
+        `num_worst_tokens` and `expert_capacity`, as Megatron's drop-and-pad gives them. Then every
+        (local expert, source rank) block has exactly `expert_capacity` rows — the source's tokens for that
+        expert in token order, then zero rows — so x_em is `[num_local_experts * num_ranks *
+        expert_capacity, hidden]` and tokens_per_expert is `num_ranks * expert_capacity` each, known before
+        any count arrives. A source with more tokens for one expert is an error (on every rank, native).
 
         Arguments:
             x: `[num_tokens, hidden]` bf16/fp16/fp32 (no FP8 pairs).
@@ -577,33 +585,45 @@ class Buffer:
             topk_weights: same shape, float32, or None.
             num_experts: all experts (divisible by the number of ranks).
             config, previous_event, async_finish, allocate_on_comm_stream: as in `dispatch`.
+            num_worst_tokens: with expert_capacity: pad the receive-order outputs to this many rows (as
+                `dispatch` does; em_map -1 there), so no host sync sizes them.
+            expert_capacity: rows per (local expert, source rank) block (Megatron's capacity); 0: exact counts.
 
         Returns:
             x_em: `[sum(tokens_per_expert), hidden]` rows in expert-major order.
             recv_topk_idx: `[num_recv, num_topk]` int64 local expert ids in receive order (source rank, then
                 token), -1 where the expert is elsewhere. recv_topk_weights: same shape, float32, 0 there.
-            tokens_per_expert: Python list of exact per-local-expert row counts.
+                num_recv is num_worst_tokens when given.
+            tokens_per_expert: Python list of per-local-expert row counts (exact, or the capacity's).
             em_map: `[num_recv, num_topk]` int32: the expert-major row of each (received row, slot), -1 for
-                slots of no local expert (= permute.expert_major_map(recv_topk_idx, tokens_per_expert)).
+                slots of no local expert (= permute.expert_major_map(recv_topk_idx, tokens_per_expert), or
+                permute.expert_major_map_capacity with expert_capacity).
             handle: for combine_expert_major / dispatch_expert_major_cached (and combine / cached dispatch).
             event: the event after the kernels.
         """
         _check_capture("dispatch_expert_major", self.backend,
-                       "its outputs are sized by the exact per-expert counts on the host; capture "
-                       "dispatch_expert_major_cached and combine_expert_major, or dispatch with num_worst_tokens")
+                       "" if num_worst_tokens and expert_capacity else
+                       "its outputs are sized by the per-expert counts on the host; pass num_worst_tokens and "
+                       "expert_capacity, or capture dispatch_expert_major_cached and combine_expert_major")
         _check_unquantized(x, "dispatch_expert_major")
         V.check_device(x, "x", self.device)
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk(topk_idx, topk_weights, x.size(0))
         V.check_device(topk_idx, "topk_idx", self.device)
         V.check_device(topk_weights, "topk_weights", self.device)
+        V.check_non_negative_int(num_worst_tokens, "num_worst_tokens")
+        V.check_non_negative_int(expert_capacity, "expert_capacity")
+        if num_worst_tokens and not expert_capacity:
+            raise ValueError("num_worst_tokens: dispatch_expert_major takes it only with expert_capacity (without "
+                             "a capacity the expert-major rows have no bound known before the counts)")
         config = self._config(config, self.get_dispatch_config)
         backend = self.backend
 
         def run():
             idx = topk_idx.to(torch.int64)
             per_rank, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
-            return backend.dispatch_expert_major(x, idx, topk_weights, per_rank, in_rank, per_expert, config)
+            return backend.dispatch_expert_major(x, idx, topk_weights, per_rank, in_rank, per_expert, config,
+                                                 num_worst_tokens, expert_capacity)
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
             run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
@@ -613,7 +633,8 @@ class Buffer:
     def dispatch_expert_major_cached(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                                      num_rows: int, config: Optional[Config] = None,
                                      previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                                     allocate_on_comm_stream: bool = False) -> Tuple[torch.Tensor, EventOverlap]:
+                                     allocate_on_comm_stream: bool = False, expert_capacity: int = 0
+                                     ) -> Tuple[torch.Tensor, EventOverlap]:
         """Cached expert-major dispatch: `x` moves with the layout of `handle` (no layout, no counts
         exchange) and each received row lands at the expert-major rows `em_map` names. It is the backward
         of `combine_expert_major` (autograd.combine_expert_major).
@@ -624,6 +645,8 @@ class Buffer:
             em_map: `[handle.num_recv_tokens, num_topk]` int32, naming each of rows 0..num_rows-1 exactly
                 once (-1 elsewhere), e.g. the one dispatch_expert_major returned.
             num_rows: rows of the result (sum of the per-expert counts).
+            expert_capacity: the dispatch's (a capacity layout): em_map names each row at most once, and the
+                rows it does not name are zeros.
 
         Returns:
             x_em `[num_rows, hidden]`, event.
@@ -635,20 +658,22 @@ class Buffer:
         if x.size(0) != handle.num_tokens:
             raise ValueError(f"x: has {x.size(0)} tokens, the handle was made for {handle.num_tokens}")
         V.check_non_negative_int(num_rows, "num_rows")
-        V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows", values=False)
+        padded = self._check_capacity(expert_capacity, num_rows, "num_rows")
+        V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows", values=False, padded=padded)
         V.check_device(em_map, "em_map", self.device)
         config = self._config(config, self.get_dispatch_config)
         backend = self.backend
         x_em, event = self._run(
-            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config), (x, em_map, handle),
-            previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows"))
+            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded),
+            (x, em_map, handle), previous_event, async_finish, allocate_on_comm_stream,
+            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows",
+                                                    padded=padded))
         return x_em, event
 
     def combine_expert_major(self, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                              topk_weights: Optional[torch.Tensor] = None, config: Optional[Config] = None,
                              previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                             allocate_on_comm_stream: bool = False
+                             allocate_on_comm_stream: bool = False, expert_capacity: int = 0
                              ) -> Tuple[torch.Tensor, Optional[torch.Tensor], EventOverlap]:
         """Combine expert-major rows: each received row's expert rows are summed (float32, slot order) and
         the sums are combined as `combine` does (float32, rank order). Equals `permute.reduce_rows` +
@@ -660,6 +685,8 @@ class Buffer:
             em_map: `[handle.num_recv_tokens, num_topk]` int32 naming each row of y_em exactly once.
             topk_weights: `[handle.num_recv_tokens, num_topk]` float32 in receive order (not
                 expert-major), reduced as in `combine`; or None.
+            expert_capacity: the dispatch's (a capacity layout): em_map names each row at most once; the
+                rows it does not name (padding) are not read.
 
         Returns:
             combined_x `[num_tokens, hidden]`, combined_topk_weights `[num_tokens, num_topk]` or None, event.
@@ -669,7 +696,8 @@ class Buffer:
         V.check_tensor(y_em, "y_em", V.FLOAT_DTYPES, 2)
         V.check_device(y_em, "y_em", self.device)
         rows = y_em.size(0)
-        V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em", values=False)
+        padded = self._check_capacity(expert_capacity, rows, "y_em")
+        V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em", values=False, padded=padded)
         V.check_device(em_map, "em_map", self.device)
         if topk_weights is not None:
             V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
@@ -682,8 +710,17 @@ class Buffer:
         (combined, combined_w), event = self._run(
             lambda: backend.combine_expert_major(y_em, handle, em_map, topk_weights, config),
             (y_em, em_map, topk_weights, handle), previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em"))
+            checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em", padded=padded))
         return combined, combined_w, event
+
+    def _check_capacity(self, expert_capacity: int, rows: int, rows_arg: str) -> bool:
+        """Whether an expert-major call's rows are a capacity layout (padded): then they are whole blocks of
+        expert_capacity rows per (local expert, source rank)."""
+        V.check_non_negative_int(expert_capacity, "expert_capacity")
+        if expert_capacity and rows % (self.group_size * expert_capacity):
+            raise ValueError(f"{rows_arg}: {rows} rows are not whole blocks of expert_capacity={expert_capacity} "
+                             f"rows per (local expert, source rank) for {self.group_size} ranks")
+        return bool(expert_capacity)
 
     def check_errors(self) -> None:
         """Raise RuntimeError if a kernel of this Buffer recorded an error: a wait that timed out or a buffer

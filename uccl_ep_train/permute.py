@@ -8,6 +8,8 @@ dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major
     expand_rows(x, dst, m)   -> [m, H]  out[dst[i, j]] = x[i]           (backward: reduce_rows)
     reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
     expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
+    expert_major_map_capacity: the map of a capacity layout (every (expert, source rank) block the same
+        size, as Megatron's drop-and-pad gives it); rows no slot names are padding, zeros (`padded=True`)
     topk_from_routing_map(routing_map, probs, k): Megatron's routing map + probs -> top-k ids and weights
 
 expand_rows / reduce_rows are autograd-aware (each is the other's backward); expand_rows_raw /
@@ -92,6 +94,35 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
     return torch.where(valid, base + rank_in_expert, -1).to(torch.int32).contiguous()
 
 
+def expert_major_map_capacity(topk_idx: torch.Tensor, rows_per_source: torch.Tensor, num_local_experts: int,
+                              capacity: int) -> torch.Tensor:
+    """int32 [n, k]: the map of a capacity layout, -1 for slots of no local expert.
+
+    The expert-major rows are blocks of `capacity` rows, one per (local expert e, source rank s), at
+    (e * num_ranks + s) * capacity: a source's rows for e fill its block from the start in receive order, the
+    rest of the block is padding (named by no slot). `topk_idx` holds local ids in receive order (source rank,
+    then token); `rows_per_source` ([num_ranks], on topk_idx's device) how many of its rows came from each
+    source (rows after them, e.g. num_worst_tokens padding, map to -1). A slot past its block's capacity maps
+    to -1 too (the dispatches that use this map report that case before). Torch ops on the device: no host
+    sync, so it serves GPU backends without a fused expert-major dispatch as well."""
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
+    n, dev, L = topk_idx.size(0), topk_idx.device, int(num_local_experts)
+    R = rows_per_source.numel()
+    valid = (topk_idx >= 0) & (topk_idx < L)
+    key = torch.where(valid, topk_idx, L)  # the spare column L collects non-local slots
+    onehot = torch.zeros((n, L + 1), dtype=torch.int32, device=dev)
+    onehot.scatter_(1, key, 1)
+    seen = onehot.cumsum(0, dtype=torch.int32)  # slots of each expert in rows 0..i
+    ends = rows_per_source.to(device=dev, dtype=torch.int64).cumsum(0)
+    src = torch.bucketize(torch.arange(n, device=dev), ends, right=True)  # source rank of each row (R: none)
+    before = torch.cat([seen.new_zeros(1, L + 1), seen])[ends - rows_per_source.to(ends)]  # [R, L+1] at starts
+    pos = (seen - torch.cat([before, before.new_zeros(1, L + 1)])[src]).gather(1, key) - 1
+    valid &= (src < R).unsqueeze(1) & (pos < capacity)
+    row = (key * R + src.unsqueeze(1)) * capacity + pos
+    return torch.where(valid, row, -1).to(torch.int32).contiguous()
+
+
 def topk_from_routing_map(routing_map: torch.Tensor, probs: torch.Tensor,
                           num_topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Megatron's routing (bool [tokens, experts] map, probabilities of the same shape) in top-k form:
@@ -144,8 +175,10 @@ class _RoutingTopk(torch.autograd.Function):
         return None, grad.to(ctx.probs_dtype), None
 
 
-def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
-    out = x.new_empty((num_out,) + tuple(x.shape[1:]))  # every row is named (exact counts: see the map)
+def _expand(x: torch.Tensor, dst: torch.Tensor, num_out: int, padded: bool) -> torch.Tensor:
+    # exact counts name every row (see the map); a capacity layout leaves padding rows, zeros
+    shape = (num_out,) + tuple(x.shape[1:])
+    out = x.new_zeros(shape) if padded else x.new_empty(shape)
     if _use_native(x):
         x = x.contiguous()
         _launch(x, _native().expand_rows, x.data_ptr(), dst.data_ptr(), out.data_ptr(), x.size(0), dst.size(1),
@@ -182,34 +215,37 @@ class _Permute(torch.autograd.Function):
     """expand (rows -> expert-major rows) or reduce (the reverse); each is the other's backward."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, dst: torch.Tensor, num_out: int, expand: bool) -> torch.Tensor:
+    def forward(ctx, t: torch.Tensor, dst: torch.Tensor, num_out: int, expand: bool, padded: bool) -> torch.Tensor:
         ctx.save_for_backward(dst)
-        ctx.num_in, ctx.expand = t.size(0), expand
-        return _expand(t, dst, num_out) if expand else _reduce(t, dst, num_out)
+        ctx.num_in, ctx.expand, ctx.padded = t.size(0), expand, padded
+        return _expand(t, dst, num_out, padded) if expand else _reduce(t, dst, num_out)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (dst,) = ctx.saved_tensors
         grad = grad.contiguous()
-        back = _reduce(grad, dst, ctx.num_in) if ctx.expand else _expand(grad, dst, ctx.num_in)
-        return back, None, None, None
+        back = _reduce(grad, dst, ctx.num_in) if ctx.expand else _expand(grad, dst, ctx.num_in, ctx.padded)
+        return back, None, None, None, None
 
 
-def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
-    """[n, ...] -> [num_out, ...]: row i copied to every expert-major row dst[i, :] names (autograd-aware)."""
+def expand_rows(x: torch.Tensor, dst: torch.Tensor, num_out: int, padded: bool = False) -> torch.Tensor:
+    """[n, ...] -> [num_out, ...]: row i copied to every expert-major row dst[i, :] names (autograd-aware).
+    padded: rows no slot names (a capacity layout's padding) are zeros; else dst names every row."""
     _check(x, dst, "x")
-    return _Permute.apply(x, dst, int(num_out), True)
+    return _Permute.apply(x, dst, int(num_out), True, padded)
 
 
-def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
-    """[m, ...] -> [n, ...]: row i is the sum of the expert-major rows dst[i, :] names (autograd-aware)."""
-    return _Permute.apply(y, dst, _check_reduce(y, dst, num_rows), False)
+def reduce_rows(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None,
+                padded: bool = False) -> torch.Tensor:
+    """[m, ...] -> [n, ...]: row i is the sum of the expert-major rows dst[i, :] names (autograd-aware).
+    padded: as in expand_rows (the rows named by none get zero gradient)."""
+    return _Permute.apply(y, dst, _check_reduce(y, dst, num_rows), False, padded)
 
 
-def expand_rows_raw(x: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+def expand_rows_raw(x: torch.Tensor, dst: torch.Tensor, num_out: int, padded: bool = False) -> torch.Tensor:
     """expand_rows outside autograd: the same values, no graph."""
     _check(x, dst, "x")
-    return _expand(x, dst, int(num_out))
+    return _expand(x, dst, int(num_out), padded)
 
 
 def reduce_rows_raw(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] = None) -> torch.Tensor:
@@ -217,16 +253,17 @@ def reduce_rows_raw(y: torch.Tensor, dst: torch.Tensor, num_rows: Optional[int] 
     return _reduce(y, dst, _check_reduce(y, dst, num_rows))
 
 
-def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int) -> torch.Tensor:
+def expand_probs(weights: torch.Tensor, dst: torch.Tensor, num_out: int, padded: bool = False) -> torch.Tensor:
     """[n, k] -> [num_out]: the top-k weight of each expert-major row (autograd-aware).
 
     Each (row, slot) is a one-element row with at most one destination, so this is expand_rows over the
     flattened slots (one kernel on GPUs), and its backward, reduce_rows, gathers each slot's gradient (0 for
-    slots without a row). As with expand_rows, every one of the num_out rows must be named."""
+    slots without a row). As with expand_rows, every one of the num_out rows must be named unless `padded`
+    (then the rows named by none are 0)."""
     _check_map(dst)
     if weights.shape != dst.shape:
         raise ValueError(f"weights: shape {tuple(weights.shape)} != dst shape {tuple(dst.shape)}")
-    return _Permute.apply(weights.reshape(-1, 1), dst.reshape(-1, 1), int(num_out), True).reshape(-1)
+    return _Permute.apply(weights.reshape(-1, 1), dst.reshape(-1, 1), int(num_out), True, padded).reshape(-1)
 
 
 def _check_map(dst: torch.Tensor) -> None:

@@ -122,15 +122,15 @@ def check_expert_range(topk_idx: torch.Tensor, num_experts: int, idx_arg: str = 
 
 
 def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: str, arg: str = "em_map",
-                           values: bool = True) -> None:
+                           values: bool = True, padded: bool = False) -> None:
     """An expert-major map: contiguous int32 `[num_recv, k]` naming each of `num_rows` rows exactly once (-1
-    elsewhere). The shape is always checked; with `values`, the entries too (a GPU host sync: only where
-    `value_checks` allows)."""
+    elsewhere), or at most once when `padded` (a capacity layout: the rest is padding). The shape is always
+    checked; with `values`, the entries too (a GPU host sync: only where `value_checks` allows)."""
     check_tensor(em_map, arg, (torch.int32,), 2)
     if em_map.size(0) != num_recv:
         raise ValueError(f"{arg}: has {em_map.size(0)} rows, the handle's dispatch received {num_recv}")
     if not em_map.numel():
-        if num_rows:
+        if num_rows and not padded:
             raise ValueError(f"{rows_arg}: {num_rows} rows, but {arg} (shape {tuple(em_map.shape)}) names none")
         return
     if not values or not value_checks(em_map):
@@ -142,12 +142,13 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
                                            (hits == 1).sum()]).tolist()  # one host sync
     if lo < -1:
         raise ValueError(f"{arg}: entries must be expert-major rows or -1, got {lo}")
-    if named != num_rows:
+    if named != num_rows and not padded:
         raise ValueError(f"{rows_arg}: {num_rows} expert-major rows, but {arg} names {named} (one per slot of a "
                          f"local expert)")
-    if hi >= num_rows or distinct != num_rows:
-        raise ValueError(f"{arg}: must name each of the {num_rows} expert-major rows exactly once, got entries "
-                         f"up to {hi} covering {distinct} rows once")
+    if hi >= num_rows or distinct != named:
+        raise ValueError(f"{arg}: must name each of the {num_rows} expert-major rows "
+                         f"{'at most' if padded else 'exactly'} once, got entries up to {hi} covering {distinct} "
+                         f"rows once")
 
 
 def check_num_experts(num_experts: Any, num_ranks: int, arg: str = "num_experts") -> None:

@@ -19,8 +19,8 @@ void register_intranode(py::module_& m) {
   m.attr("INTRANODE_WARPS_PER_BLOCK") = IntranodeBuffer::warps_per_block();
   m.attr("INTRANODE_SHAPE_INTS") = uccl_ep::intranode::kShapeInts;
   {
-    py::tuple fields(uccl_ep::intranode::kShapeInts - 1);
-    for (int i = 0; i < uccl_ep::intranode::kShapeInts - 1; ++i) fields[i] = py::str(uccl_ep::intranode::kShapeFields[i]);
+    py::tuple fields(uccl_ep::intranode::kShapeInts);
+    for (int i = 0; i < uccl_ep::intranode::kShapeInts; ++i) fields[i] = py::str(uccl_ep::intranode::kShapeFields[i]);
     m.attr("INTRANODE_SHAPE_FIELDS") = fields;
   }
   m.def(

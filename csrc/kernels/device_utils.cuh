@@ -52,7 +52,8 @@ inline gpuError_t query_device(int device, double timeout_s, int* num_sms, int64
 // kErrBadCounts: num_tokens_per_rank[peer] = need, is_token_in_rank sends have. kErrBadExpert: token `peer`
 // has expert id `need`, outside [-1, have). Both are the GPU's value checks (the host's are opt-in).
 // kErrShape: field `block` of the call's shape is `need` here and `have` on rank `peer` (checked on the GPU
-// when num_worst_tokens spares the host sync that checks it otherwise).
+// when num_worst_tokens spares the host sync that checks it otherwise). kErrExpertCapacity: rank `peer` sends
+// `need` tokens to local expert `block`, more than the expert_capacity `have` of an expert-major dispatch.
 enum ErrorCode : int {
   kErrNone = 0,
   kErrTimeout = 1,
@@ -60,7 +61,8 @@ enum ErrorCode : int {
   kErrWorstTokens = 3,
   kErrBadCounts = 4,
   kErrBadExpert = 5,
-  kErrShape = 6
+  kErrShape = 6,
+  kErrExpertCapacity = 7
 };
 enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3, kPhaseLayout = 4 };
 

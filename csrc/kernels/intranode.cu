@@ -131,7 +131,7 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   // Without a host sync (num_worst_tokens) the ranks' shapes are compared here: every rank finds a mismatch
   // (it differs from its own shape on some rank), reports it, and its dispatch then moves nothing.
   if (a.num_worst_tokens > 0 && tid < R && tid != me)
-    for (int i = 1; i < kShapeInts - 1; ++i) {
+    for (int i = 1; i < kShapeInts; ++i) {
       const int theirs = slots[(int64_t)tid * kCountsSlotInts + kCountsSlotInts - kShapeInts + i];
       if (theirs != a.shape[i]) {
         report_error(a.sig.err, a.sig.claim, kErrShape, me, tid, kPhaseNotify, a.shape[i], theirs, i);
@@ -165,7 +165,19 @@ __global__ void __launch_bounds__(kNotifyThreads) notify_kernel(NotifyArgs a) {
   }
   __syncthreads();
   // Expert-major base row of each (source s, local expert e) block: experts in order, then source ranks.
-  {
+  // With an expert capacity every block has exactly that many rows (the rows a source does not fill stay
+  // as the host allocated them: zeros), and a source sending more is reported (its rows would spill into
+  // the next block): this rank's dispatch then moves nothing, and its peers' neither.
+  const int capacity = a.shape[kShapeExpertCapacity];
+  if (capacity > 0) {
+    int* em_base = a.info + R * R + epr;
+    for (int i = tid; i < R * epr; i += blockDim.x) {
+      const int s = i / epr, e = i % epr;
+      em_base[s * epr + e] = (e * R + s) * capacity;
+      const int sent = slots[(int64_t)s * kCountsSlotInts + R + e];
+      if (sent > capacity) report_error(a.sig.err, a.sig.claim, kErrExpertCapacity, me, s, kPhaseNotify, sent, capacity, e);
+    }
+  } else {
     const int echunk = (epr + (int)blockDim.x - 1) / (int)blockDim.x;
     const int e0 = min(epr, tid * echunk), e1 = min(epr, e0 + echunk);
     int esum = 0;
@@ -509,17 +521,19 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       }
       if (a.with_src && lane == 0) a.recv_src[i] = reinterpret_cast<const int*>(data + a.lay.off_src)[i];
     }
-    // Padding rows (num_worst_tokens): x and scales 0, top-k ids -1, weights 0, source index -1.
+    // Padding rows (num_worst_tokens): x and scales 0, top-k ids -1, weights 0, source index -1; in
+    // expert-major mode no x (the rows are expert-major) and expert-major rows -1 (they name none).
     const int64_t gtid = (int64_t)blockIdx.x * blockDim.x + tid, gthreads = (int64_t)nblk * blockDim.x;
     const int64_t total = s_P[(R - 1) * R + me];
-    if (total < a.out_rows && !em) {
+    if (total < a.out_rows) {
       const int64_t pad = a.out_rows - total;
-      grid_zero_bytes(a.recv_x + total * a.x_bytes, pad * a.x_bytes, gtid, gthreads);
+      if (!em) grid_zero_bytes(a.recv_x + total * a.x_bytes, pad * a.x_bytes, gtid, gthreads);
       if (has_scales) grid_zero_bytes(a.recv_scales + total * a.scale_bytes, pad * a.scale_bytes, gtid, gthreads);
       if (a.with_topk)
         for (int64_t i = gtid; i < pad * K; i += gthreads) {
           a.recv_idx[total * K + i] = -1;
           a.recv_w[total * K + i] = 0.f;
+          if (em) a.em_map[total * K + i] = -1;
         }
       if (a.with_src)
         for (int64_t i = gtid; i < pad; i += gthreads) a.recv_src[total + i] = -1;

@@ -15,9 +15,11 @@ namespace uccl_ep::intranode {
 constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
 constexpr int kShapeInts = 8;  // a notify's shape header: the last ints of every counts slot (the host checks them)
 // What the shape header's ints are (the host fills them in this order; the ranks must agree on all but the
-// first); the last int is unused.
-constexpr const char* kShapeFields[kShapeInts - 1] = {"num_tokens", "x row bytes", "FP8 scale bytes", "num_topk",
-                                                       "topk_weights given", "num_experts", "x dtype"};
+// first). The last is the expert-major dispatch's expert_capacity (0: none), which notify also reads: with it,
+// every (local expert, source rank) block of the expert-major rows has exactly that many rows.
+constexpr const char* kShapeFields[kShapeInts] = {"num_tokens", "x row bytes", "FP8 scale bytes", "num_topk",
+                                                   "topk_weights given", "num_experts", "x dtype", "expert_capacity"};
+constexpr int kShapeExpertCapacity = kShapeInts - 1;
 constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 
 // Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.

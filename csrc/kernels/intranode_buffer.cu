@@ -167,8 +167,12 @@ std::string IntranodeBuffer::error() const {
       break;
     case kErrShape:
       os << "dispatch: ranks disagree on "
-         << (r->block >= 0 && r->block < kShapeInts - 1 ? kShapeFields[r->block] : "the call's shape") << ": rank "
+         << (r->block >= 0 && r->block < kShapeInts ? kShapeFields[r->block] : "the call's shape") << ": rank "
          << r->rank << "=" << r->need << ", rank " << r->peer << "=" << r->have;
+      break;
+    case kErrExpertCapacity:
+      os << "dispatch_expert_major: rank " << r->peer << " sends " << r->need << " tokens to local expert "
+         << r->block << " of rank " << r->rank << ", more than expert_capacity=" << r->have;
       break;
     default:
       os << "error code " << r->code << " on rank " << r->rank;

@@ -19,7 +19,7 @@ import torch
 
 from .. import permute
 from ..config import Config
-from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens
+from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens, rows_per_source
 from ..topology import Topology
 
 
@@ -81,30 +81,47 @@ class Backend(abc.ABC):
     # ---- high throughput, expert-major (defaults: composed; backends may fuse) ----------------------------
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                               num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
-                              num_tokens_per_expert: torch.Tensor, config: Config
+                              num_tokens_per_expert: torch.Tensor, config: Config, num_worst_tokens: int = 0,
+                              expert_capacity: int = 0
                               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor,
                                          HTHandle]:
         """Fresh dispatch straight into expert-major order -> (x_em [M, H], recv_topk_idx [n, K] int64 local
         ids (-1 elsewhere), recv_topk_weights [n, K] float32 (zeros without weights), tokens_per_expert
-        list[int] (exact counts, M = sum), em_map [n, K] int32, handle).
+        list[int] (M = sum), em_map [n, K] int32, handle).
 
-        n = handle.num_recv_tokens (rows received, receive order: source rank, then token). em_map[i, j] is
-        the expert-major row of received row i's slot j, -1 for slots of no local expert: exactly
-        `permute.expert_major_map(recv_topk_idx, tokens_per_expert)`. x_em[em_map[i, j]] = received row i.
-        Default: `dispatch` (expert_alignment=1, num_worst_tokens=0), the map, a non-autograd expand."""
+        n = handle.num_recv_tokens (rows received, receive order: source rank, then token; num_worst_tokens
+        when given, the rows after the received ones padded as `dispatch` pads them, em_map -1 there).
+        em_map[i, j] is the expert-major row of received row i's slot j, -1 for slots of no local expert;
+        x_em[em_map[i, j]] = received row i. Without expert_capacity the counts are exact and em_map is
+        `permute.expert_major_map(recv_topk_idx, tokens_per_expert)`; with it, every (local expert, source
+        rank) block has expert_capacity rows (`permute.expert_major_map_capacity`), tokens_per_expert is
+        num_ranks * expert_capacity each, and the rows no token fills are zeros.
+        Default: `dispatch` (expert_alignment=1), the map, a non-autograd expand."""
         recv_x, _, recv_idx, recv_w, counts, handle = self.dispatch(
-            x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1, 0,
-            config, self.tokens_per_node(is_token_in_rank))
-        em_map = permute.expert_major_map(recv_idx, counts)
-        return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
+            x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
+            num_worst_tokens, config, self.tokens_per_node(is_token_in_rank))
+        if not expert_capacity:
+            em_map = permute.expert_major_map(recv_idx, counts)
+            return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
+        epr = num_tokens_per_expert.numel() // self.num_ranks
+        em_map = permute.expert_major_map_capacity(recv_idx, rows_per_source(handle, self.rank), epr, expert_capacity)
+        local = (recv_idx >= 0) & (recv_idx < epr)
+        named, slots = torch.stack([(em_map >= 0).sum(), local.sum()]).tolist()  # a block overflowed: unnamed slots
+        if named != slots:
+            raise ValueError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens for one "
+                             f"of its local experts from one source rank ({slots - named} over)")
+        counts = [self.num_ranks * expert_capacity] * epr
+        x_em = permute.expand_rows_raw(recv_x, em_map, sum(counts), padded=True)
+        return x_em, recv_idx, recv_w, counts, em_map, handle
 
     def cached_dispatch_expert_major(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
-                                     num_rows: int, config: Config) -> torch.Tensor:
+                                     num_rows: int, config: Config, padded: bool = False) -> torch.Tensor:
         """Dispatch with the layout of `handle` (no counts exchange), each received row i landing at the
-        expert-major rows em_map[i, :] names -> x_em [num_rows, H]. em_map names every row once.
+        expert-major rows em_map[i, :] names -> x_em [num_rows, H]. em_map names every row once, or (padded:
+        a capacity layout) at most once, the rows named by none being zeros.
         Default: `cached_dispatch` then a non-autograd expand."""
         recv_x, _ = self.cached_dispatch(x, None, handle, config)
-        return permute.expand_rows_raw(recv_x, em_map, num_rows)
+        return permute.expand_rows_raw(recv_x, em_map, num_rows, padded)
 
     def combine_expert_major(self, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                              topk_weights: Optional[torch.Tensor], config: Config

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .. import permute
 from ..config import Config, env_number, timeout_s
 from ..events import capturing, current_raw_stream
-from ..handles import IntranodeHandle
+from ..handles import IntranodeHandle, rows_per_source
 from .base import Backend, WithoutLowLatency
 
 log = logging.getLogger("uccl_ep_train")
@@ -133,11 +133,11 @@ _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8
 
 
 def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                 topk_weights: Optional[torch.Tensor], num_experts: int) -> list[int]:
-    """The call's shape (the native module's INTRANODE_SHAPE_FIELDS), then a zero: the header notify carries."""
+                 topk_weights: Optional[torch.Tensor], num_experts: int, expert_capacity: int = 0) -> list[int]:
+    """The call's shape (the native module's INTRANODE_SHAPE_FIELDS): the header notify carries."""
     return [x.size(0), x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4,
             0 if topk_idx is None else topk_idx.size(1), int(topk_weights is not None), num_experts,
-            _X_DTYPES.get(x.dtype, 0), 0]
+            _X_DTYPES.get(x.dtype, 0), int(expert_capacity)]
 
 
 def check_same_shape(per_rank: list) -> None:
@@ -453,12 +453,14 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
 
     # ---- expert-major: the expansion inside the dispatch copy-out, the fold-back inside combine's push ----
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                              num_tokens_per_expert, config):
+                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0):
         """Fused (see _fuse): each received row is read once from the buffer and stored at its expert-major
         rows (one per local expert); this rank's own tokens go there straight from x. With expand blocks
         (_expand_plan) those stores come from blocks beside the kernel's num_sms. The sender ships each
         top-k slot's position in its (rank, expert) block inside the id word; notify gives every block's
-        base row. Otherwise: the receive-order dispatch, then the map and expand kernels."""
+        base row (with expert_capacity: block (e, s) at (e * R + s) * capacity, and notify reports a source
+        that overflows one). Otherwise: the receive-order dispatch, then the map and expand kernels.
+        With num_worst_tokens and expert_capacity every size is known without the counts: no host sync."""
         self._check()
         R = self.num_ranks
         x = _aligned(x)
@@ -475,22 +477,30 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
         # dispatch kernel is launched
         topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused or expand_blocks else None
-        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 0,
-                                  shape_header(x, None, topk_idx, topk_weights, num_experts))
-        num_rows, out_rows = sum(c.per_expert), c.out_rows
+        c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
+                                  shape_header(x, None, topk_idx, topk_weights, num_experts, expert_capacity))
+        if expert_capacity:
+            per_expert = [R * expert_capacity] * c.epr
+        else:
+            per_expert = list(c.per_expert)
+        num_rows, out_rows, worst, padded = sum(per_expert), c.out_rows, bool(num_worst_tokens), bool(expert_capacity)
         if not (fused or expand_blocks):
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
-            em_map = permute.expert_major_map(recv_topk_idx, c.per_expert)
-            x_em = permute.expand_rows_raw(recv_x, em_map, num_rows)
-            handle = self._handle(c, recv_src_idx, n, False)
-            return x_em, recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map, handle
+            handle = self._handle(c, recv_src_idx, n, worst)
+            if padded:
+                em_map = permute.expert_major_map_capacity(recv_topk_idx, rows_per_source(handle, self.rank), c.epr,
+                                                           expert_capacity)
+            else:
+                em_map = permute.expert_major_map(recv_topk_idx, per_expert)
+            x_em = permute.expand_rows_raw(recv_x, em_map, num_rows, padded)
+            return x_em, recv_topk_idx, recv_topk_weights, per_expert, em_map, handle
         self._ensure(c.max_recv, x_bytes, 0, num_topk, True)
         self._ensure(c.max_send, hidden * x.element_size(), 0, num_topk, False)  # its combine
         dev = x.device
         # at least one row each: an empty tensor has no data pointer, and the kernels tell the expert-major
-        # mode by a non-null output
-        x_em = torch.empty((max(num_rows, 1), hidden), dtype=x.dtype, device=dev)
+        # mode by a non-null output. A capacity layout's rows that no token fills stay zeros.
+        x_em = (torch.zeros if padded else torch.empty)((max(num_rows, 1), hidden), dtype=x.dtype, device=dev)
         recv_topk_idx = torch.empty((out_rows, num_topk), dtype=torch.int64, device=dev)
         recv_topk_weights = torch.empty((out_rows, num_topk), dtype=torch.float32, device=dev)
         recv_src_idx = torch.empty(out_rows, dtype=torch.int32, device=dev)
@@ -500,8 +510,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
                               c.info[: R * R], None, None, recv_topk_idx, recv_topk_weights, recv_src_idx, out_rows,
                               config, em_x=x_em, em_map=em_map, topk_pos=topk_pos,
                               em_base=c.info[R * R + c.epr:], em_rows=num_rows, expand_blocks=expand_blocks)
-        handle = self._handle(c, recv_src_idx, n, False)
-        return x_em[:num_rows], recv_topk_idx, recv_topk_weights, list(c.per_expert), em_map[:out_rows], handle
+        handle = self._handle(c, recv_src_idx, n, worst)
+        return x_em[:num_rows], recv_topk_idx, recv_topk_weights, per_expert, em_map[:out_rows], handle
 
     def _positions_in_expert(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
         """int32 [n, k]: the row of each (token, slot) among this rank's tokens for that expert (the
@@ -539,11 +549,11 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         fused = self._fuse(width, num_topk, dispatch=True, config=config, by_sms=not expand)
         return fused, 0 if fused else expand
 
-    def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config):
+    def cached_dispatch_expert_major(self, x, handle, em_map, num_rows, config, padded=False):
         # the cached dispatch and the combine move receive-order rows either way: each rank may decide alone
         fused, expand_blocks = self._expand_plan(int(num_rows) / max(em_map.size(0), 1), em_map.size(1), config)
         if not (fused or expand_blocks):
-            return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config)
+            return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded)
         self._check()
         st = self._state(handle)
         x = _aligned(x)
@@ -551,7 +561,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         x_bytes = hidden * x.element_size()
         em_map = _map_arg(em_map)
         self._ensure(st.max_recv_rows, x_bytes, 0, 0, False)
-        x_em = torch.empty((max(int(num_rows), 1), hidden), dtype=x.dtype, device=x.device)  # (see above)
+        x_em = (torch.zeros if padded else torch.empty)((max(int(num_rows), 1), hidden), dtype=x.dtype,
+                                                        device=x.device)  # (see above)
         self._launch_dispatch(x, x_bytes, None, 0, None, None, 0, 0, 0, handle.send_head, handle.rank_prefix_matrix,
                               None, None, None, None, None, st.out_rows, config, em_x=x_em, em_map=em_map,
                               em_rows=num_rows, expand_blocks=expand_blocks)
