@@ -28,3 +28,44 @@ def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks 
     text = capfd.readouterr().out
     assert "flex-nosuchbackend: skipped" in text
     assert "only flex takes a backend suffix, got alltoall-x" in text
+
+
+def test_bench_megatron_drop_and_pad(tmp_path):
+    """Megatron's drop-and-pad routing through both dispatchers; the settings are in the records."""
+    from uccl_ep_train.bench import megatron as bench
+
+    out = tmp_path / "records.json"
+    assert bench.main(["--ranks", "2", "--num-tokens", "16", "--hidden", "32", "--num-experts", "4",
+                       "--num-topk", "2", "--warmup", "1", "--iters", "2", "--json", str(out),
+                       "--dispatchers", "uccl,alltoall", "--moe-expert-capacity-factor", "1.0",
+                       "--moe-pad-expert-input-to-capacity"]) == 0
+    records = json.loads(out.read_text())
+    assert [r["dispatcher"] for r in records] == ["uccl", "alltoall"]
+    assert all(r["moe_expert_capacity_factor"] == 1.0 and r["moe_pad_expert_input_to_capacity"] for r in records)
+    with pytest.raises(SystemExit):
+        bench.main(["--moe-pad-expert-input-to-capacity"])
+
+
+@pytest.mark.gpu
+def test_bench_megatron_api_kernel_host_times_on_shared_gpu(tmp_path, mps, capfd):
+    """Two ranks on one GPU (gloo + MPS): only uccl runs (the others are skipped, saying why); each record
+    carries the back-to-back api, kernel and host time per round trip."""
+    import torch
+
+    from uccl_ep_train.bench import megatron as bench
+
+    ranks = torch.cuda.device_count() + 1  # one more than GPUs: they share over gloo
+    if ranks > 8:
+        pytest.skip("more than 8 GPUs: the extra rank would make a second node")
+    out = tmp_path / "records.json"
+    assert bench.main(["--ranks", str(ranks), "--num-tokens", "256", "--hidden", "512", "--num-experts", "16",
+                       "--num-topk", "4", "--warmup", "2", "--iters", "5", "--json", str(out),
+                       "--dispatchers", "uccl,alltoall", "--moe-expert-capacity-factor", "1.0",
+                       "--moe-pad-expert-input-to-capacity"]) == 0
+    records = json.loads(out.read_text())
+    assert [r["dispatcher"] for r in records] == ["uccl"]
+    assert_complete(records)
+    r = records[0]
+    assert r["backend"] == "native" and r["gpus"] == ranks - 1
+    assert r["api_us"] > 0 and r["kernel_us"] > 0 and r["host_us"] > 0
+    assert "alltoall: skipped (RuntimeError: needs NCCL" in capfd.readouterr().out

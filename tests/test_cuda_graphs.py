@@ -3,6 +3,8 @@ experts, combine, and the backward through the autograd pair -- captured once an
 new inputs, each replay exactly equal to the same step run eagerly right after it (so graph replays and eager
 calls also alternate on the same buffers and stay in step with the peer). Before the kernels read their
 signal base from the buffer, the second replay reused the first one's base and waited on stale signals.
+The layer runs twice: with the receive-order dispatch, and with the expert-major dispatch in a capacity
+layout (num_worst_tokens + expert_capacity: the Megatron dispatcher's drop-and-pad path).
 
 Also: the GPU's own value checks (the host's are opt-in with UCCL_EP_CHECK_VALUES=1) end in a clear error on
 every rank. Several ranks on one GPU under MPS (the `mps` fixture) when there are fewer GPUs than ranks."""
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import gpu_ranks, run_ranks
-from uccl_ep_train import Buffer
+from uccl_ep_train import Buffer, permute
 from uccl_ep_train import autograd as ep_autograd
 
 pytestmark = pytest.mark.gpu
@@ -26,9 +28,9 @@ class MoELayer:
     that chose it (scaled by their routing weight), combine. Every size is fixed: the dispatch receives
     num_worst_tokens = ranks * N rows (padding rows have expert id -1 and weight 0)."""
 
-    def __init__(self, buf: Buffer, rank: int, world: int, device: torch.device) -> None:
+    def __init__(self, buf: Buffer, rank: int, world: int, device: torch.device, expert_major: bool) -> None:
         gen = torch.Generator(device="cpu").manual_seed(100 + rank)
-        self.buf, self.world, self.epr = buf, world, E // world
+        self.buf, self.world, self.epr, self.expert_major = buf, world, E // world, expert_major
         self.router = (torch.randn(H, E, generator=gen) / H ** 0.5).to(device).requires_grad_()
         self.experts = (torch.randn(self.epr, H, H, generator=gen) / H ** 0.5).to(device).requires_grad_()
         self.grad_out = torch.randn(N, H, generator=gen).to(device)
@@ -38,6 +40,8 @@ class MoELayer:
         x = x.detach().requires_grad_()
         probs = torch.softmax(x.float() @ self.router, dim=-1)
         weights, topk_idx = torch.topk(probs, K, dim=-1)
+        if self.expert_major:
+            return self._expert_major_step(x, topk_idx, weights)
         recv_x, recv_idx, recv_w, _, handle = ep_autograd.dispatch(
             self.buf, x, topk_idx, weights, E, num_worst_tokens=self.world * N)
         y = torch.zeros(recv_x.shape, dtype=torch.float32, device=x.device)
@@ -45,14 +49,29 @@ class MoELayer:
             coeff = torch.where(recv_idx == e, recv_w, 0.0).sum(dim=1, keepdim=True)
             y = y + coeff * (recv_x.float() @ self.experts[e])
         out = ep_autograd.combine(self.buf, y.to(torch.bfloat16), handle)
+        return self._grads(out, x)
+
+    def _expert_major_step(self, x, topk_idx, weights):
+        """Rows land expert-major in blocks of N rows per (local expert, source rank): a source sends an
+        expert at most its N tokens, so the capacity never overflows; every size is fixed."""
+        x_em, _, recv_w, counts, em_map, handle = ep_autograd.dispatch_expert_major(
+            self.buf, x, topk_idx, weights, E, num_worst_tokens=self.world * N, expert_capacity=N)
+        probs = permute.expand_probs(recv_w, em_map, sum(counts), padded=True)
+        rows = self.world * N
+        y_em = torch.cat([x_em[e * rows:(e + 1) * rows].float() @ self.experts[e] for e in range(self.epr)])
+        y_em = (y_em * probs[:, None]).to(torch.bfloat16)
+        out = ep_autograd.combine_expert_major(self.buf, y_em, handle, em_map, expert_capacity=N)
+        return self._grads(out, x)
+
+    def _grads(self, out, x):
         grads = torch.autograd.grad((out.float() * self.grad_out).sum(), [x, self.router, self.experts])
         return (out.detach(), *grads)
 
 
-def _replays(rank: int, world: int, device: str) -> int:
+def _replays(rank: int, world: int, device: str, expert_major: bool) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=64 << 20)
-    layer = MoELayer(buf, rank, world, dev)
+    layer = MoELayer(buf, rank, world, dev, expert_major)
     gen = torch.Generator(device="cpu").manual_seed(rank)
     static_x = torch.randn(N, H, generator=gen).to(dev, torch.bfloat16)
     side = torch.cuda.Stream()  # warm-up off the default stream, as torch.cuda.graph wants
@@ -80,8 +99,10 @@ def _replays(rank: int, world: int, device: str) -> int:
     return 1
 
 
-def test_moe_layer_forward_and_backward_replay_exactly(mps):
-    assert run_ranks(_replays, 2, timeout=600, env={"UCCL_EP_BACKEND": "native"}, **gpu_ranks(2)) == [1, 1]
+@pytest.mark.parametrize("expert_major", [False, True], ids=["receive-order", "expert-major-capacity"])
+def test_moe_layer_forward_and_backward_replay_exactly(mps, expert_major):
+    assert run_ranks(_replays, 2, expert_major, timeout=600, env={"UCCL_EP_BACKEND": "native"},
+                     **gpu_ranks(2)) == [1, 1]
 
 
 def _device_value_checks(rank: int, world: int, device: str) -> list[str]:
@@ -120,6 +141,14 @@ def _device_value_checks(rank: int, world: int, device: str) -> list[str]:
     wide = torch.randn(N, 2 * H if rank == 1 else H, device=dev).to(torch.bfloat16)
     expect(r"dispatch: ranks disagree on x row bytes: rank \d=\d+, rank \d=\d+",
            lambda buf: buf.dispatch(wide, topk_idx=idx, num_worst_tokens=world * N, **layout(buf, idx)))
+    # N * K / E = 24 tokens per expert on average: a capacity of 1 overflows on every rank
+    expect(r"dispatch_expert_major: rank \d sends \d+ tokens to local expert \d+ of rank \d, more than "
+           r"expert_capacity=1",
+           lambda buf: buf.dispatch_expert_major(x, idx, None, E, num_worst_tokens=world * N, expert_capacity=1))
+    # ranks that disagree on the capacity (each would place rows in other blocks)
+    expect(r"dispatch: ranks disagree on expert_capacity: rank \d=\d+, rank \d=\d+",
+           lambda buf: buf.dispatch_expert_major(x, idx, None, E, num_worst_tokens=world * N,
+                                                 expert_capacity=N + rank))
     return seen
 
 

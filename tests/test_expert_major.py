@@ -308,32 +308,40 @@ def _native_vs_reference(rank, world, device, env):
         w = torch.rand((n, topk), generator=g).cuda()
         x = torch.randn((n, hidden), generator=g).to(dtype).cuda()
         x2 = torch.randn((n, hidden), generator=g).to(dtype).cuda()
-        tag = f"case {ci} ({dtype}, hidden {hidden}) rank {rank}"
-        outs = {}
-        for name, buf in (("ref", ref), ("nat", nat)):
-            x_em, ridx, rw, counts, em, handle, _ = buf.dispatch_expert_major(x, idx, w, experts)
-            cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts))
-            outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
-        r_, n_ = outs["ref"], outs["nat"]
-        assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
-        for i, what in ((0, "x_em"), (1, "recv_topk_idx"), (2, "recv_topk_weights"), (4, "em_map"),
-                        (6, "cached x_em")):
-            _same(n_[i].cpu(), r_[i].cpu(), f"{tag}: {what}")
-        m = sum(r_[3])
-        y_em = torch.randn((m, hidden), generator=g).to(dtype).cuda()
-        for tw in (False, True):
-            ry, rwy, _ = ref.combine_expert_major(y_em, r_[5], r_[4], topk_weights=r_[2] if tw else None)
-            ny, nwy, _ = nat.combine_expert_major(y_em, n_[5], n_[4], topk_weights=n_[2] if tw else None)
-            tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
-            torch.testing.assert_close(ny.float(), ry.float(), rtol=tol, atol=tol, msg=f"{tag}: combine")
-            if tw:
-                torch.testing.assert_close(nwy, rwy, rtol=1e-5, atol=1e-5, msg=f"{tag}: combine weights")
-            else:
-                assert nwy is None and rwy is None
-            checks += 1
-        if rank == 0:
-            print(f"[native-expert-major] {tag} ok: {m} expert rows, combine exact="
-                  f"{bool(torch.equal(_bits(ny), _bits(ry)))}", flush=True)
+        # exact counts, then (small cases) the sync-free capacity layout: every source's tokens fit a block
+        sizes = [(0, 0)]
+        if max(ntok(r) for r in range(world)) <= 300:
+            sizes.append((sum(ntok(r) for r in range(world)), max(ntok(r) for r in range(world)) + 1))
+        for worst, capacity in sizes:
+            tag = f"case {ci} ({dtype}, hidden {hidden}{', capacity %d' % capacity if capacity else ''}) rank {rank}"
+            outs = {}
+            for name, buf in (("ref", ref), ("nat", nat)):
+                x_em, ridx, rw, counts, em, handle, _ = buf.dispatch_expert_major(
+                    x, idx, w, experts, num_worst_tokens=worst, expert_capacity=capacity)
+                cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts), expert_capacity=capacity)
+                outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
+            r_, n_ = outs["ref"], outs["nat"]
+            assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
+            for i, what in ((0, "x_em"), (1, "recv_topk_idx"), (2, "recv_topk_weights"), (4, "em_map"),
+                            (6, "cached x_em")):
+                _same(n_[i].cpu(), r_[i].cpu(), f"{tag}: {what}")
+            m = sum(r_[3])
+            y_em = torch.randn((m, hidden), generator=g).to(dtype).cuda()
+            for tw in (False, True):
+                ry, rwy, _ = ref.combine_expert_major(y_em, r_[5], r_[4], topk_weights=r_[2] if tw else None,
+                                                      expert_capacity=capacity)
+                ny, nwy, _ = nat.combine_expert_major(y_em, n_[5], n_[4], topk_weights=n_[2] if tw else None,
+                                                      expert_capacity=capacity)
+                tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
+                torch.testing.assert_close(ny.float(), ry.float(), rtol=tol, atol=tol, msg=f"{tag}: combine")
+                if tw:
+                    torch.testing.assert_close(nwy, rwy, rtol=1e-5, atol=1e-5, msg=f"{tag}: combine weights")
+                else:
+                    assert nwy is None and rwy is None
+                checks += 1
+            if rank == 0:
+                print(f"[native-expert-major] {tag} ok: {m} expert rows, combine exact="
+                      f"{bool(torch.equal(_bits(ny), _bits(ry)))}", flush=True)
     ref.destroy()
     nat.destroy()
     return checks
@@ -350,7 +358,8 @@ def test_native_expert_major_matches_reference(env, mps):
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    assert run_ranks(_native_vs_reference, 2, env, timeout=300, **gpu_ranks(2)) == [2 * len(GPU_CASES)] * 2
+    # two combines per case and size; the capacity layout for the 7 cases of at most 300 tokens
+    assert run_ranks(_native_vs_reference, 2, env, timeout=300, **gpu_ranks(2)) == [2 * (2 * len(GPU_CASES) - 1)] * 2
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------

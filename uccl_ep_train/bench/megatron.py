@@ -11,21 +11,27 @@ dispatcher's share can be read off; JSON records with `--json PATH` (timing "api
 the round trip and a device sync; the run's command, date, commit, device and GPU count; for `uccl`,
 "sms_occupied": Buffer.occupied_sms of the dispatcher's Buffer at its default Config, None on the
 reference backend).
+
+On GPUs every record also carries, per round trip issued back to back without a sync, "api_us" (events
+around them), "kernel_us" (the device time of all its kernels, from the profiler) and "host_us" (the host's
+time to issue it): a round trip without a host sync has api_us near kernel_us, one that waits for counts adds
+the host's time. `--moe-expert-capacity-factor` (token dropping) and `--moe-pad-expert-input-to-capacity`
+(drop-and-pad: the uccl dispatcher's sync-free path) route as Megatron's router does with those settings.
+More ranks than GPUs: they share the GPUs over a gloo group (run NVIDIA MPS); only `uccl` runs then (the
+other dispatchers need NCCL, which refuses two ranks on one GPU).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from datetime import timedelta
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, gpus_used, run_context
+from . import add_layer_shape_args, gpus_used, init_rank_group, run_context, warn_without_mps
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_layer_shape_args(p)
     p.add_argument("--dispatchers", default="uccl,alltoall,flex",
                    help="comma-separated: uccl, alltoall, flex (= flex-deepep), flex-hybridep, flex-ncclep")
+    p.add_argument("--moe-expert-capacity-factor", type=float, default=None,
+                   help="Megatron's token dropping: each expert takes at most this factor of its fair share")
+    p.add_argument("--moe-pad-expert-input-to-capacity", action="store_true",
+                   help="with --moe-expert-capacity-factor: Megatron's drop-and-pad (uccl: no host sync)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--num-sms", type=int, default=None,
@@ -50,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world: int, dtype,
-                     num_sms: Optional[int]):
+                     num_sms: Optional[int], capacity_factor: Optional[float], pad: bool):
     from megatron.core.transformer.moe.moe_layer import get_default_pg_collection
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher, MoEFlexTokenDispatcher
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -65,7 +75,8 @@ def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world:
                             moe_flex_dispatcher_backend=flex_backend or "deepep", moe_flex_dispatcher_num_sms=num_sms,
                             expert_model_parallel_size=world,
                             moe_router_dtype="fp32", bf16=dtype == torch.bfloat16, params_dtype=dtype,
-                            add_bias_linear=False, use_cpu_initialization=True)
+                            add_bias_linear=False, use_cpu_initialization=True,
+                            moe_expert_capacity_factor=capacity_factor, moe_pad_expert_input_to_capacity=pad)
     pg = get_default_pg_collection()
     local = num_experts // world
     rank = dist.get_rank()
@@ -126,6 +137,37 @@ def _time_experts(rows: int, hidden: int, dtype, device, warmup: int, iters: int
     return sum(times) / len(times)
 
 
+def _back_to_back(disp, x, routing_map, probs_full, grad, iters: int, warmup: int) -> tuple[float, float, float]:
+    """(api, kernel, host) µs per round trip issued `iters` times without a sync between them: events around
+    them, the profiler's device time of every kernel, the host's clock to issue them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def one() -> None:
+        round_trip(disp, x.clone().requires_grad_(True), routing_map, probs_full.clone().requires_grad_(True), grad)
+
+    for _ in range(warmup):
+        one()
+    torch.cuda.synchronize()
+    dist.barrier()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        one()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e6 / iters
+    torch.cuda.synchronize()
+    api = start.elapsed_time(end) * 1e3 / iters
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            one()
+        torch.cuda.synchronize()
+    kernel = sum(float(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0)) for e in prof.events()
+                 if e.device_type == torch.autograd.DeviceType.CUDA) / iters
+    return api, kernel, host
+
+
 def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda: bool,
              trace: Optional[str] = None) -> None:
     """Three round trips under torch.profiler; rank 0 prints the top operators by device (or CPU) time, and
@@ -146,16 +188,10 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
 
 
-def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], context: dict) -> None:
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=init, rank=rank, world_size=world,
-                            timeout=timedelta(minutes=10))
+def _rank(rank: int, world: int, args, port: int, out_path: Optional[str], context: dict) -> None:
+    device = init_rank_group(rank, world, port)
+    cuda = device.type == "cuda"
+    shared_gpu = cuda and dist.get_backend() == "gloo"  # ranks share a GPU: NCCL is out
     import megatron_patch
     megatron_patch.apply()
     if args.num_sms is not None:
@@ -170,13 +206,19 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
     top = scores.topk(K, dim=1)
     routing_map = torch.zeros(T, E, dtype=torch.bool).scatter_(1, top.indices, True).to(device)
     probs_full = torch.zeros(T, E).scatter_(1, top.indices, top.values.softmax(dim=1)).to(device)
+    cf, pad = args.moe_expert_capacity_factor, args.moe_pad_expert_input_to_capacity
+    if cf is not None:  # what Megatron's router does with these settings
+        from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+        probs_full, routing_map = apply_router_token_dropping(probs_full, routing_map, K, cf, pad_to_capacity=pad)
     x = torch.randn(T, H, generator=g).to(device, dtype)
     grad = torch.randn(T, H, generator=g).to(device, dtype)
     device_name, gpus = torch.cuda.get_device_name(device) if cuda else "cpu", gpus_used(device)
     records = []
     for kind in [k for k in args.dispatchers.split(",") if k]:
         try:
-            disp = _make_dispatcher(kind, E, K, H, world, dtype, args.num_sms)
+            if shared_gpu and kind != "uccl":
+                raise RuntimeError("needs NCCL (one rank per GPU); these ranks share a GPU over gloo")
+            disp = _make_dispatcher(kind, E, K, H, world, dtype, args.num_sms, cf, pad)
         except (ImportError, ValueError, AssertionError, RuntimeError) as exc:
             if kind == "uccl":  # a peer that cannot start here is skipped; ours must
                 raise
@@ -221,7 +263,12 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
                "timing": "api", "sms": None, "sms_occupied": None,
                "num_tokens": T, "hidden": H, "num_experts": E, "num_topk": K, "dtype": str(dtype),
                "experts_ms": experts.item() * 1e3, "ms_without_experts": (mean.item() - experts.item()) * 1e3,
-               **context}
+               "moe_expert_capacity_factor": cf, "moe_pad_expert_input_to_capacity": pad, **context}
+        if cuda:
+            times3 = torch.tensor(_back_to_back(disp, x, routing_map, probs_full, grad, args.iters, args.warmup),
+                                  dtype=torch.float64, device=device)
+            dist.all_reduce(times3, op=dist.ReduceOp.MAX)
+            rec["api_us"], rec["kernel_us"], rec["host_us"] = times3.tolist()
         if kind == "uccl":
             rec["backend"], rec["sms"] = disp.buffer.backend_name, disp.buffer.num_sms
             rec["sms_occupied"] = disp.buffer.occupied_sms(expert_major=True)  # the dispatcher's calls pass no Config
@@ -242,6 +289,10 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
             print(f"[megatron] {kind:<8} EP={world} tokens={T} hidden={H} experts={E} top-{K}: "
                   f"{rec['ms']:.3f} ms per fwd+bwd round trip (identity experts alone {rec['experts_ms']:.3f} ms, "
                   f"the rest {rec['ms_without_experts']:.3f} ms)", flush=True)
+            if cuda:
+                print(f"[megatron] {kind:<8} back to back: api {rec['api_us']:.1f} us, kernels {rec['kernel_us']:.1f} "
+                      f"us (api/kernel {rec['api_us'] / rec['kernel_us']:.2f}), host {rec['host_us']:.1f} us per round "
+                      "trip", flush=True)
     if rank == 0 and out_path:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
@@ -254,12 +305,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.num_sms is not None and (args.num_sms <= 0 or args.num_sms % 2):
         parser.error(f"--num-sms must be a positive even number, got {args.num_sms}")
+    if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
+        parser.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     import torch.multiprocessing as mp
 
-    from ..localhost import loopback_init_method
+    from ..localhost import free_loopback_port
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    warn_without_mps(world, "megatron")
     context = run_context("bench megatron", argv)
-    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json, context), nprocs=world, join=True)
+    mp.spawn(_rank, args=(world, args, free_loopback_port(), args.json, context), nprocs=world, join=True)
     if args.json:
         print(f"records: {args.json}", file=sys.stderr)
     return 0
