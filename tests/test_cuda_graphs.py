@@ -36,7 +36,7 @@ class MoELayer:
         self.grad_out = torch.randn(N, H, generator=gen).to(device)
 
     def step(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """Forward and backward: (output, d x, d router, d experts)."""
+        """Forward and backward: (output, d x, d router, d experts, per-expert counts)."""
         x = x.detach().requires_grad_()
         probs = torch.softmax(x.float() @ self.router, dim=-1)
         weights, topk_idx = torch.topk(probs, K, dim=-1)
@@ -49,23 +49,24 @@ class MoELayer:
             coeff = torch.where(recv_idx == e, recv_w, 0.0).sum(dim=1, keepdim=True)
             y = y + coeff * (recv_x.float() @ self.experts[e])
         out = ep_autograd.combine(self.buf, y.to(torch.bfloat16), handle)
-        return self._grads(out, x)
+        return self._grads(out, x, recv_idx)
 
     def _expert_major_step(self, x, topk_idx, weights):
         """Rows land expert-major in blocks of N rows per (local expert, source rank): a source sends an
         expert at most its N tokens, so the capacity never overflows; every size is fixed."""
-        x_em, _, recv_w, counts, em_map, handle = ep_autograd.dispatch_expert_major(
+        x_em, recv_idx, recv_w, counts, em_map, handle = ep_autograd.dispatch_expert_major(
             self.buf, x, topk_idx, weights, E, num_worst_tokens=self.world * N, expert_capacity=N)
         probs = permute.expand_probs(recv_w, em_map, sum(counts), padded=True)
         rows = self.world * N
         y_em = torch.cat([x_em[e * rows:(e + 1) * rows].float() @ self.experts[e] for e in range(self.epr)])
         y_em = (y_em * probs[:, None]).to(torch.bfloat16)
         out = ep_autograd.combine_expert_major(self.buf, y_em, handle, em_map, expert_capacity=N)
-        return self._grads(out, x)
+        return self._grads(out, x, recv_idx)
 
-    def _grads(self, out, x):
+    def _grads(self, out, x, recv_idx):
+        """(output, d x, d router, d experts, the received slots per local expert counted on the GPU)."""
         grads = torch.autograd.grad((out.float() * self.grad_out).sum(), [x, self.router, self.experts])
-        return (out.detach(), *grads)
+        return (out.detach(), *grads, permute.tokens_per_expert(recv_idx, self.epr))
 
 
 def _replays(rank: int, world: int, device: str, expert_major: bool) -> int:
@@ -88,7 +89,7 @@ def _replays(rank: int, world: int, device: str, expert_major: bool) -> int:
         static_x.copy_(torch.randn(N, H, generator=gen).to(dev, torch.bfloat16))
         graph.replay()
         eager = layer.step(static_x)
-        for name, got, want in zip(("out", "d x", "d router", "d experts"), static_out, eager):
+        for name, got, want in zip(("out", "d x", "d router", "d experts", "counts"), static_out, eager):
             if not torch.equal(got, want):
                 raise AssertionError(f"rank {rank}, replay {i}: {name} differs from eager mode by "
                                      f"{(got.float() - want.float()).abs().max().item()}")

@@ -199,3 +199,23 @@ def test_native_topk_from_routing_map_matches_torch_path(n, experts, k):
     ref_p = probs.clone().requires_grad_(True)
     permute.topk_from_routing_map(rmap, ref_p, k)[1].backward(g)
     assert torch.equal(p.grad.cpu(), ref_p.grad)
+
+
+def test_tokens_per_expert_and_capacity_map():
+    """tokens_per_expert counts the local slots (ids outside [0, L) ignored); the capacity map places each
+    source's rows of expert e in block (e, s) in receive order, and a slot past its block's capacity maps
+    to -1."""
+    idx = torch.tensor([[0, 1], [1, -1], [0, 2], [2, 0], [1, 2], [-1, -1]])
+    assert permute.tokens_per_expert(idx, 2).tolist() == [3, 3]
+    assert permute.tokens_per_expert(idx, 3).dtype == torch.int32
+    rows = torch.tensor([3, 2, 0])  # rows 0-2 from source 0, 3-4 from source 1; row 5 is padding
+    em = permute.expert_major_map_capacity(idx, rows, 2, 2)
+    assert em.tolist() == [[0, 6], [7, -1], [1, -1], [-1, 2], [8, -1], [-1, -1]]
+    # capacity 1: source 0's second row of expert 0 and of expert 1 have no room
+    assert permute.expert_major_map_capacity(idx, rows, 2, 1).tolist() == \
+        [[0, 3], [-1, -1], [-1, -1], [-1, 1], [4, -1], [-1, -1]]
+    x = torch.arange(6.0).view(6, 1)
+    out = permute.expand_rows_raw(x, em, 12, padded=True)
+    assert out.view(-1).tolist() == [0, 2, 3, 0, 0, 0, 0, 1, 4, 0, 0, 0]
+    with pytest.raises(ValueError, match="num_local_experts"):
+        permute.tokens_per_expert(idx, 0)

@@ -8,6 +8,7 @@ dispatcher produces. `expert_major_map` gives every (row, slot) its expert-major
     expand_rows(x, dst, m)   -> [m, H]  out[dst[i, j]] = x[i]           (backward: reduce_rows)
     reduce_rows(y, dst, n)   -> [n, H]  out[i] = sum_j y[dst[i, j]]     (backward: expand_rows)
     expand_probs(w, dst, m)  -> [m]     out[dst[i, j]] = w[i, j]
+    tokens_per_expert(topk_idx, num_local_experts): per-local-expert slot counts as a device tensor (no sync)
     expert_major_map_capacity: the map of a capacity layout (every (expert, source rank) block the same
         size, as Megatron's drop-and-pad gives it); rows no slot names are padding, zeros (`padded=True`)
     topk_from_routing_map(routing_map, probs, k): Megatron's routing map + probs -> top-k ids and weights
@@ -92,6 +93,21 @@ def expert_major_map(topk_idx: torch.Tensor, tokens_per_expert: Sequence[int] | 
     start = torch.cumsum(counts, 0) - counts
     base = torch.cat([start, start.new_zeros(1)])[key]
     return torch.where(valid, base + rank_in_expert, -1).to(torch.int32).contiguous()
+
+
+def tokens_per_expert(topk_idx: torch.Tensor, num_local_experts: int) -> torch.Tensor:
+    """int32 [num_local_experts]: how many slots of `topk_idx` (local ids in receive order; -1 or >= the
+    count: not here) select each local expert. On topk_idx's device with no host sync (capturable): the
+    per-expert receive counts of a dispatch with num_worst_tokens, whose count list is empty (DeepEP's API)."""
+    if topk_idx.dim() != 2:
+        raise ValueError(f"topk_idx: expected [tokens, k], got shape {tuple(topk_idx.shape)}")
+    L = int(num_local_experts)
+    if L <= 0:
+        raise ValueError(f"num_local_experts: must be > 0, got {num_local_experts}")
+    key = torch.where((topk_idx >= 0) & (topk_idx < L), topk_idx, L).reshape(-1).long()
+    counts = torch.zeros(L + 1, dtype=torch.int32, device=topk_idx.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))
+    return counts[:L]
 
 
 def expert_major_map_capacity(topk_idx: torch.Tensor, rows_per_source: torch.Tensor, num_local_experts: int,
