@@ -2,6 +2,7 @@
 never arrive end in a timeout naming rank and phase; buffers can be destroyed and made again."""
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -189,6 +190,48 @@ def test_native_ranks_disagreeing_on_a_dispatch_get_the_same_error(mps, ranks_pe
     assert "dispatch: ranks disagree on x row bytes: rank 0=256, rank 1=512" in rows
     assert "dispatch: ranks disagree on x dtype: rank 0=1, rank 1=2" in dtype
     assert "dispatch: ranks disagree on topk_weights given: rank 0=1, rank 1=0" in weights
+
+
+def _native_cached_mismatch(rank: int, world: int, device: str) -> list:
+    """Per case a fresh Buffer (an error leaves a native Buffer unusable): an agreeing fresh dispatch, then a
+    cached dispatch or a combine on which the ranks disagree. Neither has a notify: the kernels compare the
+    shape each peer published with its rows."""
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=dev)
+    w = torch.rand(4, 2, device=dev)
+    x = torch.randn(4, 128, device=dev).to(torch.bfloat16)
+    messages = []
+    for bad in (lambda buf, h, recv, rw: buf.dispatch(torch.randn(4, 128 * (rank + 1), device=dev).to(torch.bfloat16),
+                                                      handle=h),
+                lambda buf, h, recv, rw: buf.combine(recv if rank == 0 else recv.to(torch.float16), h),
+                lambda buf, h, recv, rw: buf.combine(recv, h, topk_weights=rw if rank == 0 else None)):
+        buf = Buffer(group, int(1e8))
+        assert buf.backend_name == "native"
+        per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+        recv, _, rw, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                 num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+        with pytest.raises(RuntimeError) as err:
+            bad(buf, handle, recv, rw)
+            torch.cuda.synchronize()
+            buf.check_errors()
+        messages.append(str(err.value))
+        buf.destroy()
+    return messages
+
+
+@pytest.mark.gpu
+def test_native_ranks_disagreeing_on_a_cached_dispatch_or_combine_raise(mps, monkeypatch):
+    """Without the check the rows land at offsets of the wrong size in the peer's buffer and come out as
+    garbage, silently."""
+    monkeypatch.delenv("UCCL_EP_CHECK_VALUES", raising=False)
+    per_rank = run_ranks(_native_cached_mismatch, 2, device="cuda", backend="gloo", ranks_per_gpu=2,
+                         env={"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "30"}, timeout=180)
+    for messages in per_rank:
+        rows, dtype, weights = messages
+        assert re.search(r"dispatch: ranks disagree on x row bytes: rank \d=(256|512), rank \d=(256|512)", rows), rows
+        assert re.search(r"combine: ranks disagree on (x row bytes|x dtype): rank \d=\d+, rank \d=\d+", dtype), dtype
+        assert re.search(r"combine: ranks disagree on num_topk: rank \d=[02], rank \d=[02]", weights), weights
 
 
 def _missing_peer(rank: int, world: int, device: str, error: type, pattern: str, bound_s: float) -> str:

@@ -6,6 +6,7 @@
 #include <cstdio>
 
 #include "common/portability.h"
+#include "kernels/intranode_api.h"
 
 #if defined(UCCL_EP_WITH_HIP)
 #include <hip/hip_fp16.h>
@@ -25,7 +26,11 @@ constexpr int64_t kFreeOffset = 256;
 constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
 constexpr int64_t kSideWorkOffset = 2048;  // SideWork's counters (local use only): see SideWork below
 constexpr int64_t kOpSeqOffset = 3072;     // OpSeq: the signal base of the next op (local use only)
+// int[kMaxRanks][kShapeInts]: slot s is the shape of rank s's current dispatch / combine rows (see
+// publish_shape), so that the calls without a notify (cached dispatch, combine) still check that the ranks agree
+constexpr int64_t kShapeSlotsOffset = 3584;
 constexpr int64_t kCountsOffset = 4096;
+static_assert(kShapeSlotsOffset + kMaxRanks * kShapeInts * 4 <= kCountsOffset, "shape slots overlap the counts");
 constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
 constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
 constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row landed" flag per receive row
@@ -348,6 +353,31 @@ struct SideWork {
     *started = 0;
   }
 };
+
+// The calls without a notify (a cached dispatch, every combine) would land rows of different sizes in each
+// other's buffers when the ranks disagree on the call's shape (row bytes, scales, top-k, weights, dtype). Each
+// sender writes its shape into slot [me] of every peer once that peer freed its buffer, before any row flag;
+// a receiver compares a source's slot with its own shape once a row of that source landed (the flag orders
+// the slot before it) and reports a mismatch as kErrShape, naming the field (kShapeFields).
+// publish_shape: one thread per peer r (tid == r), after the block's wait for r's free signal.
+__device__ __forceinline__ void publish_shape(char* peer, int me, const int* shape) {
+  int* slot = reinterpret_cast<int*>(peer + kShapeSlotsOffset) + me * kShapeInts;
+  for (int i = 0; i < kShapeInts; ++i) slot[i] = shape[i];
+  __threadfence_system();  // before the block barrier that precedes the row flags of every warp
+}
+// shape_agrees: one thread, after acquiring a row flag of source `src`. False: reported (every rank stops).
+__device__ __forceinline__ bool shape_agrees(const char* my, int src, const int* shape, ErrorRecord* err, int* claim,
+                                             int me, int phase) {
+  const volatile int* slot = reinterpret_cast<const volatile int*>(my + kShapeSlotsOffset) + src * kShapeInts;
+  for (int i = 1; i < kShapeInts; ++i) {  // (not field 0: the token counts may differ)
+    const int theirs = slot[i];
+    if (theirs != shape[i]) {
+      report_error(err, claim, kErrShape, me, src, phase, shape[i], theirs, i);
+      return false;
+    }
+  }
+  return true;
+}
 
 // The signal base of an op: the blocks that every earlier op signalled to each peer (the same number on every
 // rank: they run the same ops with the same SM counts), from which the op's waits and row-flag values are

@@ -336,6 +336,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
   // Expansion item f: own token f (f < num_tokens, at hand) or the (f - num_tokens)-th landed row of the
   // others in receive order (they land in about that order), read from the buffer once its flag is up.
   // False: the row never landed (reported).
+  uint32_t expand_checked = 0;  // lane 0's: sources whose shape slot this warp compared (shape_agrees)
   auto expand_item = [&](int64_t f) {
     if (f < a.num_tokens) {
       const int pos = a.send_pos[f * R + me];
@@ -348,9 +349,14 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       const int64_t i = row_of_others(f - a.num_tokens, s_lo, s_hi, me, src);
       const int cached_d = (!a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
       int ok = 1;
-      if (lane == 0)
+      if (lane == 0) {
         ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, src, kPhaseDispatch,
                        (int)i);
+        if (ok && !(expand_checked >> src & 1u)) {
+          ok = shape_agrees(my, src, a.shape, a.sig.err, a.sig.claim, me, kPhaseDispatch);
+          expand_checked |= 1u << src;
+        }
+      }
       if (!warp_shfl(ok, 0)) return false;
       warp_sync();
       int local;
@@ -389,8 +395,10 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
              over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
   }
-  if (tid < R && tid != me)
-    wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
+  if (tid < R) {  // (own slot too: fold mode reads own rows from the own buffer)
+    if (tid != me) wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
+    publish_shape(a.peers.p[tid], me, a.shape);
+  }
   __syncthreads();
 
   const bool has_scales = a.scale_bytes > 0;
@@ -475,6 +483,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
 
   // Copy-out of landed remote rows (copy warps from the start, push warps once their tokens are done).
   if (!s_skip) {
+    uint32_t checked = 0;  // lane 0's: sources whose shape slot this warp compared (shape_agrees)
     for (;;) {
       int k = 0;
       if (lane == 0) k = atomicAdd(&s_next, 1);
@@ -489,8 +498,13 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
       // cached expert-major: the row's destinations are an input, loaded while the row is still landing
       const int cached_d = (em && !a.with_topk && lane < a.em_k) ? a.em_map[i * a.em_k + lane] : -1;
       int ok = 1;
-      if (lane == 0)  // acquire by lane 0, then the warp barrier orders every lane's reads after it
+      if (lane == 0) {  // acquire by lane 0, then the warp barrier orders every lane's reads after it
         ok = wait_flag(my_flags + i, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, s, kPhaseDispatch, (int)i);
+        if (ok && !(checked >> s & 1u)) {
+          ok = shape_agrees(my, s, a.shape, a.sig.err, a.sig.claim, me, kPhaseDispatch);
+          checked |= 1u << s;
+        }
+      }
       ok = warp_shfl(ok, 0);
       warp_sync();
       if (!ok) break;
@@ -700,8 +714,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     });
     s_next = 0;
   }
-  if (tid < R && tid != me)
-    wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
+  if (tid < R) {  // (own slot too: fold mode reads own rows from the own buffer)
+    if (tid != me) wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
+    publish_shape(a.peers.p[tid], me, a.shape);
+  }
   __syncthreads();
 
   if (!s_skip && w < push_warps) {
@@ -766,6 +782,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     };
     int64_t t = claim();
     int pos = (lane < R && t < N) ? a.send_pos[t * R + lane] : -1;
+    bool checked = false;  // lane r: whether this warp compared rank r's shape slot (shape_agrees)
     while (t < N) {
       const int64_t t_next = claim();
       const int pos_next = (lane < R && t_next < N) ? a.send_pos[t_next * R + lane] : -1;
@@ -783,6 +800,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
           row = s_recvbase[lane] + pos;
           ok = wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, lane, kPhaseCombine,
                          (int)row);
+          if (ok && !checked) {
+            ok = shape_agrees(my, lane, a.shape, a.sig.err, a.sig.claim, me, kPhaseCombine);
+            checked = true;
+          }
         }
       }
       if (warp_any(!ok)) break;  // each lane's acquire, then the vote (a warp barrier): every lane reads the rows

@@ -166,7 +166,7 @@ std::string IntranodeBuffer::error() const {
          << ") (found on the GPU; UCCL_EP_CHECK_VALUES=1 checks on the host before any communication)";
       break;
     case kErrShape:
-      os << "dispatch: ranks disagree on "
+      os << (r->phase == kPhaseCombine ? "combine" : "dispatch") << ": ranks disagree on "
          << (r->block >= 0 && r->block < kShapeInts ? kShapeFields[r->block] : "the call's shape") << ": rank "
          << r->rank << "=" << r->need << ", rank " << r->peer << "=" << r->have;
       break;
@@ -316,6 +316,11 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   UCCL_CHECK(flag_batch >= 1, "dispatch: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
   a.lay = make_row_layout(data_bytes(), x_bytes, scale_bytes, a.num_topk, a.with_src);
+  // what the rows carry, in kShapeFields order (the peers compare it: a cached dispatch has no notify)
+  a.shape[1] = (int)x_bytes;
+  a.shape[2] = (int)scale_bytes;
+  a.shape[3] = a.num_topk;
+  a.shape[4] = a.with_weights ? 1 : 0;
   a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_dispatch(a, num_sms + a.expand_blocks, as_stream(stream));
 }
@@ -379,6 +384,11 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   const int64_t elem = dtype == kDtypeFp32 ? 4 : 2;
   a.lay = make_row_layout(data_bytes(), (int64_t)hidden * elem, 0, a.num_topk, false);
   // combine uses off_x for rows and off_topk_w for weights: keep them where make_row_layout put them
+  // what the rows carry, in kShapeFields order (the peers compare it: a combine has no notify)
+  a.shape[1] = hidden * (int)elem;
+  a.shape[3] = a.num_topk;
+  a.shape[4] = with_weights ? 1 : 0;
+  a.shape[6] = dtype;
   a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_combine(a, num_sms + a.fold_blocks, as_stream(stream));
 }

@@ -74,6 +74,7 @@ struct DispatchArgs {
   // (own tokens from x, landed rows from the buffer) while the others push and copy out the metadata; any
   // warp takes the rows no other has claimed (SideWork), and the buffer is released once all are written.
   int expand_blocks;
+  int shape[kShapeInts];  // this call's rows (kShapeFields): published to the peers, compared by them
   RowLayout lay;
   SignalArgs sig;
 };
@@ -105,6 +106,7 @@ struct CombineArgs {
   // flagged (the fold overlaps the communication instead of preceding it or running on the push warps).
   void* fold_out;
   int fold_blocks;
+  int shape[kShapeInts];  // this call's rows (kShapeFields): published to the peers, compared by them
   RowLayout lay;  // off_x: rows of hidden bf16, off_topk_w: rows of num_topk float
   SignalArgs sig;
 };
