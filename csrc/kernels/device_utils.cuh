@@ -362,17 +362,24 @@ struct SideWork {
 // publish_shape: one thread per peer r (tid == r), after the block's wait for r's free signal.
 __device__ __forceinline__ void publish_shape(char* peer, int me, const int* shape) {
   int* slot = reinterpret_cast<int*>(peer + kShapeSlotsOffset) + me * kShapeInts;
+#pragma unroll
   for (int i = 0; i < kShapeInts; ++i) slot[i] = shape[i];
   __threadfence_system();  // before the block barrier that precedes the row flags of every warp
+}
+// Out of line (scalar arguments only): inlined, the report's code costs the hot kernels registers.
+__device__ __noinline__ void report_shape_mismatch(ErrorRecord* err, int* claim, int me, int src, int phase, int need,
+                                                   int have, int field) {
+  report_error(err, claim, kErrShape, me, src, phase, need, have, field);
 }
 // shape_agrees: one thread, after acquiring a row flag of source `src`. False: reported (every rank stops).
 __device__ __forceinline__ bool shape_agrees(const char* my, int src, const int* shape, ErrorRecord* err, int* claim,
                                              int me, int phase) {
   const volatile int* slot = reinterpret_cast<const volatile int*>(my + kShapeSlotsOffset) + src * kShapeInts;
+#pragma unroll
   for (int i = 1; i < kShapeInts; ++i) {  // (not field 0: the token counts may differ)
     const int theirs = slot[i];
     if (theirs != shape[i]) {
-      report_error(err, claim, kErrShape, me, src, phase, shape[i], theirs, i);
+      report_shape_mismatch(err, claim, me, src, phase, shape[i], theirs, i);
       return false;
     }
   }

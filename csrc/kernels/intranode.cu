@@ -609,6 +609,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
   __shared__ int s_P[kMaxRanks * kMaxRanks];
   __shared__ int s_lo[kMaxRanks], s_hi[kMaxRanks], s_sendbase[kMaxRanks], s_recvbase[kMaxRanks];
   __shared__ int s_skip, s_next;
+  __shared__ unsigned s_got;  // sources whose rows this block reduced
   __shared__ const T* s_src[kWarps][kMaxRanks + 2];  // sources in rank order, then bias_0, bias_1
   __shared__ const float* s_wsrc[kWarps][kMaxRanks];
   __shared__ const T* s_fold[kWarps][kMaxExpertMajorTopk];  // fold modes: expert-major rows of one row
@@ -713,6 +714,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       return total;
     });
     s_next = 0;
+    s_got = 0;
   }
   if (tid < R) {  // (own slot too: fold mode reads own rows from the own buffer)
     if (tid != me) wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseCombine);
@@ -782,7 +784,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
     };
     int64_t t = claim();
     int pos = (lane < R && t < N) ? a.send_pos[t * R + lane] : -1;
-    bool checked = false;  // lane r: whether this warp compared rank r's shape slot (shape_agrees)
+    bool got = false;  // lane r: whether this warp consumed a row of rank r (its shape slot is then checked)
     while (t < N) {
       const int64_t t_next = claim();
       const int pos_next = (lane < R && t_next < N) ? a.send_pos[t_next * R + lane] : -1;
@@ -800,10 +802,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
           row = s_recvbase[lane] + pos;
           ok = wait_flag(my_flags + row, seq, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, lane, kPhaseCombine,
                          (int)row);
-          if (ok && !checked) {
-            ok = shape_agrees(my, lane, a.shape, a.sig.err, a.sig.claim, me, kPhaseCombine);
-            checked = true;
-          }
+          got |= ok;
         }
       }
       if (warp_any(!ok)) break;  // each lane's acquire, then the vote (a warp barrier): every lane reads the rows
@@ -860,8 +859,13 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       t = t_next;
       pos = pos_next;
     }
+    if (got) atomicOr(&s_got, 1u << lane);
   }
   __syncthreads();
+  // The shape of each source this block took rows from (off the reduce loop: a check there costs registers
+  // the row sums need). A mismatch is reported after the sums were formed from the wrong row size: they are
+  // garbage, and every rank raises.
+  if (tid < R && (s_got >> tid & 1u)) shape_agrees(my, tid, a.shape, a.sig.err, a.sig.claim, me, kPhaseCombine);
   if (tid == 0) {
     for (int r = 0; r < R; ++r)
       if (r != me) {
