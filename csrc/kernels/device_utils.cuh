@@ -367,8 +367,8 @@ __device__ __forceinline__ void publish_shape(char* peer, int me, const int* sha
   __threadfence_system();  // before the block barrier that precedes the row flags of every warp
 }
 // Out of line (scalar arguments only): inlined, the report's code costs the hot kernels registers.
-__device__ __noinline__ void report_shape_mismatch(ErrorRecord* err, int* claim, int me, int src, int phase, int need,
-                                                   int have, int field) {
+static __device__ __noinline__ void report_shape_mismatch(ErrorRecord* err, int* claim, int me, int src, int phase, int need,
+                                                          int have, int field) {
   report_error(err, claim, kErrShape, me, src, phase, need, have, field);
 }
 // shape_agrees: one thread, after acquiring a row flag of source `src`. False: reported (every rank stops).
