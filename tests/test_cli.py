@@ -30,3 +30,27 @@ def test_unknown_command_names_the_valid_ones(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err
     assert "unknown command 'frobnicate' (commands: bench, train, doctor, plan, pretrain-gpt, deep-ep-path)" in err
+
+
+def test_one_spelling_across_benchmarks():
+    """The same option means the same thing in every benchmark: --ranks (DeepEP's --num-processes too),
+    --num-tokens / --num-topk / --num-experts (the short forms too), --sms as a comma list, --json PATH."""
+    from uccl_ep_train.bench import expert_major, internode, intranode, megatron, proxy
+
+    parsers = {"intranode": intranode._parse, "internode": internode.build_parser().parse_args,
+               "megatron": megatron.build_parser().parse_args, "expert-major": expert_major.build_parser().parse_args}
+    for name, parse in parsers.items():
+        for ranks in ("--ranks", "--num-processes"):
+            a = parse([ranks, "3", "--num-tokens", "64", "--num-topk", "2", "--num-experts", "8", "--json", "r.json"])
+            assert (a.ranks, a.num_tokens, a.num_topk, a.num_experts, a.json) == (3, 64, 2, 8, "r.json"), name
+        a = parse(["--tokens", "32", "--topk", "4", "--experts", "16"])
+        assert (a.num_tokens, a.num_topk, a.num_experts) == (32, 4, 16), name
+        if name != "megatron":  # a sweep; megatron takes one count (Megatron's --uccl-ep-num-sms)
+            assert parse(["--sms", "8,16"]).sms == [8, 16], name
+    assert megatron.build_parser().parse_args(["--sms", "24"]).num_sms == 24
+    with pytest.raises(SystemExit):
+        intranode._parse(["--sms", "8;16"])
+    a = proxy._parse(["--threads", "1,4", "--chunk-bytes", "65536", "1048576", "--ops", "single,ipc"])
+    assert (a.threads, a.chunk_bytes, a.ops) == ([1, 4], [65536, 1048576], ["single", "ipc"])
+    with pytest.raises(SystemExit):
+        proxy._parse(["--ops", "single,nope"])

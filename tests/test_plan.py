@@ -30,10 +30,14 @@ def test_deepseek_v3_reference_layout_report(capsys):
     assert "--moe-token-dispatcher-type uccl" in out
 
 
-def test_json_report(capsys):
+def test_json_report(capsys, tmp_path):
     rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--json")
     assert rc == 0
     rep = json.loads(out)
+    # --json PATH writes the same report there, as every command's --json does
+    path = tmp_path / "plan.json"
+    rc, out2, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--json", str(path))
+    assert rc == 0 and not out2.strip() and json.loads(path.read_text()) == rep
     assert rep["layout"]["dp"] == 32 and rep["layout"]["expert_dp"] == 1 and rep["layout"]["num_microbatches"] == 32
     assert rep["params"]["total"] == count_params(load_recipe("deepseek-v3")).total
     mem = rep["memory"]

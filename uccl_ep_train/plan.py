@@ -516,7 +516,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="report (default); or only the torchrun command, the Megatron-LM args, the "
                         "environment as `export NAME=\"${NAME:-value}\"` lines (values already set win), or "
                         "shell: the env lines then UCCL_LAUNCH_CMD=<torchrun command> (what slurm/launch.sh evals)")
-    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--json", nargs="?", const="-", default=None, metavar="PATH",
+                   help="write the report as JSON to PATH, as every command's --json does (no PATH or '-': stdout)")
     p.add_argument("--suggest", type=int, nargs="?", const=5, default=None, metavar="N",
                    help="list up to N (default 5) TP x PP x EP layouts that fit this cluster, best first")
     p.add_argument("--check-megatron", action="store_true",
@@ -591,10 +592,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     mem = estimate_memory(recipe, lay)
     sbatch = ["sbatch", f"--nodes={nodes}", f"--gpus-per-node={gpn}", "slurm/train.sbatch", recipe.name]
     if ns.json:
-        print(json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
-                          "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib,
-                          "fits": mem.total <= ns.gpu_mem_gib * GiB, "sbatch": sbatch, "torchrun": cmd,
-                          "env": env}, indent=1))
+        report = json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
+                             "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib,
+                             "fits": mem.total <= ns.gpu_mem_gib * GiB, "sbatch": sbatch, "torchrun": cmd,
+                             "env": env}, indent=1)
+        if ns.json == "-":
+            print(report)
+        else:
+            with open(ns.json, "w") as f:
+                f.write(report + "\n")
         return 0
     out = [f"recipe {recipe.name}: {recipe.description}",
            f"cluster   {nodes} node(s) x {gpn} GPU(s) = {lay.world} ranks",

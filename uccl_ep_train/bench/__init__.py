@@ -18,11 +18,32 @@ from typing import Optional
 LAYER_SHAPE = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
 
 
+# Earlier spellings each benchmark still accepts (records name the commands that made them): the shape's
+# short forms and DeepEP's --num-processes for the rank count.
+_SHAPE_ALIASES = {"num_tokens": "--tokens", "num_experts": "--experts", "num_topk": "--topk"}
+
+
 def add_layer_shape_args(p: argparse.ArgumentParser) -> None:
     """The MoE layer shape the benchmarks default to: DeepSeek-V3 (4096 tokens/rank, hidden 7168, 256
-    experts, top-8), one definition for every benchmark that routes tokens."""
+    experts, top-8), one definition and one spelling (`--num-tokens --hidden --num-experts --num-topk`) for
+    every benchmark that routes tokens."""
     for name, default in LAYER_SHAPE.items():
-        p.add_argument("--" + name.replace("_", "-"), type=int, default=default)
+        flags = ["--" + name.replace("_", "-")] + ([_SHAPE_ALIASES[name]] if name in _SHAPE_ALIASES else [])
+        p.add_argument(*flags, dest=name, type=int, default=default)
+
+
+def add_ranks_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    """`--ranks N`, the rank count of every command that spawns ranks (`--num-processes`: the same)."""
+    p.add_argument("--ranks", "--num-processes", dest="ranks", type=int, default=None,
+                   help=f"ranks to spawn (default: {default_help})")
+
+
+def int_list(text: str) -> list[int]:
+    """A comma-separated list of ints (`--sms 8,16,24`), the list spelling of every benchmark."""
+    try:
+        return [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def git_commit() -> str:

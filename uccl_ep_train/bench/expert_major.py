@@ -27,14 +27,14 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, gpus_used, run_context
+from . import add_layer_shape_args, add_ranks_arg, gpus_used, int_list, run_context
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench expert-major", description=__doc__.split("\n")[0])
-    p.add_argument("--num-processes", type=int, default=None, help="default: visible GPUs")
+    add_ranks_arg(p, "visible GPUs")
     add_layer_shape_args(p)
-    p.add_argument("--sms", default="20,32", help="comma-separated SM counts")
+    p.add_argument("--sms", type=int_list, default="20,32", help="comma-separated SM counts")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None)
     return p
@@ -126,7 +126,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
 
     timeit = _timer(args.iters)
     records = []
-    for sms in [int(s) for s in args.sms.split(",") if s]:
+    for sms in args.sms:
         Buffer.set_num_sms(sms)
         ops = {op: {"separate": timeit(separate_fresh if op == "fresh" else SEPARATE(fn)),
                     "fused": timeit(FUSED(fn)), "side_blocks": timeit(SIDE_BLOCKS(fn)), "auto": timeit(fn)}
@@ -155,7 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA/HIP GPUs (the native backend)")
-    world = args.num_processes or torch.cuda.device_count()
+    world = args.ranks or torch.cuda.device_count()
     if world < 2 or world > torch.cuda.device_count():
         parser.error(f"--num-processes: need 2..{torch.cuda.device_count()} GPUs, got {world}")
     import torch.multiprocessing as mp

@@ -39,7 +39,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import LAYER_SHAPE, add_layer_shape_args, gpus_used, init_rank_group, run_context, warn_without_mps
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context,
+               warn_without_mps)
 from ..localhost import spawn_ranks
 from ..topology import MAX_RANKS_PER_NODE
 
@@ -50,13 +51,12 @@ SEED = 1234  # rank r routes with torch.Generator().manual_seed(SEED + r): see m
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench internode", description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=None, help="ranks to spawn (default: visible GPUs, at least 2; "
-                                                           "4 on CPU)")
+    add_ranks_arg(p, "visible GPUs, at least 2; 4 on CPU")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: half the ranks)")
     add_layer_shape_args(p)
     p.set_defaults(**{k: None for k in LAYER_SHAPE})  # resolved per device: DeepSeek-V3 on GPUs, small on CPU
-    p.add_argument("--sms", default="24", help="comma-separated SM counts (Config.num_sms) to sweep")
+    p.add_argument("--sms", type=int_list, default="24", help="comma-separated SM counts (Config.num_sms) to sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=("auto", "native", "reference"), help="UCCL_EP_BACKEND")
@@ -177,7 +177,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
         raise RuntimeError(f"rank {rank}: get_dispatch_layout's num_tokens_per_rdma_rank "
                            f"{num_tokens_per_rdma_rank.tolist()} != tokens per node from the routing "
                            f"{per_node.tolist()}")
-    sms_list = [int(s) for s in args.sms.split(",") if s]
+    sms_list = args.sms
     cfg0 = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms_list[0])
     recv_x, _, recv_w, _, handle, _ = buf.dispatch(
         x, num_tokens_per_rank=num_tokens_per_rank, num_tokens_per_rdma_rank=num_tokens_per_rdma_rank,
@@ -303,10 +303,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     shape = resolve_shape(args, cuda)
     if args.iters < 1 or args.warmup < 0:
         parser.error("--iters must be >= 1 and --warmup >= 0")
-    try:
-        sms = [int(s) for s in args.sms.split(",") if s]
-    except ValueError:
-        parser.error(f"--sms: comma-separated ints, got {args.sms!r}")
+    sms = args.sms
     if not sms or any(s <= 0 or s % 2 for s in sms):
         parser.error(f"--sms: positive even SM counts, got {args.sms!r}")
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ

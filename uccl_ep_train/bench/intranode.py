@@ -32,7 +32,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import gpus_used, init_rank_group, run_context, warn_without_mps
+from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context, warn_without_mps
 from ..localhost import spawn_ranks
 
 FP8_BLOCK = 128
@@ -40,24 +40,20 @@ FP8_BLOCK = 128
 
 def _parse(argv):
     p = argparse.ArgumentParser(prog="uccl-ep-train bench intranode", description=__doc__.splitlines()[0])
-    p.add_argument("--num-processes", type=int, default=0,
-                   help="ranks to spawn (default: all visible GPUs; more share the GPUs, under NVIDIA MPS)")
-    p.add_argument("--tokens", type=int, default=4096, help="tokens per rank")
-    p.add_argument("--hidden", type=int, default=7168)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--experts", type=int, default=256)
-    p.add_argument("--sms", default="8,16,24", help="comma-separated SM counts to sweep")
+    add_ranks_arg(p, "all visible GPUs; more share the GPUs, under NVIDIA MPS")
+    add_layer_shape_args(p)
+    p.add_argument("--sms", type=int_list, default="8,16,24", help="comma-separated SM counts to sweep")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backend", default="native", choices=("native", "reference"))
     p.add_argument("--num-nvl-bytes", type=float, default=0, help="NVLink buffer bytes (default: what the shape needs)")
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
     p.add_argument("--no-fp8", action="store_true")
-    p.add_argument("--push-warps", default="",
+    p.add_argument("--push-warps", type=int_list, default="",
                    help="comma-separated push-warp counts (of 16 per block) to sweep for the native kernels")
-    p.add_argument("--flag-batch", default="",
+    p.add_argument("--flag-batch", type=int_list, default="",
                    help="comma-separated rows-per-fence values to sweep (UCCL_EP_FLAG_BATCH / _COMBINE_FLAG_BATCH)")
-    p.add_argument("--combine-kernel", default="",
+    p.add_argument("--combine-kernel", type=int_list, default="",
                    help="comma-separated combine kernel variants to sweep (UCCL_EP_COMBINE_KERNEL: 1, 2)")
     p.add_argument("--no-api", action="store_true", help="kernel times only (faster sweeps)")
     p.add_argument("--json", default=None, help="write the records here")
@@ -116,7 +112,7 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     os.environ["UCCL_EP_BACKEND"] = args.backend
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", torch.cuda.current_device())
-    T, H, K, E = args.tokens, args.hidden, args.topk, args.experts
+    T, H, K, E = args.num_tokens, args.hidden, args.num_topk, args.num_experts
     g = torch.Generator(device=dev).manual_seed(1234 + rank)
     x = torch.randn((T, H), device=dev, generator=g).to(torch.bfloat16)
     scores = torch.randn((T, E), device=dev, generator=g).abs() + 1
@@ -147,10 +143,8 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
                         "combine_kernel": -1, **(knobs or {}), **shape, **times})
 
     _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
-    sweep = [(sms, pw, fb, ck) for sms in [int(s) for s in args.sms.split(",") if s]
-             for pw in ([int(p) for p in args.push_warps.split(",") if p] or [0])
-             for fb in ([int(f) for f in args.flag_batch.split(",") if f] or [0])
-             for ck in ([int(c) for c in args.combine_kernel.split(",") if c] or [-1])]
+    sweep = [(sms, pw, fb, ck) for sms in args.sms for pw in (args.push_warps or [0])
+             for fb in (args.flag_batch or [0]) for ck in (args.combine_kernel or [-1])]
     knob_vars = ("UCCL_EP_DISPATCH_PUSH_WARPS", "UCCL_EP_COMBINE_PUSH_WARPS", "UCCL_EP_FLAG_BATCH",
                  "UCCL_EP_COMBINE_FLAG_BATCH", "UCCL_EP_COMBINE_KERNEL")
     saved = {v: os.environ.get(v) for v in knob_vars}  # restored after the sweep
@@ -297,7 +291,7 @@ def main(argv=None) -> int:
             return 0
         records = [r for rs in gathered for r in rs]
     else:
-        world = args.num_processes or torch.cuda.device_count()
+        world = args.ranks or torch.cuda.device_count()
         warn_without_mps(world, "intranode")
         out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args), timeout=1800)
         records = [r for rank in sorted(out) for r in out[rank]]

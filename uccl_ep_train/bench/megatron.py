@@ -31,12 +31,12 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, gpus_used, init_rank_group, run_context, warn_without_mps
+from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench megatron", description=__doc__.split("\n")[0])
-    p.add_argument("--ranks", type=int, default=None, help="default: visible GPUs, or 2 on CPU")
+    add_ranks_arg(p, "visible GPUs, or 2 on CPU")
     add_layer_shape_args(p)
     p.add_argument("--dispatchers", default="uccl,alltoall,flex",
                    help="comma-separated: uccl, alltoall, flex (= flex-deepep), flex-hybridep, flex-ncclep")
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --moe-expert-capacity-factor: Megatron's drop-and-pad (uccl: no host sync)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--num-sms", type=int, default=None,
+    p.add_argument("--sms", "--num-sms", dest="num_sms", type=int, default=None,
                    help="SMs of the uccl kernels (--uccl-ep-num-sms; default: the dispatcher's, 32) and of the flex "
                         "backends (moe_flex_dispatcher_num_sms; default: each backend's own)")
     p.add_argument("--json", default=None)
@@ -304,7 +304,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.num_sms is not None and (args.num_sms <= 0 or args.num_sms % 2):
-        parser.error(f"--num-sms must be a positive even number, got {args.num_sms}")
+        parser.error(f"--sms must be a positive even number, got {args.num_sms}")
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         parser.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     import torch.multiprocessing as mp

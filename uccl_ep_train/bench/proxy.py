@@ -32,7 +32,7 @@ import traceback
 
 import numpy as np
 
-from . import run_context
+from . import int_list, run_context
 from ..localhost import spawn_ranks
 
 
@@ -40,17 +40,28 @@ def _parse(argv):
     p = argparse.ArgumentParser(prog="uccl-ep-train bench proxy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=["auto", "gpu", "cpu"], default="auto")
-    p.add_argument("--threads", type=int, nargs="+", default=[1, 4], help="proxy threads (UCCL_EP_PROXY_THREADS)")
+    # lists are comma-separated as in every benchmark (space-separated, as earlier records spell them, too)
+    p.add_argument("--threads", type=int_list, nargs="+", default=["1,4"],
+                   help="comma-separated proxy thread counts (UCCL_EP_PROXY_THREADS)")
     p.add_argument("--warps-per-ring", type=int, default=8)
     p.add_argument("--nops-per-warp", type=int, default=32768)
     p.add_argument("--latency-iters", type=int, default=2000)
-    p.add_argument("--chunk-bytes", type=int, nargs="+", default=[65536, 1 << 20, 4 << 20])
+    p.add_argument("--chunk-bytes", type=int_list, nargs="+", default=[f"65536,{1 << 20},{4 << 20}"],
+                   help="comma-separated write sizes")
     p.add_argument("--total-bytes", type=int, default=1 << 30, help="bytes per rank per ipc/fabric measurement")
-    p.add_argument("--ops", nargs="+", default=["single", "ipc"], choices=["single", "ipc"],
-                   help="gpu mode: single = NOP flood + latencies on one GPU, ipc = two-GPU write bandwidth")
+    p.add_argument("--ops", nargs="+", default=["single,ipc"],
+                   help="gpu mode, comma-separated: single = NOP flood + latencies on one GPU, ipc = two-GPU write "
+                        "bandwidth")
     p.add_argument("--provider", default="shm", help="fabric provider for --mode cpu (shm, tcp, sockets)")
     p.add_argument("--json", default=None, help="write the records here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.threads = [v for vs in args.threads for v in (vs if isinstance(vs, list) else int_list(vs))]
+    args.chunk_bytes = [v for vs in args.chunk_bytes for v in (vs if isinstance(vs, list) else int_list(vs))]
+    args.ops = [op for ops in args.ops for op in ops.split(",") if op]
+    bad = sorted(set(args.ops) - {"single", "ipc"})
+    if bad:
+        p.error(f"--ops: unknown {', '.join(bad)} (choose from single, ipc)")
+    return args
 
 
 def _pct(xs, q):
