@@ -217,5 +217,9 @@ def test_tokens_per_expert_and_capacity_map():
     x = torch.arange(6.0).view(6, 1)
     out = permute.expand_rows_raw(x, em, 12, padded=True)
     assert out.view(-1).tolist() == [0, 2, 3, 0, 0, 0, 0, 1, 4, 0, 0, 0]
+    # the fold of a capacity layout: padding rows get zero gradient (its backward expands into zeros)
+    y = torch.randn(12, 1, requires_grad=True)
+    permute.reduce_rows(y, em, 6, padded=True).sum().backward()
+    assert y.grad.view(-1).tolist() == [1, 1, 1, 0, 0, 0, 1, 1, 1, 0, 0, 0]
     with pytest.raises(ValueError, match="num_local_experts"):
         permute.tokens_per_expert(idx, 0)

@@ -139,25 +139,15 @@ def _time_experts(rows: int, hidden: int, dtype, device, warmup: int, iters: int
 
 def _back_to_back(disp, x, routing_map, probs_full, grad, iters: int, warmup: int) -> tuple[float, float, float]:
     """(api, kernel, host) µs per round trip issued `iters` times without a sync between them: events around
-    them, the profiler's device time of every kernel, the host's clock to issue them."""
+    them and the host's clock (bench intranode's API timing), the profiler's device time of every kernel."""
     from torch.profiler import ProfilerActivity, profile
+
+    from .intranode import _api_us
 
     def one() -> None:
         round_trip(disp, x.clone().requires_grad_(True), routing_map, probs_full.clone().requires_grad_(True), grad)
 
-    for _ in range(warmup):
-        one()
-    torch.cuda.synchronize()
-    dist.barrier()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    start.record()
-    for _ in range(iters):
-        one()
-    end.record()
-    host = (time.perf_counter() - t0) * 1e6 / iters
-    torch.cuda.synchronize()
-    api = start.elapsed_time(end) * 1e3 / iters
+    api, host = _api_us(one, iters, warmup, dist.group.WORLD)
     dist.barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
