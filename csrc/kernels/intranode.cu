@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
              over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
     s_next = 0;
   }
-  if (tid < R) {  // (own slot too: fold mode reads own rows from the own buffer)
+  if (tid < R) {  // (own slot too, as the combine does; no dispatch reads it)
     if (tid != me) wait_geq(&free_[tid], base, a.sig.timeout_cycles, a.sig.err, a.sig.claim, me, tid, kPhaseDispatch);
     publish_shape(a.peers.p[tid], me, a.shape);
   }
