@@ -33,4 +33,5 @@ PYBIND11_MODULE(_native, m) {
   if (register_intranode) register_intranode(m);
   if (register_permute) register_permute(m);
   if (register_internode) register_internode(m);
+  if (register_low_latency) register_low_latency(m);
 }

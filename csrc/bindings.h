@@ -6,6 +6,7 @@
 //   register_intranode  csrc/kernels/bindings_intranode.cpp  intranode NVLink buffer and kernels (CUDA/HIP)
 //   register_permute    csrc/kernels/bindings_permute.cpp    expert-major expand / reduce kernels (CUDA/HIP)
 //   register_internode  csrc/kernels/bindings_internode.cpp  internode buffers and kernels (CUDA/HIP)
+//   register_low_latency csrc/kernels/bindings_low_latency.cpp low-latency buffers and kernels (CUDA/HIP)
 //
 // Optional registrars are weak symbols: a subsystem that is not compiled in simply is not called.
 #pragma once
@@ -18,3 +19,4 @@ __attribute__((weak)) void register_proxy_gpu(pybind11::module_& m);
 __attribute__((weak)) void register_intranode(pybind11::module_& m);
 __attribute__((weak)) void register_permute(pybind11::module_& m);
 __attribute__((weak)) void register_internode(pybind11::module_& m);
+__attribute__((weak)) void register_low_latency(pybind11::module_& m);

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import agreement
 from . import validation as V
 from .backends.base import Backend
+from .backends.low_latency import low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
 from .events import EventHandle, EventOverlap, capturing
 from .fp8 import FP8_BLOCK
@@ -100,6 +101,19 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
                            "UCCL_EP_DEVICE=cuda")
     from .backends.reference import ReferenceBackend
     return ReferenceBackend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology=topology)
+
+
+def _make_low_latency_backend(buffer: "Buffer") -> Optional[Backend]:
+    """The native LL backend when the Buffer is in low-latency mode on a native HT backend and the module has
+    the LL kernels; None otherwise (LL calls then go to the reference backend)."""
+    if not buffer.low_latency_mode or buffer.backend_name != "native" or buffer.num_rdma_bytes == 0:
+        return None
+    from .backends.low_latency import NativeLowLatencyBackend, low_latency_available
+
+    if not low_latency_available():
+        return None
+    return NativeLowLatencyBackend(buffer.group, buffer.rank, buffer.group_size, buffer.id, buffer.num_nvl_bytes,
+                                   buffer.num_rdma_bytes, buffer.device, topology=buffer.topology)
 
 
 def _check_capture(op: str, backend: Backend, host_sync: str = "") -> None:
@@ -184,7 +198,9 @@ class Buffer:
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device,
                                                          self.topology)
         self.backend_name = self._backend.name
-        self._ll_backend: Optional[Backend] = None  # made on first low-latency use
+        # LL calls: the native LL kernels beside a native HT backend (collective, so made here), else the
+        # reference backend, made on first use
+        self._ll_backend: Optional[Backend] = _make_low_latency_backend(self)
         if self.backend_name not in _announced and self.rank == 0:
             _announced.add(self.backend_name)
             log.info("uccl_ep_train: Buffer uses the %s backend on %s", self.backend_name, self.device)
@@ -224,9 +240,10 @@ class Buffer:
 
     @property
     def low_latency_backend(self) -> Backend:
-        """The backend serving low-latency calls: ours when it has LL kernels, else the reference."""
+        """The backend serving low-latency calls: the native LL kernels, else the HT backend when it has LL
+        calls, else the reference."""
         backend = self.backend
-        if backend.supports_low_latency:
+        if self._ll_backend is None and backend.supports_low_latency:
             return backend
         if self._ll_backend is None:
             from .backends.reference import ReferenceBackend
@@ -273,15 +290,15 @@ class Buffer:
     @staticmethod
     def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                        num_experts: int) -> int:
-        """RDMA bytes the low-latency kernels need: two (double-buffered) halves, each holding a send area
-        (max tokens x message) and a receive area (experts x max tokens x message), where a message is a
-        BF16 token plus its FP8 scales and a 16-byte header."""
+        """RDMA bytes the low-latency kernels need for calls of this shape: exactly their layout
+        (backends/low_latency.py: two alternating halves of send / receive blocks per rank, staging and the
+        zero-copy combine input)."""
         for name, v in (("num_max_dispatch_tokens_per_rank", num_max_dispatch_tokens_per_rank), ("hidden", hidden),
                         ("num_ranks", num_ranks), ("num_experts", num_experts)):
             V.check_non_negative_int(v, name, 1)
-        msg = hidden * 2 + (hidden // FP8_BLOCK) * 4 + 16
-        half = num_max_dispatch_tokens_per_rank * msg * (1 + num_experts) + num_experts * 8
-        return ((2 * half + 127) // 128) * 128
+        if num_experts % num_ranks:
+            raise ValueError(f"num_experts ({num_experts}) must be divisible by num_ranks ({num_ranks})")
+        return low_latency_layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts).total_bytes
 
     def get_comm_stream(self) -> Optional[torch.Stream]:
         """The stream communication runs on (None on CPU ranks)."""
@@ -787,7 +804,8 @@ class Buffer:
         V.check_device(x, "x", self.device)
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk(topk_idx, None, x.size(0))
-        V.check_expert_range(topk_idx, num_experts)
+        if V.host_value_checks(self.low_latency_backend.checks_values_on_device):
+            V.check_expert_range(topk_idx, num_experts)
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
@@ -857,7 +875,8 @@ class Buffer:
         if topk_weights is None:
             raise ValueError("topk_weights: required, low-latency combine reduces with the top-k weights")
         V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1)
-        V.check_expert_range(topk_idx, handle.num_experts)
+        if V.host_value_checks(backend.checks_values_on_device):
+            V.check_expert_range(topk_idx, handle.num_experts)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
                              f"{handle.num_max_dispatch_tokens_per_rank}")

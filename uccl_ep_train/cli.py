@@ -33,6 +33,7 @@ BENCHMARKS = {
     "internode": "HT dispatch/combine across (emulated) nodes: CPU proxies + NVLink, RDMA and NVL GB/s",
     "megatron": "the Megatron dispatcher round trip (uccl, alltoall, flex) at the DeepSeek-V3 layer shape",
     "expert-major": "expert-major dispatch/combine, permutation fused into the kernels vs separate",
+    "low-latency": "DeepEP's low-latency dispatch/combine (128 tokens, top-8 of 256): native kernels vs reference",
     "proxy": "GPU->CPU command channel: commands/s, pickup latency, ipc/fabric bandwidth",
 }
 

@@ -1,0 +1,541 @@
+// Low-latency dispatch / combine kernels (design: docs/low_latency.md; API: low_latency_api.h).
+//
+// Four kernels, each launched on `Args::half` (the call's half of the double-buffered areas):
+//   dispatch_send  stage each token once (BF16 copy or FP8 cast with per-128 scales), give every
+//                  (token, top-k slot) a row in its destination's block, write it there (node peers: NVLink
+//                  stores into their receive block; other nodes: this rank's send block, then one proxy
+//                  write), then one signal per destination rank.
+//   dispatch_recv  wait for every rank's signal, unpack the blocks into DeepEP's packed layout
+//                  [local expert][rank * max tokens][hidden], grouped by source rank, in the order the source
+//                  sent them (its token order).
+//   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
+//   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
+//
+// Signals only grow. A destination's signal goes up by one per call; the receiver waits until it passes the
+// count of calls it has received on that half (`seq`, a device word the last block of the receiving kernel
+// advances), so a graph replay waits for the next call, never for a value frozen at capture. The counters a
+// call uses as scratch (per-destination completions) are returned to zero by the warp that finishes with them,
+// inside the same call; the per-expert counts are plain stores of each call.
+#include <cstdio>
+
+#include "common/check.h"
+#include "kernels/low_latency_launch.cuh"
+#include "kernels/row_ops.cuh"
+
+namespace uccl_ep::low_latency {
+
+using intranode::kWarpSize;
+using intranode::report_error;
+using intranode::wait_geq;
+
+namespace {
+
+struct Counters {
+  int* slot;
+  unsigned* d_done;
+  unsigned* c_done;
+  unsigned long long* words;
+};
+
+__device__ __forceinline__ Counters counters(const Args& a) {
+  char* base = a.buf + a.lay.counters;
+  return Counters{reinterpret_cast<int*>(base + kSlotOffset), reinterpret_cast<unsigned*>(base + kDoneOffset),
+                  reinterpret_cast<unsigned*>(base + kCDoneOffset),
+                  reinterpret_cast<unsigned long long*>(base + kWordsOffset)};
+}
+
+// seq[kind][half]: calls of this kind received on this half so far (kind 0 dispatch, 1 combine).
+__device__ __forceinline__ unsigned long long* seq_word(const Args& a, int kind) {
+  return counters(a).words + kSeqWord + 2 * kind + a.half;
+}
+
+__device__ __forceinline__ bool same_node(const Args& a, int r) {
+  return r / a.ranks_per_node == a.rank / a.ranks_per_node;
+}
+
+// Where this rank's rows for rank r go: r's receive block for this rank (node peer, NVLink), else this rank's
+// send block for r (the proxy copies it over).
+__device__ __forceinline__ char* out_block(const Args& a, int r, int64_t send_area, int64_t recv_area,
+                                           int64_t block_bytes) {
+  if (same_node(a, r)) return a.peers[r % a.ranks_per_node] + recv_area + a.rank * block_bytes;
+  return a.buf + send_area + r * block_bytes;
+}
+
+// The signal word rank s raises for this rank: in this rank's region (node peers) or its host flags (proxies).
+__device__ __forceinline__ const uint64_t* in_signal(const Args& a, int s, int64_t gpu_sig, int64_t host_sig) {
+  if (same_node(a, s)) return reinterpret_cast<const uint64_t*>(a.buf + gpu_sig) + s;
+  return a.host_flags + host_sig + s;
+}
+
+// One cumulative grid barrier: every block of the launch is resident (the launch takes at most its SMs).
+__device__ bool grid_barrier(const Args& a, int phase) {
+  __shared__ int ok;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    unsigned long long* bar = counters(a).words + kBarrierWord;
+    const unsigned long long old = atomicAdd(bar, 1ull);
+    const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
+    ok = wait_geq(reinterpret_cast<const uint64_t*>(bar), target, a.timeout_cycles, a.err, a.claim, a.rank, a.rank,
+                  phase);
+    __threadfence();
+  }
+  __syncthreads();
+  return ok != 0;
+}
+
+// The last block of a launch to finish (kernel `kind`) moves seq to `value`: every block read seq before.
+__device__ void finish_launch(const Args& a, int word, unsigned long long* seq, unsigned long long value) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const unsigned long long old = atomicAdd(counters(a).words + word, 1ull);
+    if ((old + 1) % gridDim.x == 0) *reinterpret_cast<volatile unsigned long long*>(seq) = value;
+  }
+}
+
+// Every block waits until each rank's signal passed the calls received so far; false on deadline.
+__device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase) {
+  __shared__ int failed;
+  if (threadIdx.x == 0) failed = 0;
+  __syncthreads();
+  for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
+    const int ring = a.rings.n > 0 ? s % a.rings.n : 0;
+    if (!wait_geq(in_signal(a, s, gpu_sig, host_sig), target, a.timeout_cycles, a.err, a.claim, a.rank, s, phase,
+                  same_node(a, s) ? -1 : ring))
+      failed = 1;
+  }
+  __syncthreads();
+  return failed == 0;
+}
+
+// Raises rank r's signal for this call after everything this rank wrote for it: NVLink peers by a system-scope
+// atomic after a fence; other nodes by the proxy, one write of the block's first `bytes` and the atomic
+// behind it on the same channel (applied in order, so the signal means the bytes landed).
+__device__ bool signal_rank(const Args& a, int r, int64_t gpu_sig, int64_t host_sig, int64_t send_area,
+                            int64_t recv_area, int64_t block_bytes, int64_t bytes, int phase) {
+  if (same_node(a, r)) {
+    __threadfence_system();
+    uint64_t* sig = reinterpret_cast<uint64_t*>(a.peers[r % a.ranks_per_node] + gpu_sig) + a.rank;
+    atomicAdd_system(reinterpret_cast<unsigned long long*>(sig), 1ull);
+    return true;
+  }
+  const int ring = r % a.rings.n;
+  uccl::Command cmds[2];
+  int n = 0;
+  if (bytes > 0) {
+    cmds[n].op = uccl::OP_WRITE;
+    cmds[n].dst_rank = uint8_t(r);
+    cmds[n].channel = uint8_t(ring);
+    cmds[n].region = 0;
+    cmds[n].length = uint32_t(bytes);
+    cmds[n].local_off = uint32_t(send_area + r * block_bytes);
+    cmds[n].remote_off = uint32_t(recv_area + a.rank * block_bytes);
+    ++n;
+  }
+  cmds[n].op = uccl::OP_ATOMIC_ADD;
+  cmds[n].dst_rank = uint8_t(r);
+  cmds[n].channel = uint8_t(ring);
+  cmds[n].region = 1;
+  cmds[n].length = 1u;
+  cmds[n].local_off = 0;
+  cmds[n].remote_off = uint32_t(8 * (host_sig + a.rank));
+  ++n;
+  uccl::ring_release_data();
+  if (!uccl::ring_push(a.rings.r[ring], cmds, uint32_t(n), a.ring_spins)) {
+    report_error(a.err, a.claim, kErrRingFull, a.rank, r, phase, n, 0, ring);
+    return false;
+  }
+  return true;
+}
+
+// ---- FP8 ------------------------------------------------------------------------------------------------
+// float -> e4m3 (fn: bias 7, max 448; fnuz: bias 8, max 240, no negative zero), round to nearest even,
+// saturating: the same bits as torch's cast of an already clamped value, on every GPU.
+__device__ __forceinline__ uint32_t to_e4m3(float v, bool fnuz) {
+  const uint32_t sign = (__float_as_uint(v) >> 24) & 0x80u;
+  const float m = fabsf(v);
+  const uint32_t max_code = fnuz ? 0x7Fu : 0x7Eu;
+  uint32_t code;
+  if (m < (fnuz ? 0.0078125f : 0.015625f)) {  // subnormal: steps of 2^-10 (fnuz) / 2^-9 (fn)
+    code = uint32_t(__float2int_rn(m * (fnuz ? 1024.f : 512.f)));
+  } else {
+    const uint32_t b = __float_as_uint(m);
+    int e = int((b >> 23) & 0xffu) - 127 + (fnuz ? 8 : 7);
+    uint32_t mant = (b >> 20) & 7u;
+    const uint32_t rest = b & 0xfffffu;
+    if (rest > 0x80000u || (rest == 0x80000u && (mant & 1u))) {
+      if (++mant == 8u) {
+        mant = 0;
+        ++e;
+      }
+    }
+    code = (uint32_t(e) << 3) | mant;
+    if (code > max_code) code = max_code;
+  }
+  return code == 0 && fnuz ? 0u : (code | sign);
+}
+
+// Scale of a 128-channel block: amax / fp8 max (at least 1e-4 / max), rounded up to a power of two with
+// round_scale. As uccl_ep_train/fp8.py's per_token_cast_to_fp8.
+__device__ __forceinline__ float fp8_scale(float amax, bool fnuz, bool round_scale) {
+  float s = __fdiv_rn(fmaxf(amax, 1e-4f), fnuz ? 240.f : 448.f);
+  if (round_scale) {
+    const uint32_t b = __float_as_uint(s);
+    if (b & 0x7fffffu) s = __uint_as_float(((b >> 23) + 1u) << 23);
+  }
+  return s;
+}
+
+// One warp stages token t's payload at `out`: x as is (BF16), or FP8 (hidden bytes) then float scales.
+// FP8: 16 lanes per 128-channel block, 8 channels per lane.
+__device__ void stage_token(const Args& a, int t, char* out, int lane) {
+  const int H = a.hidden;
+  const int4* src = reinterpret_cast<const int4*>(a.x + int64_t(t) * H * 2);
+  if (!a.use_fp8) {
+    int4* dst = reinterpret_cast<int4*>(out);
+    for (int i = lane; i < H / 8; i += kWarpSize) dst[i] = intranode::ld_nc_v4(src + i);
+    return;
+  }
+  const float fmax = a.fnuz ? 240.f : 448.f;
+  float* scales = reinterpret_cast<float*>(out + H);
+  for (int base = 0; base < H / 8; base += kWarpSize) {
+    const int i = base + lane;
+    const bool live = i < H / 8;  // H is a multiple of 128: a 16-lane group is all live or all not
+    float v[8];
+    float amax = 0.f;
+    if (live) {
+      const int4 raw = intranode::ld_nc_v4(src + i);
+      const uint32_t w[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        v[2 * j] = __uint_as_float(w[j] << 16);
+        v[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+      }
+#pragma unroll
+      for (int j = 0; j < 8; ++j) amax = fmaxf(amax, fabsf(v[j]));
+    }
+#pragma unroll
+    for (int d = 8; d >= 1; d >>= 1) {
+#if defined(UCCL_EP_WITH_HIP)
+      amax = fmaxf(amax, __shfl_xor(amax, d));
+#else
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, d));
+#endif
+    }
+    if (!live) continue;
+    const float s = fp8_scale(amax, a.fnuz, a.round_scale);
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float q = fminf(fmaxf(__fdiv_rn(v[j], s), -fmax), fmax);
+      const uint32_t c = to_e4m3(q, a.fnuz);
+      if (j < 4) lo |= c << (8 * j);
+      else hi |= c << (8 * (j - 4));
+    }
+    reinterpret_cast<uint2*>(out)[i] = make_uint2(lo, hi);
+    if ((lane & 15) == 0) scales[i / 16] = s;
+  }
+}
+
+// ---- kernels --------------------------------------------------------------------------------------------
+__global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
+  extern __shared__ int smem[];  // count[E], then base[E]: the expert's first row in its destination block
+  const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
+  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
+  const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk;
+  const Layout& lay = a.lay;
+  const Counters ctr = counters(a);
+
+  // 1. stage every token once (warps over tokens); rows of each expert in (token, slot) order (warps over
+  //    experts: a scan of topk_idx, so the receiver gets every source's rows in its token order)
+  for (int t = gw; t < a.num_tokens; t += nw) {
+    char* msg = a.buf + lay.d_stage + int64_t(t) * lay.msg_bytes;
+    if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+    stage_token(a, t, msg + kMsgHeaderBytes, lane);
+    for (int k = lane; k < K; k += kWarpSize) {
+      const int64_t e = a.topk_idx[int64_t(t) * K + k];
+      if (e < -1 || e >= E)  // checked here, not on the host (no sync): the call moves it nowhere and raises
+        report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, t, kPhaseDispatchSend, int(e), E);
+      if (e < 0 || e >= E) a.pair_pos[int64_t(t) * K + k] = -1;
+    }
+  }
+  const int pairs = a.num_tokens * K;
+  for (int e = gw; e < E; e += nw) {
+    int count = 0;
+    for (int p0 = 0; p0 < pairs; p0 += 4 * kWarpSize) {
+      int64_t v[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const int p = p0 + u * kWarpSize + lane;
+        v[u] = p < pairs ? a.topk_idx[p] : -1;
+      }
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const bool hit = v[u] == e;
+        const uint64_t mask = intranode::warp_ballot(hit);
+        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = count + __popcll(mask & ((1ull << lane) - 1ull));
+        count += __popcll(mask);
+      }
+    }
+    if (lane == 0) ctr.slot[e] = count;
+  }
+  if (!grid_barrier(a, kPhaseDispatchSend)) return;
+
+  // 2. every count is final: each block derives the bases
+  for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = *reinterpret_cast<volatile int*>(ctr.slot + e);
+  __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    int s = 0;
+    for (int j = e / L * L; j < e; ++j) s += smem[j];
+    smem[E + e] = s;
+  }
+  __syncthreads();
+
+  // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block
+  for (int t = gw; t < a.num_tokens; t += nw) {
+    const char* msg = a.buf + lay.d_stage + int64_t(t) * lay.msg_bytes;  // staged by this warp (step 1)
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = a.topk_idx[int64_t(t) * K + k];
+      if (e < 0 || e >= E) continue;
+      const int pos = smem[E + e] + a.pair_pos[int64_t(t) * K + k];
+      intranode::warp_sync();
+      if (lane == 0) a.pair_pos[int64_t(t) * K + k] = pos;
+      const int r = int(e / L);
+      if (pos >= lay.slots) {
+        if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
+                                    int(lay.slots));
+        continue;
+      }
+      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
+      intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
+    }
+  }
+
+  // 4. per destination: the warp that completes it writes the counts header and raises the signal
+  __threadfence_system();
+  intranode::warp_sync();
+  for (int r = lane; r < R; r += kWarpSize) {
+    if (atomicAdd(ctr.d_done + r, 1u) != unsigned(nw - 1)) continue;
+    __threadfence_system();
+    ctr.d_done[r] = 0;
+    int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
+    int total = 0;
+    for (int le = 0; le < L; ++le) {
+      hdr[le] = smem[r * L + le];
+      total += smem[r * L + le];
+    }
+    signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes,
+                lay.hdr_bytes + int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
+  }
+}
+
+// Message j of the flattened (source, local expert, row) order -> its source s, expert le and row i.
+__device__ __forceinline__ void locate(const int* src_base, const int* in_off, int R, int L, int j, int& s, int& le,
+                                       int& i) {
+  s = 0;
+  while (s + 1 < R && src_base[s + 1] <= j) ++s;  // R is small; the blocks are in rank order
+  const int idx = j - src_base[s];
+  int lo = 0, hi = L - 1;  // last le with in_off[s][le] <= idx
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (in_off[s * L + mid] <= idx) lo = mid;
+    else hi = mid - 1;
+  }
+  le = lo;
+  i = idx - in_off[s * L + le];
+}
+
+// Prefix tables over counts cnt[s][le] (by source block): in_off[s][le] (row in s's block), out_off[le][s]
+// (row in local expert le's packed output), src_base[s] (first message of block s in the flat order).
+__device__ void prefix_tables(const int* cnt, int* in_off, int* out_off, int* src_base, int R, int L) {
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x) {
+    const int s = i / L, le = i % L;
+    int a = 0, b = 0;
+    for (int j = 0; j < le; ++j) a += cnt[s * L + j];
+    for (int q = 0; q < s; ++q) b += cnt[q * L + le];
+    in_off[i] = a;
+    out_off[le * R + s] = b;
+  }
+  if (threadIdx.x == 0) {
+    int acc = 0;
+    for (int s = 0; s < R; ++s) {
+      src_base[s] = acc;
+      for (int le = 0; le < L; ++le) acc += cnt[s * L + le];
+    }
+    src_base[R] = acc;
+  }
+  __syncthreads();
+}
+
+__global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
+  extern __shared__ int smem[];  // cnt[R*L], in_off[R*L], out_off[L*R], src_base[R+1]
+  const int R = a.num_ranks, L = a.num_local, M = a.max_tokens, H = a.hidden;
+  const Layout& lay = a.lay;
+  int* cnt = smem;
+  int* in_off = smem + R * L;
+  int* out_off = in_off + R * L;
+  int* src_base = out_off + R * L;
+  unsigned long long* seq = seq_word(a, 0);
+  const unsigned long long target = *reinterpret_cast<volatile unsigned long long*>(seq) + 1;
+  if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, target, kPhaseDispatchRecv)) return;
+  const char* recv = a.buf + lay.d_recv;
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x)
+    cnt[i] = reinterpret_cast<const volatile int*>(recv + (i / L) * lay.block_bytes)[i % L];
+  __syncthreads();
+  prefix_tables(cnt, in_off, out_off, src_base, R, L);
+
+  const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
+  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
+  const int64_t rows = int64_t(R) * M;                       // rows per local expert in the outputs
+  const int64_t x_bytes = a.use_fp8 ? H : int64_t(H) * 2;   // payload bytes of a row
+  const int S = H / 128;                                     // FP8 scales per row
+  for (int j = gw; j < src_base[R]; j += nw) {
+    int s, le, i;
+    locate(src_base, in_off, R, L, j, s, le, i);
+    const char* msg = recv + s * lay.block_bytes + lay.hdr_bytes + int64_t(in_off[s * L + le] + i) * lay.msg_bytes;
+    const int64_t row = int64_t(out_off[le * R + s]) + i;
+    char* dst = a.recv_x + (le * rows + row) * x_bytes;
+    intranode::warp_push_row<int4, 4, false>(msg + kMsgHeaderBytes, x_bytes, &dst, 1, lane);
+    if (lane == 0) a.src_info[le * rows + row] = *reinterpret_cast<const volatile int*>(msg);
+    if (a.use_fp8) {  // scales: [L][S][rows] float, or [L][S/4][rows] packed UE8M0 exponents
+      const float* sc = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + H);
+      if (!a.use_ue8m0) {
+        float* out = reinterpret_cast<float*>(a.recv_scales);
+        for (int q = lane; q < S; q += kWarpSize) out[(int64_t(le) * S + q) * rows + row] = sc[q];
+      } else {
+        int* out = reinterpret_cast<int*>(a.recv_scales);
+        for (int q = lane; q < S / 4; q += kWarpSize) {
+          uint32_t packed = 0;
+          for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(sc[4 * q + b]) >> 23) & 0xffu) << (8 * b);
+          out[(int64_t(le) * (S / 4) + q) * rows + row] = int(packed);
+        }
+      }
+    }
+  }
+  if (blockIdx.x == 0) {
+    for (int le = threadIdx.x; le < L; le += blockDim.x) {
+      int total = 0;
+      for (int s = 0; s < R; ++s) {
+        const int c = cnt[s * L + le];
+        a.layout_range[le * R + s] = (int64_t(out_off[le * R + s]) << 32) | int64_t(c);
+        total += c;
+      }
+      a.recv_count[le] = total;
+      if (a.stats != nullptr) a.stats[le] += total;
+    }
+  }
+  finish_launch(a, kBlocksDoneWord + 0, seq, target);
+}
+
+// Combine: the counts of every (local expert, source) pair come from the handle's layout_range.
+__global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
+  extern __shared__ int smem[];  // cnt[R*L] (by destination block), in_off[R*L], out_off[L*R], dst_base[R+1]
+  const int R = a.num_ranks, L = a.num_local, M = a.max_tokens, H = a.hidden;
+  const Layout& lay = a.lay;
+  int* cnt = smem;
+  int* in_off = smem + R * L;
+  int* out_off = in_off + R * L;
+  int* dst_base = out_off + R * L;
+  for (int i = threadIdx.x; i < R * L; i += blockDim.x) {
+    const int r = i / L, le = i % L;
+    cnt[i] = int(a.layout_range[le * R + r] & 0xffffffffll);
+  }
+  __syncthreads();
+  prefix_tables(cnt, in_off, out_off, dst_base, R, L);
+  const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
+  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
+  const int64_t rows = int64_t(R) * M, row_bytes = int64_t(H) * 2;
+  for (int j = gw; j < dst_base[R]; j += nw) {
+    int r, le, i;
+    locate(dst_base, in_off, R, L, j, r, le, i);
+    const char* src = a.x + (le * rows + out_off[le * R + r] + i) * row_bytes;
+    char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) + int64_t(in_off[r * L + le] + i) * row_bytes;
+    intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
+  }
+  const Counters ctr = counters(a);
+  __threadfence_system();
+  intranode::warp_sync();
+  for (int r = lane; r < R; r += kWarpSize) {
+    if (atomicAdd(ctr.c_done + r, 1u) != unsigned(nw - 1)) continue;
+    __threadfence_system();
+    ctr.c_done[r] = 0;
+    signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes,
+                int64_t(dst_base[r + 1] - dst_base[r]) * row_bytes, kPhaseCombineSend);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
+  const int L = a.num_local, H = a.hidden, K = a.num_topk;
+  const Layout& lay = a.lay;
+  unsigned long long* seq = seq_word(a, 1);
+  const unsigned long long target = *reinterpret_cast<volatile unsigned long long*>(seq) + 1;
+  if (!wait_all(a, lay.gpu_csig, lay.host_csig, target, kPhaseCombineRecv)) return;
+  const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
+  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
+  const char* recv = a.buf + lay.c_recv;
+  const int64_t row_bytes = int64_t(H) * 2;
+  for (int t = gw; t < a.num_tokens; t += nw) {
+    for (int v = lane; v < H / 8; v += kWarpSize) {
+      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      for (int k = 0; k < K; ++k) {
+        const int64_t e = a.topk_idx[int64_t(t) * K + k];
+        if (e < 0 || e >= a.num_experts) continue;
+        const float w = a.topk_w[int64_t(t) * K + k];
+        const int pos = a.pair_pos[int64_t(t) * K + k];
+        const int4 raw = intranode::ld_global_v4(
+            reinterpret_cast<const int4*>(recv + (e / L) * lay.cblock_bytes + pos * row_bytes) + v);
+        const uint32_t wd[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          acc[2 * j] += w * __uint_as_float(wd[j] << 16);
+          acc[2 * j + 1] += w * __uint_as_float(wd[j] & 0xffff0000u);
+        }
+      }
+      uint32_t o[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        o[j] = uint32_t(intranode::float_to_bf16(acc[2 * j])) | (uint32_t(intranode::float_to_bf16(acc[2 * j + 1])) << 16);
+      reinterpret_cast<int4*>(a.out + int64_t(t) * row_bytes)[v] = make_int4(int(o[0]), int(o[1]), int(o[2]), int(o[3]));
+    }
+  }
+  finish_launch(a, kBlocksDoneWord + 1, seq, target);
+}
+
+int64_t table_smem(const Args& a) { return (3 * int64_t(a.num_ranks) * a.num_local + a.num_ranks + 1) * 4; }
+
+template <typename K>
+void launch(K kernel, const Args& a, int blocks, int64_t smem, gpuStream_t stream, const char* what) {
+#if defined(UCCL_EP_WITH_HIP)
+  hipLaunchKernelGGL(kernel, dim3(blocks), dim3(kThreads), size_t(smem), stream, a);
+#else
+  kernel<<<blocks, kThreads, size_t(smem), stream>>>(a);
+#endif
+  const gpuError_t e = gpuGetLastError();
+  UCCL_CHECK(e == gpuSuccess, what << ": launch failed: " << gpuGetErrorString(e));
+}
+
+}  // namespace
+
+void preload_kernels() {
+  gpuFuncAttributes attr;
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_send_kernel)));
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_recv_kernel)));
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(combine_send_kernel)));
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(combine_recv_kernel)));
+}
+
+void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream) {
+  launch(dispatch_send_kernel, a, blocks, 2 * int64_t(a.num_experts) * 4, stream, "low-latency dispatch (send)");
+}
+void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream) {
+  launch(dispatch_recv_kernel, a, blocks, table_smem(a), stream, "low-latency dispatch (receive)");
+}
+void launch_combine_send(const Args& a, int blocks, gpuStream_t stream) {
+  launch(combine_send_kernel, a, blocks, table_smem(a), stream, "low-latency combine (send)");
+}
+void launch_combine_recv(const Args& a, int blocks, gpuStream_t stream) {
+  launch(combine_recv_kernel, a, blocks, 0, stream, "low-latency combine (receive)");
+}
+
+}  // namespace uccl_ep::low_latency

@@ -1,0 +1,109 @@
+// Low-latency (LL) dispatch / combine: host API of csrc/kernels/low_latency{,_buffer}.cu.
+//
+// Every token goes straight to the rank of each of its experts (no per-node aggregation): node peers are
+// written over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU proxies (one write plus
+// one ordered atomic per destination rank and call). Sizes are fixed by (max tokens, hidden, ranks,
+// experts), so there is no host synchronisation and the four kernels replay exactly in a CUDA graph: every
+// signal is a counter that only grows, and the value a receiver waits for lives in device memory and
+// advances with each call (never in the captured arguments). docs/low_latency.md has the design.
+//
+// The layout of both regions is computed in one place, Python's `low_latency_layout`
+// (uccl_ep_train/backends/low_latency.py), and handed over per call as `Layout`.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/portability.h"
+
+namespace uccl_ep::low_latency {
+
+struct Args;  // kernel arguments (low_latency_launch.cuh)
+
+constexpr int kMaxLocal = 8;       // node peers reached over NVLink/xGMI
+constexpr int kMaxRanks = 256;     // a proxy command's destination is one byte
+constexpr int kMaxExperts = 1024;  // counts and offsets of every (rank, local expert) pair sit in shared memory
+constexpr int kMaxTopk = 32;       // a (source, destination) block holds tokens x min(top-k, local experts) rows
+constexpr int kMaxRings = 16;
+constexpr int kMsgHeaderBytes = 16;  // a dispatch message: {source token, -, -, -} then x (and FP8 scales)
+
+// Offsets (bytes) of one call's half in the rank's region, which holds everything: error words and counters
+// (fixed places), the signals node peers raise, the areas the proxies read and write (first, so that their
+// offsets fit a command's 32 bits), then the staging and zero-copy areas only this rank touches. The host flag
+// offsets count uint64 words. Mirrors `LowLatencyLayout.kernel_args()` in Python, field for field.
+struct Layout {
+  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes, slots;  // a message, a dispatch / combine (src, dst)
+                                                                   // block, its counts header, rows per block
+  int64_t d_send, d_recv, c_send, c_recv;  // this half's areas, R blocks each (proxied)
+  int64_t gpu_dsig, gpu_csig;              // this half's signals raised by node peers: uint64 [R]
+  int64_t host_dsig, host_csig;            // the same raised by the proxies, in the host flag region
+  int64_t d_stage, c_zero;                 // staged messages [M]; zero-copy combine input [L][R*M][H]
+  int64_t counters;                        // the counters the kernels keep (low_latency_launch.cuh)
+};
+constexpr int kLayoutFields = 16;
+
+// The buffer of one rank: its region (GPU, IPC-exported, registered with the proxies), host flag region
+// (pinned, GPU-mapped), error record; launchers for the four kernels.
+class LowLatencyBuffer {
+ public:
+  struct RingFields {  // a proxy ring's device descriptor (uccl::RingDesc) as Python hands it over
+    uint64_t slots, claim, tail_cache, tail, flushed, echo;
+    uint32_t capacity, publish;
+  };
+
+  LowLatencyBuffer(int device, int rank, int num_ranks, int ranks_per_node, int64_t bytes, int64_t flag_words,
+                   int num_blocks, double timeout_s);
+  ~LowLatencyBuffer();
+  LowLatencyBuffer(const LowLatencyBuffer&) = delete;
+  LowLatencyBuffer& operator=(const LowLatencyBuffer&) = delete;
+
+  std::string ipc_handle() const;
+  void open_peers(const std::vector<std::string>& handles);  // the node's ranks by local index (own ignored)
+  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+  void destroy();
+  void clean();  // zero every signal, counter and area (the caller makes it collective)
+  std::string error() const;
+
+  int64_t ptr() const { return reinterpret_cast<int64_t>(buf_); }
+  int64_t bytes() const { return bytes_; }
+  int64_t flag_ptr() const { return reinterpret_cast<int64_t>(flags_host_); }
+  int64_t flag_bytes() const { return 8 * flag_words_; }
+  int num_blocks() const { return num_blocks_; }
+  static int64_t error_words_bytes();  // the region's first bytes: claim word and error words
+  static int64_t counter_bytes();      // the counters' bytes at Layout::counters
+
+  // Send half of a dispatch: stage (BF16 or FP8-cast) messages, place them, signal every rank.
+  // pair_pos [T, K] int32 (out): where each (token, top-k slot) landed in its destination block.
+  void dispatch_send(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens, int num_topk,
+                     int num_experts, int hidden, bool use_fp8, bool round_scale, bool fnuz, int half,
+                     int64_t pair_pos, int64_t stream);
+  // Receive half: wait for every rank, unpack into DeepEP's packed per-expert layout.
+  void dispatch_recv(const std::vector<int64_t>& layout, int num_experts, int max_tokens, int hidden, bool use_fp8,
+                     bool use_ue8m0, int half, int64_t recv_x, int64_t recv_scales, int64_t src_info,
+                     int64_t layout_range, int64_t recv_count, int64_t stats, int64_t stream);
+  void combine_send(const std::vector<int64_t>& layout, int64_t x, int64_t layout_range, int num_experts,
+                    int max_tokens, int hidden, int half, int64_t stream);
+  void combine_recv(const std::vector<int64_t>& layout, int64_t topk_idx, int64_t topk_weights, int64_t pair_pos,
+                    int num_tokens, int num_topk, int num_experts, int hidden, int half, int64_t out,
+                    int64_t stream);
+
+ private:
+  void check_ready(const char* what) const;
+  Args make_args(const std::vector<int64_t>& layout, int num_experts, int half) const;
+
+  int device_, rank_, num_ranks_, ranks_per_node_, num_blocks_;
+  int64_t bytes_, flag_words_;
+  double timeout_s_;
+  int64_t timeout_cycles_ = 0;
+  void* buf_ = nullptr;
+  void* flags_host_ = nullptr;
+  void* flags_dev_ = nullptr;
+  void* err_host_ = nullptr;
+  void* err_dev_ = nullptr;
+  void* peers_[kMaxLocal] = {};
+  bool opened_ = false;
+  std::vector<RingFields> rings_;
+};
+
+}  // namespace uccl_ep::low_latency

@@ -1,0 +1,191 @@
+"""`uccl-ep-train bench low-latency`: DeepEP's low-latency dispatch / combine, native kernels vs the reference.
+
+Per rank, as DeepEP's test_low_latency times them: `--num-tokens` tokens (default 128) of hidden 7168, top-8
+of 256 experts; BF16 and FP8 dispatch, BF16 combine. µs per call = median over `--iters` (after `--warmup`)
+of CUDA events around the call (timing "api": host work included); with the recv hook, the send call and the
+hook are timed apart ("send" / "recv"). Ranks form nodes of `--ranks-per-node` consecutive ranks
+(UCCL_EP_RANKS_PER_NODE): ranks of other nodes are reached through the CPU proxies (the ipc transport when
+one host plays several nodes), node peers over NVLink/IPC. More ranks than GPUs share them under MPS (gloo
+group with CUDA tensors). The reference backend (torch.distributed, a host sync per call) runs the same calls
+in the same ranks (op prefix "reference"), unless `--no-reference`.
+
+`--json PATH` writes one record per (backend, op, mode), means over ranks (and the slowest rank), with the
+run's command, date, commit, device and GPU count.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import traceback
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from . import add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
+from ..localhost import spawn_ranks
+
+SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
+SEED = 4321
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="uccl-ep-train bench low-latency", description=__doc__.split("\n")[0])
+    add_ranks_arg(p, "visible GPUs, at least 2")
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: all ranks on one node)")
+    for name, default in SHAPE.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
+    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--no-reference", action="store_true", help="time the native kernels only")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the records here")
+    return p
+
+
+def _time(pieces: dict, iters: int, warmup: int, group) -> dict:
+    """Median µs of each piece of a round (run in order, every iteration: sends and receives must pair up),
+    from CUDA events recorded between the pieces."""
+    names = list(pieces)
+    for _ in range(warmup):
+        for fn in pieces.values():
+            fn()
+    torch.cuda.synchronize()
+    dist.barrier(group=group)
+    marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)] for _ in range(iters)]
+    for ev in marks:
+        ev[0].record()
+        for i, name in enumerate(names):
+            pieces[name]()
+            ev[i + 1].record()
+    torch.cuda.synchronize()
+    return {name: statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in marks)
+            for i, name in enumerate(names)}
+
+
+def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
+    """One dispatch + combine round as timed pieces: {dispatch, combine}, or with the recv hook
+    {dispatch_send, dispatch_recv, combine_send, combine_recv}."""
+    M, E = shape["num_tokens"], shape["num_experts"]
+    state: dict = {}
+
+    def dispatch_send():
+        recv, _, handle, _, hook_fn = buf.low_latency_dispatch(x, idx, M, E, use_fp8=use_fp8, return_recv_hook=hook)
+        data = recv[0] if use_fp8 else recv
+        if "y" not in state:
+            state["y"] = torch.zeros(data.shape, dtype=torch.bfloat16, device=data.device)
+        state.update(handle=handle, hook=hook_fn)
+
+    def combine_send():
+        _, _, hook_fn = buf.low_latency_combine(state["y"], idx, w, state["handle"], return_recv_hook=hook)
+        state["chook"] = hook_fn
+
+    if not hook:
+        return {"dispatch": dispatch_send, "combine": combine_send}
+    return {"dispatch_send": dispatch_send, "dispatch_recv": lambda: state["hook"](),
+            "combine_send": combine_send, "combine_recv": lambda: state["chook"]()}
+
+
+def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list[dict]:
+    from .. import Buffer
+
+    shape = {k: getattr(args, k) for k in SHAPE}
+    g = torch.Generator().manual_seed(SEED + rank)
+    T, H, E, K = shape["num_tokens"], shape["hidden"], shape["num_experts"], shape["num_topk"]
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).to(device)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(device)
+    w = torch.rand(T, K, generator=g).to(device)
+    hint = Buffer.get_low_latency_rdma_size_hint(T, H, world, E)
+    gpus = gpus_used(device, group)
+    records = []
+    for backend in ["native"] + ([] if args.no_reference else ["reference"]):
+        os.environ["UCCL_EP_BACKEND"] = "auto" if backend == "native" else "reference"
+        buf = Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world)
+        served = type(buf.low_latency_backend).__name__
+        for use_fp8 in (False, True):
+            for hook in (False, True):
+                timed = _time(_round(buf, x, idx, w, shape, use_fp8, hook), args.iters, args.warmup, group)
+                for op, us in timed.items():
+                    if op.startswith("combine") and use_fp8:
+                        continue  # combine is BF16 either way: recorded once, after the BF16 dispatch
+                    records.append({"rank": rank, "backend": backend, "served_by": served,
+                                    "op": op if op.startswith("combine") else f"{op}_{'fp8' if use_fp8 else 'bf16'}",
+                                    "hook": hook, "us": us, "ranks": world,
+                                    "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
+                                    "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group),
+                                    "timing": "api", **shape})
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        buf.destroy()
+    return records
+
+
+def _worker(rank: int, world: int, port: int, args, q) -> None:
+    try:
+        os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
+        device = init_rank_group(rank, world, port)
+        try:
+            records = _rank_main(rank, world, args, device, dist.group.WORLD)
+        finally:
+            dist.destroy_process_group()
+        q.put((rank, "ok", records))
+    except BaseException:  # report, do not hang the parent
+        q.put((rank, "error", traceback.format_exc()))
+
+
+def summarise(records: list[dict]) -> list[dict]:
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["backend"], r["op"], r["hook"]), []).append(r)
+    out = []
+    for _, rs in groups.items():
+        base = {k: v for k, v in rs[0].items() if k != "rank"}
+        base.update(us=sum(r["us"] for r in rs) / len(rs), us_max=max(r["us"] for r in rs))
+        out.append(base)
+    return out
+
+
+def _print(summary: list[dict]) -> None:
+    if not summary:
+        return
+    s = summary[0]
+    print(f"[low-latency] {s['ranks']} ranks, {s['ranks_per_node']} per node, {s['gpus']} GPUs ({s['device']}), "
+          f"{s['num_tokens']} tokens x hidden {s['hidden']}, top-{s['num_topk']} of {s['num_experts']} experts; "
+          f"µs per call, mean over ranks (slowest rank)")
+    for r in summary:
+        print(f"{r['backend']:<10}{r['op']:<20}{'hook' if r['hook'] else '':<6}{r['us']:>10.1f} ({r['us_max']:.1f})",
+              flush=True)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("bench low-latency needs CUDA/HIP GPUs (the LL kernels; the reference runs beside them)")
+    world = args.ranks or max(torch.cuda.device_count(), 2)
+    if world < 2 or args.num_experts % world:
+        parser.error(f"--ranks: at least 2, dividing --num-experts ({args.num_experts}); got {world}")
+    if args.hidden % 512 or args.iters < 1 or args.warmup < 0:
+        parser.error("--hidden must be a multiple of 512, --iters >= 1, --warmup >= 0")
+    args.ranks_per_node = args.ranks_per_node or world
+    if world % args.ranks_per_node:
+        parser.error(f"--ranks-per-node ({args.ranks_per_node}) must divide --ranks ({world})")
+    context = run_context("bench low-latency", argv)
+    warn_without_mps(world, "low-latency")
+    out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args), timeout=1800)
+    summary = [{**r, **context} for r in summarise([r for rank in sorted(out) for r in out[rank]])]
+    _print(summary)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+        print(f"[low-latency] wrote {len(summary)} records to {args.json}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
