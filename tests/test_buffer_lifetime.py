@@ -29,7 +29,7 @@ def _mismatch(rank: int, world: int, device: str) -> list:
     for kwargs, env in (({"num_nvl_bytes": 1 << 20 if rank == 0 else 2 << 20}, {}),
                         ({"low_latency_mode": rank == 1, "num_rdma_bytes": 1 << 20}, {}),
                         ({}, {"UCCL_EP_RDMA_CHUNK_BYTES": str(1 << (20 + rank))}),
-                        ({}, {"UCCL_EP_COMBINE_KERNEL": "2" if rank else None})):
+                        ({}, {"UCCL_EP_VERBS_NATIVE_ATOMICS": "1" if rank else None})):
         saved = {k: os.environ.get(k) for k in env}
         for k, v in env.items():
             if v is None:
@@ -63,11 +63,11 @@ def test_disagreeing_native_ranks_get_the_same_error(mps):
 
 def _check_mismatch_messages(per_rank: list) -> None:
     assert per_rank[0] == per_rank[1]  # the same message on every rank
-    nvl, ll, chunk, kernel = per_rank[0]
+    nvl, ll, chunk, atomics = per_rank[0]
     assert "num_nvl_bytes (rank 0: 1048576, rank 1: 2097152)" in nvl
     assert "low_latency_mode (rank 0: False, rank 1: True)" in ll
     assert "UCCL_EP_RDMA_CHUNK_BYTES (rank 0: '1048576', rank 1: '2097152')" in chunk
-    assert "UCCL_EP_COMBINE_KERNEL (rank 0: None, rank 1: '2')" in kernel
+    assert "UCCL_EP_VERBS_NATIVE_ATOMICS (rank 0: None, rank 1: '1')" in atomics  # set on one rank only
 
 
 def _parked(rank: int, world: int, device: str) -> list:

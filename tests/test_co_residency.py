@@ -11,7 +11,6 @@ make a sharp test: there a plain dispatch, which needs only its num_sms SMs, did
 num_sms SMs left to each rank, so the SMs a rank really gets at the edge are not known.)"""
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -53,7 +52,8 @@ def _held_calls(rank, world, device):
     capacity = holder.resident_capacity(total)
     assert capacity == total, f"a holder block per SM: {capacity} of {total} became resident"
     held = total - NUM_SMS
-    cfg = Config(NUM_SMS)
+    # the expansion and fold on side blocks (every free SM by default), not inside the kernels
+    cfg = Config(NUM_SMS, fuse_max_width=0)
     # what the calls below occupy: their num_sms and, by default, every other SM as side blocks
     assert nat.occupied_sms(cfg, expert_major=True) == {"communication": NUM_SMS, "side": held, "total": total}
     assert nat.occupied_sms(cfg) == {"communication": NUM_SMS, "side": 0, "total": NUM_SMS}
@@ -99,11 +99,8 @@ def test_side_blocks_need_not_be_resident():
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
-    env = {"UCCL_EP_FUSE_MAX_WIDTH": "0",  # the expansion and fold on side blocks (every free SM by default)
-           "UCCL_EP_TIMEOUT_S": "30"}
-    for var in ("UCCL_EP_EXPAND_BLOCKS", "UCCL_EP_FOLD_BLOCKS"):
-        os.environ.pop(var, None)
-    held = run_ranks(_held_calls, 1, device="cuda", backend="gloo", ranks_per_gpu=1, env=env, timeout=300)
+    held = run_ranks(_held_calls, 1, device="cuda", backend="gloo", ranks_per_gpu=1,
+                     env={"UCCL_EP_TIMEOUT_S": "30"}, timeout=300)
     assert held[0] > 0
 
 

@@ -44,6 +44,16 @@ def test_doctor_lists_settings_in_effect_and_names_unread_ones(monkeypatch, caps
         capsys.readouterr().out
 
 
+def test_doctor_names_a_leftover_tuning_variable_as_read_by_nothing(monkeypatch, capsys):
+    """The intranode kernels' tuning knobs are Config fields now (docs/api.md): a run that still sets one of
+    their old variables is told that nothing reads it."""
+    monkeypatch.setenv("UCCL_EP_FLAG_BATCH", "8")
+    report = doctor.collect()
+    assert "UCCL_EP_FLAG_BATCH" in report["unread_settings"] and "UCCL_EP_FLAG_BATCH" not in report["settings"]
+    assert cli_main(["doctor"]) == 0
+    assert "read by nothing here (typo? see the README's settings table): UCCL_EP_FLAG_BATCH" in capsys.readouterr().out
+
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

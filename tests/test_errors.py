@@ -189,7 +189,48 @@ def test_native_ranks_disagreeing_on_a_dispatch_get_the_same_error(mps, ranks_pe
     rows, dtype, weights = per_rank[0]
     assert "dispatch: ranks disagree on x row bytes: rank 0=256, rank 1=512" in rows
     assert "dispatch: ranks disagree on x dtype: rank 0=1, rank 1=2" in dtype
-    assert "dispatch: ranks disagree on topk_weights given: rank 0=1, rank 1=0" in weights
+    assert "dispatch: ranks disagree on top-k format (+1 weights, +2 expert-major ids): rank 0=1, rank 1=0" in weights
+
+
+def _native_expert_major_format_mismatch(rank: int, world: int, device: str) -> list:
+    """Rank 0's Config expands a fresh expert-major dispatch inside the kernel (its senders pack positions into
+    the id words), rank 1's runs the separate permute kernels (its receivers would read plain ids): host-sized
+    (the host compares the headers: the next agreeing call goes on) and sync-free (notify compares them)."""
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    idx = torch.tensor([[0, 1], [2, 3], [1, 2], [3, 0]], device=dev)
+    w = torch.rand(4, 2, device=dev)
+    x = torch.randn(4, 128, device=dev).to(torch.bfloat16)
+    mine = Config(fuse_max_width=1e9) if rank == 0 else Config(fuse_max_width=0, expand_blocks=0)
+    messages = []
+    buf = Buffer(group, int(1e8))
+    with pytest.raises(ValueError) as err:
+        buf.dispatch_expert_major(x, idx, w, 4, config=mine)
+    messages.append(str(err.value))
+    x_em, *_ = buf.dispatch_expert_major(x, idx, w, 4, config=Config(fuse_max_width=1e9))  # agreeing: goes on
+    assert x_em.size(1) == 128
+    buf.destroy()
+    buf = Buffer(group, int(1e8))  # (a kernel's report leaves a native Buffer unusable)
+    with pytest.raises(RuntimeError) as err:
+        buf.dispatch_expert_major(x, idx, w, 4, config=mine, num_worst_tokens=4 * world, expert_capacity=4)
+        torch.cuda.synchronize()
+        buf.check_errors()
+    messages.append(str(err.value))
+    buf.destroy()
+    return messages
+
+
+@pytest.mark.gpu
+def test_native_ranks_whose_configs_disagree_on_the_expert_major_wire_format_raise(mps):
+    """Config.fuse_max_width / expand_blocks are per call, so no check at Buffer creation covers them: the
+    decision they make travels in the call's shape header (top-k format), compared before any row moves."""
+    per_rank = run_ranks(_native_expert_major_format_mismatch, 2, device="cuda", backend="gloo", ranks_per_gpu=2,
+                         env={"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "30"}, timeout=180)
+    field = re.escape("top-k format (+1 weights, +2 expert-major ids)")
+    for host_sized, sync_free in per_rank:
+        assert "dispatch: ranks disagree on top-k format (+1 weights, +2 expert-major ids): rank 0=3, rank 1=1" \
+            in host_sized
+        assert re.search(rf"dispatch: ranks disagree on {field}: rank \d=[13], rank \d=[13]", sync_free), sync_free
 
 
 def _native_cached_mismatch(rank: int, world: int, device: str) -> list:

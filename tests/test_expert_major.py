@@ -9,7 +9,7 @@ On GPUs (marked, 2 ranks): the native backend's three methods against the refere
 """
 from __future__ import annotations
 
-import os
+from dataclasses import replace
 
 import pytest
 import torch
@@ -284,17 +284,17 @@ GPU_CASES = [
 ]
 
 
-def _native_vs_reference(rank, world, device, env):
+def _native_vs_reference(rank, world, device, knobs):
     from test_native_intranode import _make_buffers
 
-    # UCCL_EP_FUSE_MAX_WIDTH: the native backend expands / folds inside its kernels up to this fold width,
+    # Config.fuse_max_width: the native backend expands / folds inside its kernels up to this fold width,
     # else it runs the separate permute kernels: check both paths, and its own choice (ranks with different
     # widths, e.g. a rank that receives nothing, must still agree on the fresh dispatch's wire format)
-    # UCCL_EP_FOLD_BLOCKS / UCCL_EP_EXPAND_BLOCKS: where the fold / expansion does not fuse, it runs on that
-    # many blocks beside the combine's / dispatch's (0: the separate permute kernels)
-    for var in ("UCCL_EP_FUSE_MAX_WIDTH", "UCCL_EP_FOLD_BLOCKS", "UCCL_EP_EXPAND_BLOCKS"):
-        os.environ.pop(var, None)
-    os.environ.update(env)
+    # Config.fold_blocks / expand_blocks: where the fold / expansion does not fuse, it runs on that many
+    # blocks beside the combine's / dispatch's (0: the separate permute kernels). The Buffer's default
+    # Configs otherwise, as calls without a Config get.
+    dispatch_cfg = replace(Buffer.get_dispatch_config(world), **knobs)
+    combine_cfg = replace(Buffer.get_combine_config(world), **knobs)
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
@@ -317,8 +317,9 @@ def _native_vs_reference(rank, world, device, env):
             outs = {}
             for name, buf in (("ref", ref), ("nat", nat)):
                 x_em, ridx, rw, counts, em, handle, _ = buf.dispatch_expert_major(
-                    x, idx, w, experts, num_worst_tokens=worst, expert_capacity=capacity)
-                cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts), expert_capacity=capacity)
+                    x, idx, w, experts, config=dispatch_cfg, num_worst_tokens=worst, expert_capacity=capacity)
+                cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts), config=dispatch_cfg,
+                                                             expert_capacity=capacity)
                 outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
             r_, n_ = outs["ref"], outs["nat"]
             assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
@@ -329,9 +330,9 @@ def _native_vs_reference(rank, world, device, env):
             y_em = torch.randn((m, hidden), generator=g).to(dtype).cuda()
             for tw in (False, True):
                 ry, rwy, _ = ref.combine_expert_major(y_em, r_[5], r_[4], topk_weights=r_[2] if tw else None,
-                                                      expert_capacity=capacity)
+                                                      config=combine_cfg, expert_capacity=capacity)
                 ny, nwy, _ = nat.combine_expert_major(y_em, n_[5], n_[4], topk_weights=n_[2] if tw else None,
-                                                      expert_capacity=capacity)
+                                                      config=combine_cfg, expert_capacity=capacity)
                 tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
                 torch.testing.assert_close(ny.float(), ry.float(), rtol=tol, atol=tol, msg=f"{tag}: combine")
                 if tw:
@@ -348,18 +349,18 @@ def _native_vs_reference(rank, world, device, env):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("env", [{"UCCL_EP_FUSE_MAX_WIDTH": "1e9"},
-                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "0", "UCCL_EP_EXPAND_BLOCKS": "0"},
-                                 {"UCCL_EP_FUSE_MAX_WIDTH": "0", "UCCL_EP_FOLD_BLOCKS": "3", "UCCL_EP_EXPAND_BLOCKS": "3"},
-                                 {}],
+@pytest.mark.parametrize("knobs", [{"fuse_max_width": 1e9},
+                                   {"fuse_max_width": 0, "fold_blocks": 0, "expand_blocks": 0},
+                                   {"fuse_max_width": 0, "fold_blocks": 3, "expand_blocks": 3},
+                                   {}],
                          ids=["fused", "separate-permute", "side-blocks", "auto"])
-def test_native_expert_major_matches_reference(env, mps):
+def test_native_expert_major_matches_reference(knobs, mps):
     from uccl_ep_train.backends.native import native_available
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")
     # two combines per case and size; the capacity layout for the 7 cases of at most 512 tokens
-    assert run_ranks(_native_vs_reference, 2, env, timeout=300, **gpu_ranks(2)) == [2 * (2 * len(GPU_CASES) - 1)] * 2
+    assert run_ranks(_native_vs_reference, 2, knobs, timeout=300, **gpu_ranks(2)) == [2 * (2 * len(GPU_CASES) - 1)] * 2
 
 
 # ---- the benchmark -----------------------------------------------------------------------------------
@@ -397,7 +398,7 @@ def _rows_without_experts(rank, world, device):
     """A handle from a plain dispatch that sends every token to every rank (is_token_in_rank all true), so
     many received rows name no local expert: their fold is zeros. CPU: combine_expert_major equals
     reduce_rows + combine; GPUs: the native backend's fold inside combine equals the reference backend's."""
-    os.environ["UCCL_EP_FUSE_MAX_WIDTH"] = "1e9"  # native: fold inside combine whatever the width
+    fold_inside = replace(Buffer.get_combine_config(world), fuse_max_width=1e9)  # native: fold inside combine
     group = dist.new_group(list(range(world)))
     if device == "cuda":
         from test_native_intranode import _make_buffers
@@ -420,7 +421,7 @@ def _rows_without_experts(rank, world, device):
         em = permute.expert_major_map(ridx, counts)
         assert int((em < 0).all(dim=1).sum()) > 0, "the case needs received rows without local experts"
         y_em = torch.randn((sum(counts), hidden), generator=torch.Generator().manual_seed(7 + rank)).to(device)
-        out, _, _ = buf.combine_expert_major(y_em, handle, em)
+        out, _, _ = buf.combine_expert_major(y_em, handle, em, config=fold_inside)
         composed, _, _ = buf.combine(permute.reduce_rows(y_em, em, ridx.size(0)), handle)
         torch.testing.assert_close(out, composed, rtol=1e-6, atol=1e-6)
         outs[name] = out

@@ -106,18 +106,12 @@ def _check_all(rank, world, device):
         x, idx, w = _inputs(rank, n, hidden, topk, experts, mask_p, avoid, ci, world)
         x, idx, w = x.cuda(), idx.cuda(), w.cuda()
         xin = _fp8(x) if fp8 else x
-        for sms, push, batch, ck in ((4, "16", "1", None), (24, None, None, None), (8, "3", "1000000", "2")):
+        for sms, push, batch, ck in ((4, 16, 1, None), (24, None, None, None), (8, 3, 1000000, 2)):
             # warp roles: all push then copy out / default split / mostly copy-out and reduce warps;
             # row flags released after every row / default batch / only at the end of a warp's work;
             # combine's register reduce (default) / its shared-memory staged variant
-            for var, val in (("UCCL_EP_DISPATCH_PUSH_WARPS", push), ("UCCL_EP_COMBINE_PUSH_WARPS", push),
-                             ("UCCL_EP_FLAG_BATCH", batch), ("UCCL_EP_COMBINE_FLAG_BATCH", batch),
-                             ("UCCL_EP_COMBINE_KERNEL", ck)):
-                if val is None:
-                    os.environ.pop(var, None)
-                else:
-                    os.environ[var] = val
-            cfg = Config(sms, 6, 256)
+            cfg = Config(sms, 6, 256, dispatch_push_warps=push, combine_push_warps=push, flag_batch=batch,
+                         combine_flag_batch=batch, combine_kernel=ck)
             outs = {}
             for name, buf in (("ref", ref), ("nat", nat)):
                 per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, experts)

@@ -22,20 +22,15 @@ import torch
 import torch.distributed as dist
 
 # Environment settings that decide what a rank writes into its peers' memory (or how it cuts and signals
-# it): they must be the same on every rank. Tuning knobs with effect on this rank only are not listed.
+# it): they must be the same on every rank. (The kernels' tuning knobs are per-call Config fields: the one
+# that changes what peers read, whether a fresh expert-major dispatch expands inside the kernel, travels in
+# the call's shape header and is compared there: backends/native.py, shape_header.)
 SHARED_SETTINGS = (
     "UCCL_EP_BACKEND",
     "UCCL_EP_TRANSPORT",
     "UCCL_EP_RDMA_CHUNK_BYTES",
     "UCCL_EP_PROXY_THREADS",
     "UCCL_EP_VERBS_NATIVE_ATOMICS",
-    "UCCL_EP_DISPATCH_PUSH_WARPS",
-    "UCCL_EP_COMBINE_PUSH_WARPS",
-    "UCCL_EP_FLAG_BATCH",
-    "UCCL_EP_COMBINE_FLAG_BATCH",
-    "UCCL_EP_COMBINE_KERNEL",
-    "UCCL_EP_EXPAND_BLOCKS",
-    "UCCL_EP_FUSE_MAX_WIDTH",
 )
 
 _sequence: dict[Any, int] = {}  # group -> Buffers created on it so far (the same on every rank)

@@ -1,14 +1,17 @@
-"""Performance configuration (`Config`, DeepEP's positional arguments) and UCCL_* environment settings.
+"""Performance configuration (`Config`: DeepEP's positional arguments, then our kernels' tuning knobs) and
+UCCL_* environment settings.
 
 `Config(num_sms, nvl_chunk, nvl_buffer[, rdma_chunk, rdma_buffer])` carries the SM count and chunk sizes
 of the high-throughput kernels. The reference backend ignores them (it has no kernels); the native
 backend reads them. Defaults per rank count come from `DEFAULT_DISPATCH` / `DEFAULT_COMBINE`, tables that
-the intranode benchmark's tuning sweep writes (never hand edits in buffer code).
+the intranode benchmark's tuning sweep writes (never hand edits in buffer code). The keyword-only fields
+tune the native intranode kernels per call (docs/api.md, "Config"); None leaves the choice to the backend.
 """
 from __future__ import annotations
 
+import math
 import os
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import Optional
 
 from .topology import ranks_per_node_from_env
@@ -26,24 +29,72 @@ NUM_MAX_NVL_PEERS = 8
 DEFAULT_NUM_SMS = 20
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_at_least(low: int):
+    return lambda v: _is_int(v) and v >= low
+
+
+def _width(v) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and not math.isnan(v) and v >= 0
+
+
+_POSITIVE = (_int_at_least(1), "a positive int (or None)")
+_COUNT = (_int_at_least(0), "an int >= 0 (or None)")
+# Config's knobs: name -> (whether a value other than None is valid, what it must be)
+_KNOB_RANGES = {
+    "dispatch_push_warps": _POSITIVE,
+    "combine_push_warps": _POSITIVE,
+    "flag_batch": _POSITIVE,
+    "combine_flag_batch": _POSITIVE,
+    "combine_kernel": (lambda v: _is_int(v) and v in (1, 2), "1 or 2"),
+    "expand_blocks": _COUNT,
+    "fold_blocks": _COUNT,
+    "fuse_max_width": (_width, "a number >= 0 (or None)"),
+}
+
+
 @dataclass(frozen=True)
 class Config:
-    """Kernel tuning knobs, positional like DeepEP's Config."""
+    """Kernel tuning: DeepEP's Config (positional), then keyword-only knobs of the native intranode kernels.
+
+    Each knob is None by default: the native backend then picks what backends/native.py measured best for the
+    call (most follow the SM count). docs/api.md ("Config") says what each does and which must agree across
+    ranks."""
 
     num_sms: int = DEFAULT_NUM_SMS
     num_max_nvl_chunked_send_tokens: int = 6
     num_max_nvl_chunked_recv_tokens: int = 256
     num_max_rdma_chunked_send_tokens: int = 6
     num_max_rdma_chunked_recv_tokens: int = 128
+    _: KW_ONLY
+    dispatch_push_warps: Optional[int] = None  # warps per block that push in the dispatch (the rest copy out)
+    combine_push_warps: Optional[int] = None  # the same for the combine (the rest reduce)
+    flag_batch: Optional[int] = None  # rows a dispatch push warp sends between two fences
+    combine_flag_batch: Optional[int] = None  # the same for the combine
+    combine_kernel: Optional[int] = None  # 1: reduce through registers, 2: staged through shared memory
+    expand_blocks: Optional[int] = None  # side blocks of an expert-major dispatch (0: none)
+    fold_blocks: Optional[int] = None  # side blocks of an expert-major combine (0: none)
+    fuse_max_width: Optional[float] = None  # up to this fold width the kernels expand / fold themselves
 
     def __post_init__(self) -> None:
         for name in ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
                      "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+            if not _is_int(v) or v <= 0:
                 raise ValueError(f"Config.{name} must be a positive int, got {v!r}")
         if self.num_max_nvl_chunked_send_tokens > self.num_max_nvl_chunked_recv_tokens:
             raise ValueError("Config: num_max_nvl_chunked_send_tokens must be <= num_max_nvl_chunked_recv_tokens")
+        self._check_knobs()
+
+    def _check_knobs(self) -> None:
+        """The knobs' ranges (None always passes): a bad value fails here, naming the field, not at a call."""
+        for name, (ok, what) in _KNOB_RANGES.items():
+            v = getattr(self, name)
+            if v is not None and not ok(v):
+                raise ValueError(f"Config.{name} must be {what}, got {v!r}")
 
     @property
     def num_channels(self) -> int:
@@ -89,6 +140,7 @@ class Config:
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
+
 
 
 # Defaults per number of ranks: (nvl_chunk, nvl_buffer, rdma_chunk, rdma_buffer); num_sms comes from
@@ -152,13 +204,4 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
     "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 (no limit)", "bytes in flight per (proxy thread, destination)"),
     "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
-    # intranode kernel tuning (benchmarks sweep them; the defaults follow the SM count: backends/native.py)
-    "UCCL_EP_DISPATCH_PUSH_WARPS": ("12 of 16", "warps per block that push in the intranode dispatch"),
-    "UCCL_EP_COMBINE_PUSH_WARPS": ("8 / 6 / 4 of 16 up to 16 / 24 / more SMs", "the same for the combine"),
-    "UCCL_EP_FLAG_BATCH": ("4", "rows per fence in the intranode dispatch"),
-    "UCCL_EP_COMBINE_FLAG_BATCH": ("4", "the same for the combine"),
-    "UCCL_EP_COMBINE_KERNEL": ("1 (2 in fused fold mode)", "intranode combine: 1 register reduce, 2 staged"),
-    "UCCL_EP_EXPAND_BLOCKS": ("the SMs the call leaves free", "side blocks of the expert-major dispatch"),
-    "UCCL_EP_FOLD_BLOCKS": ("the SMs the call leaves free", "side blocks of the expert-major combine"),
-    "UCCL_EP_FUSE_MAX_WIDTH": ("2.0", "widest expert-major fan-out fused into the copy"),
 }

@@ -15,10 +15,13 @@ namespace uccl_ep::intranode {
 constexpr int kMaxRanks = 8;  // ranks of one NVLink / xGMI domain
 constexpr int kShapeInts = 8;  // a notify's shape header: the last ints of every counts slot (the host checks them)
 // What the shape header's ints are (the host fills them in this order; the ranks must agree on all but the
-// first). The last is the expert-major dispatch's expert_capacity (0: none), which notify also reads: with it,
-// every (local expert, source rank) block of the expert-major rows has exactly that many rows.
+// first). The top-k format is 1 when topk_weights are given, plus 2 when the top-k id words carry expert-major
+// positions (a fresh expert-major dispatch that expands inside the kernel: its receivers must expect them).
+// The last is the expert-major dispatch's expert_capacity (0: none), which notify also reads: with it, every
+// (local expert, source rank) block of the expert-major rows has exactly that many rows.
 constexpr const char* kShapeFields[kShapeInts] = {"num_tokens", "x row bytes", "FP8 scale bytes", "num_topk",
-                                                   "topk_weights given", "num_experts", "x dtype", "expert_capacity"};
+                                                   "top-k format (+1 weights, +2 expert-major ids)", "num_experts",
+                                                   "x dtype", "expert_capacity"};
 constexpr int kShapeExpertCapacity = kShapeInts - 1;
 constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 

@@ -320,7 +320,7 @@ void IntranodeBuffer::dispatch(int64_t x, int64_t x_bytes, int64_t scales, int64
   a.shape[1] = (int)x_bytes;
   a.shape[2] = (int)scale_bytes;
   a.shape[3] = a.num_topk;
-  a.shape[4] = a.with_weights ? 1 : 0;
+  a.shape[4] = a.with_weights ? 1 : 0;  // the top-k format's weights bit (notify compared the expert-major bit)
   a.sig = SignalArgs{timeout_cycles_, static_cast<ErrorRecord*>(err_dev_), claim_ptr()};
   launch_dispatch(a, num_sms + a.expand_blocks, as_stream(stream));
 }
@@ -346,12 +346,12 @@ void IntranodeBuffer::combine(int64_t x, int dtype, int hidden, int64_t topk_wei
   a.push_warps = push_warps;
   UCCL_CHECK(flag_batch >= 1, "combine: flag_batch " << flag_batch << " must be >= 1");
   a.flag_batch = flag_batch;
-  // variant (UCCL_EP_COMBINE_KERNEL, read by Python): 1 reduce (and fold) through registers, 2 staged through
+  // variant (Config.combine_kernel, 0 when None): 1 reduce (and fold) through registers, 2 staged through
   // shared memory with cp.async (CUDA; HIP runs 1). Default: 1 for plain combines (measured faster on 2xH200
   // at 8-24 SMs: 433 vs 359 GB/s at 24), 2 in fused fold mode (each pushed row reads ~k/R expert rows: see
   // intranode.cu), 1 with fold blocks.
   a.variant = variant > 0 ? variant : (fold_map != 0 && fold_out == 0 ? 2 : 1);
-  UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: UCCL_EP_COMBINE_KERNEL=" << variant << " (1 or 2)");
+  UCCL_CHECK(a.variant >= 1 && a.variant <= 2, "combine: variant " << variant << " (Config.combine_kernel: 1 or 2)");
   a.num_topk = with_weights ? num_topk : 0;
   UCCL_CHECK(dtype == kDtypeBf16 || dtype == kDtypeFp16 || dtype == kDtypeFp32,
              "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");

@@ -95,7 +95,7 @@ struct CombineArgs {
   bool with_weights;  // topk_weights given: rows carry weights and out_w is written
   int push_warps;     // warps per block that push; the rest reduce from the start
   int flag_batch;     // rows a push warp sends between two system fences (then releases their flags)
-  int variant;        // UCCL_EP_COMBINE_KERNEL: 1 = register reduce (default), 2 = staged reduce
+  int variant;        // Config.combine_kernel: 1 = register reduce (default), 2 = staged reduce
   // Fold mode (fold_map != null): x holds expert-major rows [fold_rows, hidden]; received row i is the sum
   // (float32, slot order, rounded once) of rows fold_map[i][0..fold_k) (-1: none), formed while pushing.
   const int* fold_map;

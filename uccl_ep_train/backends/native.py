@@ -26,7 +26,6 @@ Low-latency mode is not implemented here: Buffer falls back to the reference bac
 from __future__ import annotations
 
 import logging
-import os
 import socket
 from dataclasses import dataclass, field
 from typing import Optional
@@ -35,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .. import permute
-from ..config import Config, env_number, timeout_s
+from ..config import Config, timeout_s
 from ..events import capturing, current_raw_stream
 from ..handles import IntranodeHandle, rows_per_source
 from .base import Backend, WithoutLowLatency
@@ -56,7 +55,8 @@ _COMBINE_PUSH_WARPS = ((16, 8), (24, 6), (1 << 30, 4))
 # fused fold+combine: 731 us with 8 push warps, 581 with 12, 517 with 16)
 _FOLD_PUSH_WARPS = 16
 # Rows a push warp sends between two system fences (after which it releases their "landed" flags): small
-# batches let the receiver start copying / reducing early, large ones fence less often.
+# batches let the receiver start copying / reducing early, large ones fence less often. Config.flag_batch /
+# Config.combine_flag_batch override them, as Config.dispatch_push_warps / combine_push_warps the push warps.
 _FLAG_BATCH = 4
 _COMBINE_FLAG_BATCH = 4
 _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -67,7 +67,7 @@ _COMBINE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 # 20,32,64,132`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), fused/separate us: fresh dispatch 761/936,
 # 595/820, 596/838, 400/527 (host-bound, noisy); cached 518/418, 338/396, 292/371, 250/356; combine 825/428,
 # 525/411, 378/375, 319/374 (benchmarks/results/expert_major_2xH200.json). At width ~1 (EP >= 8) fusing
-# moves no extra bytes and saves the pass.
+# moves no extra bytes and saves the pass. Config.fuse_max_width replaces the rule: fuse up to that width.
 _FUSE_MAX_WIDTH = 2.0
 _FUSE_DISPATCH_MIN_SMS = 32
 _FUSE_COMBINE_MIN_SMS = 64
@@ -75,9 +75,8 @@ _MAX_FUSED_TOPK = 32  # kMaxExpertMajorTopk (csrc/kernels/intranode_api.h): one 
 # Wide rows expand / fold on side blocks beside the kernel's num_sms in the same launch (the GPU's remaining
 # SMs): expand blocks write the dispatch's expert-major rows as rows land, fold blocks form each row the
 # combine pushes just before it is pushed, so the permute overlaps the NVLink transfer instead of preceding /
-# following it (separate kernels) or slowing the push / copy-out warps (fused). UCCL_EP_EXPAND_BLOCKS /
-# UCCL_EP_FOLD_BLOCKS override the count (0: none; the former must be the same on every rank: it decides
-# the fresh dispatch's wire format, as does the SM count, the fewest of any rank). `bench expert-major --sms
+# following it (separate kernels) or slowing the push / copy-out warps (fused). Config.expand_blocks /
+# Config.fold_blocks override the count (0: none). `bench expert-major --sms
 # 16,24,32,64 --iters 30`, 2xH200, DeepSeek-V3 shape at EP=2 (width ~4), us, separate / fused / side blocks:
 # fresh dispatch 617/808/451, 610/601/407, 547/464/337, 512/402/366; cached 413/621/253, 419/437/215,
 # 395/338/205, 362/283/249; combine 429/1026/373, 393/711/299, 383/540/299, 366/380/298
@@ -128,15 +127,19 @@ def native_problem() -> str:
 
 # A fresh dispatch's shape as notify carries it to every rank (intranode and internode): the native module's
 # INTRANODE_SHAPE_FIELDS name its ints. The ranks must agree on all of it but the token count: else they write
-# rows of different sizes into each other's buffers.
+# rows of different sizes, or id words of different formats, into each other's buffers.
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
 
 
 def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
-                 topk_weights: Optional[torch.Tensor], num_experts: int, expert_capacity: int = 0) -> list[int]:
-    """The call's shape (the native module's INTRANODE_SHAPE_FIELDS): the header notify carries."""
+                 topk_weights: Optional[torch.Tensor], num_experts: int, expert_capacity: int = 0,
+                 expert_major_ids: bool = False) -> list[int]:
+    """The call's shape (the native module's INTRANODE_SHAPE_FIELDS): the header notify carries. The top-k
+    format is 1 with topk_weights, plus 2 when the id words carry expert-major positions (a fresh expert-major
+    dispatch that expands inside the kernel: its receivers must expect them, see _expand_plan)."""
+    top_k_format = int(topk_weights is not None) + 2 * int(expert_major_ids)
     return [x.size(0), x.size(1) * x.element_size(), 0 if x_scales is None else x_scales.size(1) * 4,
-            0 if topk_idx is None else topk_idx.size(1), int(topk_weights is not None), num_experts,
+            0 if topk_idx is None else topk_idx.size(1), top_k_format, num_experts,
             _X_DTYPES.get(x.dtype, 0), int(expert_capacity)]
 
 
@@ -287,15 +290,13 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     def _stream() -> int:
         return current_raw_stream()
 
-    def _push_warps(self, var: str, default: int) -> int:
-        """Warps per block that push (the others copy out / reduce from the start); env overrides."""
+    def _push_warps(self, chosen: Optional[int], default: int) -> int:
+        """Warps per block that push (the others copy out / reduce from the start): the Config's `chosen`, else
+        `default`, at most the block's warps."""
         total = int(getattr(self._native, "INTRANODE_WARPS_PER_BLOCK", 16))
-        default = max(1, round(default * total / 16))  # defaults are for 16 warps (32-wide); HIP has 8
-        try:
-            n = int(os.environ.get(var, default))
-        except ValueError:
-            raise ValueError(f"{var} must be an int, got {os.environ.get(var)!r}") from None
-        return max(1, min(n, total))
+        if chosen is None:
+            chosen = max(1, round(default * total / 16))  # defaults are for 16 warps (32-wide); HIP has 8
+        return min(chosen, total)
 
     def _num_sms(self, config: Config) -> int:
         """The call's SMs: its Config's (Buffer resolves a missing one to its defaults), at most this rank's share."""
@@ -376,8 +377,8 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             epr, x.size(0), send_pos.data_ptr(), rank_prefix.data_ptr(), _ptr(recv_x), _ptr(recv_scales),
             _ptr(recv_topk_idx), _ptr(recv_topk_weights), _ptr(recv_src_idx), out_rows, _ptr(em_x), _ptr(em_map),
             _ptr(topk_pos), _ptr(em_base), 0 if em_map is None else em_map.size(1), int(em_rows), expand_blocks,
-            self._num_sms(config), self._push_warps("UCCL_EP_DISPATCH_PUSH_WARPS", _DISPATCH_PUSH_WARPS),
-            _env_int("UCCL_EP_FLAG_BATCH", _FLAG_BATCH), self._stream())
+            self._num_sms(config), self._push_warps(config.dispatch_push_warps, _DISPATCH_PUSH_WARPS),
+            config.flag_batch or _FLAG_BATCH, self._stream())
 
     def _handle(self, c: "_Counts", recv_src_idx, n: int, worst: bool) -> IntranodeHandle:
         R = self.num_ranks
@@ -472,19 +473,22 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             topk_weights = topk_weights.to(torch.float32).contiguous()
         # Sender and receiver must agree on the id words' format (expert-major senders pack positions into
         # them), so every rank decides from the same inputs: the routing shape's expected width, not its own
-        # counts, and the fewest SMs of any rank (expand blocks).
+        # counts, the fewest SMs of any rank (expand blocks) and the call's Config; the header carries the
+        # decision, so ranks whose Configs differ there get the same error before any row moves.
         fused, expand_blocks = self._expand_plan(_expected_width(num_topk, num_experts, R), num_topk, config)
+        expands_in_kernel = fused or expand_blocks > 0
         # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
         # dispatch kernel is launched
-        topk_pos = self._positions_in_expert(topk_idx, num_experts) if fused or expand_blocks else None
+        topk_pos = self._positions_in_expert(topk_idx, num_experts) if expands_in_kernel else None
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
-                                  shape_header(x, None, topk_idx, topk_weights, num_experts, expert_capacity))
+                                  shape_header(x, None, topk_idx, topk_weights, num_experts, expert_capacity,
+                                               expert_major_ids=expands_in_kernel))
         if expert_capacity:
             per_expert = [R * expert_capacity] * c.epr
         else:
             per_expert = list(c.per_expert)
         num_rows, out_rows, worst, padded = sum(per_expert), c.out_rows, bool(num_worst_tokens), bool(expert_capacity)
-        if not (fused or expand_blocks):
+        if not expands_in_kernel:
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
             handle = self._handle(c, recv_src_idx, n, worst)
@@ -527,25 +531,23 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
                                           self._stream())
         return pos
 
-    def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Optional[Config],
-              by_sms: bool = True) -> bool:
+    def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Config, by_sms: bool = True) -> bool:
         """Expand / fold inside the communication kernel, else through the separate permute kernels (see
-        _FUSE_MAX_WIDTH); width = expert-major rows per received row. UCCL_EP_FUSE_MAX_WIDTH overrides the
-        width limit for every op (0: never fuse, a large value: always). More than kMaxExpertMajorTopk
-        slots per row never fuse (the kernels give each slot a lane). by_sms=False: wide rows do not fuse
-        however many SMs the kernel has (the combine when fold blocks are at hand)."""
+        _FUSE_MAX_WIDTH); width = expert-major rows per received row. Config.fuse_max_width replaces the rule
+        for every op (0: never fuse, a large value: always). More than kMaxExpertMajorTopk slots per row
+        never fuse (the kernels give each slot a lane). by_sms=False: wide rows do not fuse however many SMs
+        the kernel has (the combine when fold blocks are at hand)."""
         if num_topk > _MAX_FUSED_TOPK:
             return False
-        forced = env_number("UCCL_EP_FUSE_MAX_WIDTH", None, float)
-        if forced is not None:
-            return width <= forced
+        if config.fuse_max_width is not None:
+            return width <= config.fuse_max_width
         min_sms = _FUSE_DISPATCH_MIN_SMS if dispatch else _FUSE_COMBINE_MIN_SMS
         return width <= _FUSE_MAX_WIDTH or (by_sms and self._num_sms(config) >= min_sms)
 
-    def _expand_plan(self, width: float, num_topk: int, config: Optional[Config]) -> tuple[bool, int]:
+    def _expand_plan(self, width: float, num_topk: int, config: Config) -> tuple[bool, int]:
         """-> (fused, expand_blocks) for an expert-major dispatch: the expansion inside the copy-out (fused),
         on expand blocks beside the kernel (no fusion by SM count then), or neither (separate kernels)."""
-        expand = self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config) if num_topk <= _MAX_FUSED_TOPK else 0
+        expand = self._side_blocks(config.expand_blocks, config) if num_topk <= _MAX_FUSED_TOPK else 0
         fused = self._fuse(width, num_topk, dispatch=True, config=config, by_sms=not expand)
         return fused, 0 if fused else expand
 
@@ -573,7 +575,7 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         return self._combine(x, handle, topk_weights, (bias_0, bias_1), config, None)
 
     def combine_expert_major(self, y_em, handle, em_map, topk_weights, config):
-        fold_blocks = self._side_blocks("UCCL_EP_FOLD_BLOCKS", config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
+        fold_blocks = self._side_blocks(config.fold_blocks, config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
         if self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config,
                       by_sms=not fold_blocks):
             return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
@@ -585,19 +587,17 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
 
     def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)
-        side = max(self._side_blocks("UCCL_EP_EXPAND_BLOCKS", config),
-                   self._side_blocks("UCCL_EP_FOLD_BLOCKS", config)) if expert_major else 0
+        side = max(self._side_blocks(config.expand_blocks, config),
+                   self._side_blocks(config.fold_blocks, config)) if expert_major else 0
         return {"communication": n, "side": side, "total": n + side}
 
-    def _side_blocks(self, var: str, config: Optional[Config]) -> int:
-        """Fold / expand blocks beside the kernel's SMs (see _MIN_SIDE_BLOCKS; `var` overrides); 0: none."""
+    def _side_blocks(self, chosen: Optional[int], config: Config) -> int:
+        """Fold / expand blocks beside the kernel's SMs (see _MIN_SIDE_BLOCKS): the Config's `chosen`, at most
+        the SMs the kernel leaves free; 0: none."""
         free = self._device_sms - self._num_sms(config)
-        n = env_number(var, None, int)
-        if n is None:
+        if chosen is None:
             return free if free >= _MIN_SIDE_BLOCKS else 0
-        if n < 0:
-            raise ValueError(f"{var} must be >= 0, got {n}")
-        return min(n, free)
+        return min(chosen, free)
 
     def _combine(self, x, handle, topk_weights, biases, config, fold_map, fold_out=None, fold_blocks=0):
         self._check()
@@ -623,9 +623,9 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), _ptr(fold_map),
                           0 if fold_map is None else fold_map.size(1), x.size(0), _ptr(fold_out),
                           0 if fold_out is None else fold_out.size(0), fold_blocks, num_sms,
-                          self._push_warps("UCCL_EP_COMBINE_PUSH_WARPS", push_warps),
-                          _env_int("UCCL_EP_COMBINE_FLAG_BATCH", _COMBINE_FLAG_BATCH),
-                          _combine_variant(), self._stream())
+                          self._push_warps(config.combine_push_warps, push_warps),
+                          config.combine_flag_batch or _COMBINE_FLAG_BATCH,
+                          config.combine_kernel or 0, self._stream())  # 0: the kernel's default for the mode
         return out, out_w
 
 
@@ -668,22 +668,6 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
 def _by_sms(table: tuple, num_sms: int) -> int:
     """The setting of the first (up to this many SMs, setting) row of `table` that covers num_sms."""
     return next(value for max_sms, value in table if num_sms <= max_sms)
-
-
-def _combine_variant() -> int:
-    """UCCL_EP_COMBINE_KERNEL: 1 (register reduce) or 2 (staged through shared memory); 0 when unset: the
-    kernel's default for the mode (intranode_buffer.cu says which and why)."""
-    v = env_number("UCCL_EP_COMBINE_KERNEL", 0, int)
-    if "UCCL_EP_COMBINE_KERNEL" in os.environ and v not in (1, 2):
-        raise ValueError(f"UCCL_EP_COMBINE_KERNEL must be 1 or 2, got {v}")
-    return v
-
-
-def _env_int(var: str, default: int) -> int:
-    v = env_number(var, default, int)
-    if v < 1:
-        raise ValueError(f"{var} must be >= 1, got {v}")
-    return v
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:

@@ -9,19 +9,23 @@ ranks, CUDA events around `--iters` back-to-back calls, as the Megatron dispatch
 - combine: `combine_expert_major` with the fold inside combine's push (fused) and through `reduce_rows`
   first (separate).
 "side_blocks": the expansion / fold on blocks beside the kernel's SMs in the same launch (expand / fold
-blocks). The "auto" column is what the backend picks (UCCL_EP_FUSE_MAX_WIDTH, UCCL_EP_EXPAND_BLOCKS,
-UCCL_EP_FOLD_BLOCKS: backends/native.py). Every fused / side-block result is first checked bit-exact
-against the separate path. JSON records with `--json PATH` (timing "api"; the run's command, date, commit,
-device and GPU count; "sms_occupied": Buffer.occupied_sms of the op's default Config at that SM count,
-i.e. the "auto" column's call in this environment: the separate path's kernels add no side blocks).
+blocks). Each column's calls pass the Buffer's default Config with its knobs (fuse_max_width, expand_blocks,
+fold_blocks); the "auto" column leaves them None: what the backend picks (backends/native.py). Every fused /
+side-block result is first checked bit-exact against the separate path. JSON records with `--json PATH`
+(timing "api"; the run's command, date, commit, device and GPU count; "sms_occupied": Buffer.occupied_sms of
+the op's default Config at that SM count, i.e. the "auto" column's call: the separate path's kernels add no
+side blocks).
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 from typing import Callable, Optional
 
 import torch
@@ -51,30 +55,11 @@ def _timer(iters: int) -> Callable[[Callable[[], object]], float]:
     return timeit
 
 
-class _Env:
-    """Environment variables set for the duration of a call (the backend reads them per call)."""
-
-    def __init__(self, **values: str) -> None:
-        self.values = values
-
-    def __call__(self, fn: Callable[[], object]) -> Callable[[], object]:
-        def run():
-            old = {k: os.environ.get(k) for k in self.values}
-            os.environ.update(self.values)
-            try:
-                return fn()
-            finally:
-                for k, v in old.items():
-                    if v is None:
-                        os.environ.pop(k)
-                    else:
-                        os.environ[k] = v
-        return run
-
-
-FUSED = _Env(UCCL_EP_FUSE_MAX_WIDTH="1e9")
-SEPARATE = _Env(UCCL_EP_FUSE_MAX_WIDTH="0", UCCL_EP_FOLD_BLOCKS="0", UCCL_EP_EXPAND_BLOCKS="0")
-SIDE_BLOCKS = _Env(UCCL_EP_FUSE_MAX_WIDTH="0")  # the default expand / fold blocks (the SMs left free)
+# Config knobs per column (on top of the Buffer's default Config at the swept SM count)
+FUSED = {"fuse_max_width": math.inf}
+SEPARATE = {"fuse_max_width": 0, "fold_blocks": 0, "expand_blocks": 0}
+SIDE_BLOCKS = {"fuse_max_width": 0}  # the default expand / fold blocks (the SMs left free)
+AUTO: dict = {}
 
 
 def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -86,7 +71,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
                       UCCL_EP_CHECK_VALUES="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    from .. import Buffer, permute
+    from .. import Buffer, Config, permute
 
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     g = torch.Generator().manual_seed(rank)
@@ -104,23 +89,32 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
         em = permute.expert_major_map(recv_idx, counts)
         return permute.expand_rows_raw(recv_x, em, sum(counts)), em, handle, recv_x.size(0)
 
-    def fresh():
-        x_em, _, _, _, em, handle, _ = buf.dispatch_expert_major(x, idx, w, E)
+    def dispatch_config(knobs: dict) -> Config:  # (read at the call: Buffer.num_sms changes per SM count)
+        return replace(Buffer.get_dispatch_config(world), **knobs)
+
+    def fresh(knobs: dict):
+        x_em, _, _, _, em, handle, _ = buf.dispatch_expert_major(x, idx, w, E, config=dispatch_config(knobs))
         return x_em, em, handle
 
     ref_em, ref_map, _, num_recv = separate_fresh()
-    x_em, em, handle = FUSED(fresh)()
+    x_em, em, handle = fresh(FUSED)
     rows = x_em.size(0)
     y_em = torch.randn(rows, H, generator=g).bfloat16().cuda()
-    cached = lambda: buf.dispatch_expert_major_cached(x, handle, em, rows)[0]  # noqa: E731
-    combine = lambda: buf.combine_expert_major(y_em, handle, em)[0]  # noqa: E731
-    side_em, side_map, _ = SIDE_BLOCKS(fresh)()
+
+    def cached(knobs: dict) -> torch.Tensor:
+        return buf.dispatch_expert_major_cached(x, handle, em, rows, config=dispatch_config(knobs))[0]
+
+    def combine(knobs: dict) -> torch.Tensor:
+        cfg = replace(Buffer.get_combine_config(world), **knobs)
+        return buf.combine_expert_major(y_em, handle, em, config=cfg)[0]
+
+    side_em, side_map, _ = fresh(SIDE_BLOCKS)
     exact = {"fresh": _bits_equal(x_em, ref_em) and torch.equal(em, ref_map),
              "fresh_side_blocks": _bits_equal(side_em, ref_em) and torch.equal(side_map, ref_map),
-             "cached": _bits_equal(FUSED(cached)(), SEPARATE(cached)()),
-             "cached_side_blocks": _bits_equal(SIDE_BLOCKS(cached)(), SEPARATE(cached)()),
-             "combine": _bits_equal(FUSED(combine)(), SEPARATE(combine)()),
-             "combine_side_blocks": _bits_equal(SIDE_BLOCKS(combine)(), SEPARATE(combine)())}
+             "cached": _bits_equal(cached(FUSED), cached(SEPARATE)),
+             "cached_side_blocks": _bits_equal(cached(SIDE_BLOCKS), cached(SEPARATE)),
+             "combine": _bits_equal(combine(FUSED), combine(SEPARATE)),
+             "combine_side_blocks": _bits_equal(combine(SIDE_BLOCKS), combine(SEPARATE))}
     if not all(exact.values()):
         raise RuntimeError(f"rank {rank}: fused expert-major results differ from the separate path: {exact}")
 
@@ -128,11 +122,12 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
     records = []
     for sms in args.sms:
         Buffer.set_num_sms(sms)
-        ops = {op: {"separate": timeit(separate_fresh if op == "fresh" else SEPARATE(fn)),
-                    "fused": timeit(FUSED(fn)), "side_blocks": timeit(SIDE_BLOCKS(fn)), "auto": timeit(fn)}
+        ops = {op: {"separate": timeit(separate_fresh if op == "fresh" else partial(fn, SEPARATE)),
+                    "fused": timeit(partial(fn, FUSED)), "side_blocks": timeit(partial(fn, SIDE_BLOCKS)),
+                    "auto": timeit(partial(fn, AUTO))}
                for op, fn in (("fresh", fresh), ("cached", cached), ("combine", combine))}
         for op, t in ops.items():
-            # the calls pass no Config: the Buffer's defaults at Buffer.num_sms = sms
+            # the "auto" column's Config: the Buffer's defaults at Buffer.num_sms = sms
             cfg = (Buffer.get_combine_config if op == "combine" else Buffer.get_dispatch_config)(world)
             rec = {"bench": "expert_major", "op": op, "ranks": world, "sms": sms,
                    "sms_occupied": buf.occupied_sms(cfg, expert_major=True), "num_tokens": T, "hidden": H, "num_experts": E,

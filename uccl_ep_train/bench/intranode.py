@@ -50,11 +50,12 @@ def _parse(argv):
     p.add_argument("--no-nccl", action="store_true", help="skip the NCCL all_to_all_single comparison")
     p.add_argument("--no-fp8", action="store_true")
     p.add_argument("--push-warps", type=int_list, default="",
-                   help="comma-separated push-warp counts (of 16 per block) to sweep for the native kernels")
+                   help="comma-separated push-warp counts (of 16 per block) to sweep for the native kernels "
+                        "(Config.dispatch_push_warps and combine_push_warps)")
     p.add_argument("--flag-batch", type=int_list, default="",
-                   help="comma-separated rows-per-fence values to sweep (UCCL_EP_FLAG_BATCH / _COMBINE_FLAG_BATCH)")
+                   help="comma-separated rows-per-fence values to sweep (Config.flag_batch and combine_flag_batch)")
     p.add_argument("--combine-kernel", type=int_list, default="",
-                   help="comma-separated combine kernel variants to sweep (UCCL_EP_COMBINE_KERNEL: 1, 2)")
+                   help="comma-separated combine kernel variants to sweep (Config.combine_kernel: 1, 2)")
     p.add_argument("--no-api", action="store_true", help="kernel times only (faster sweeps)")
     p.add_argument("--json", default=None, help="write the records here")
     p.add_argument("--plot", default=None, help="draw GB/s vs SMs into this PNG (needs matplotlib)")
@@ -143,20 +144,13 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
                         "combine_kernel": -1, **(knobs or {}), **shape, **times})
 
     _kernel_us(lambda: buf.dispatch(x, handle=handle, config=cfg0), ("dispatch",), 1, 1, group)  # profiler warm-up
+    # records name the defaults 0 (push warps, flag batch) and -1 (combine kernel)
     sweep = [(sms, pw, fb, ck) for sms in args.sms for pw in (args.push_warps or [0])
              for fb in (args.flag_batch or [0]) for ck in (args.combine_kernel or [-1])]
-    knob_vars = ("UCCL_EP_DISPATCH_PUSH_WARPS", "UCCL_EP_COMBINE_PUSH_WARPS", "UCCL_EP_FLAG_BATCH",
-                 "UCCL_EP_COMBINE_FLAG_BATCH", "UCCL_EP_COMBINE_KERNEL")
-    saved = {v: os.environ.get(v) for v in knob_vars}  # restored after the sweep
     for sms, pw, fb, ck in sweep:
-        if pw:
-            os.environ["UCCL_EP_DISPATCH_PUSH_WARPS"] = os.environ["UCCL_EP_COMBINE_PUSH_WARPS"] = str(pw)
-        if fb:
-            os.environ["UCCL_EP_FLAG_BATCH"] = os.environ["UCCL_EP_COMBINE_FLAG_BATCH"] = str(fb)
-        if ck >= 0:
-            os.environ["UCCL_EP_COMBINE_KERNEL"] = str(ck)
         knobs = {"push_warps": pw, "flag_batch": fb, "combine_kernel": ck}
-        cfg = Config(sms, 6, 256)
+        cfg = Config(sms, 6, 256, dispatch_push_warps=pw or None, combine_push_warps=pw or None,
+                     flag_batch=fb or None, combine_flag_batch=fb or None, combine_kernel=None if ck < 0 else ck)
         d_bf16 = lambda: buf.dispatch(x, handle=handle, config=cfg)  # noqa: E731
         d_fp8 = lambda: buf.dispatch(x_fp8, handle=handle, config=cfg)  # noqa: E731
         comb = lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=cfg)  # noqa: E731
@@ -182,11 +176,6 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
             if not args.no_api:
                 api, host = _api_us(fn, iters, args.warmup, group)
                 rec(op, api, nbytes, sms, "api", knobs, cfg, kernel_us=kernel, host_us=host)
-    for v, val in saved.items():
-        if val is None:
-            os.environ.pop(v, None)
-        else:
-            os.environ[v] = val
 
     if not args.no_nccl and str(dist.get_backend(group)) == "nccl":  # (ranks sharing a GPU: a gloo group)
         # the same bytes through NCCL: every rank sends num_recv rows' worth, split evenly over ranks
