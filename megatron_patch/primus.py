@@ -1,10 +1,17 @@
-"""Primus hook: select the uccl MoE dispatcher from a Primus experiment YAML.
+"""Primus hook: select the uccl MoE dispatcher from a Primus experiment YAML, and offer UCCL-EP to
+Primus-Turbo's DeepEP dispatcher.
 
-Primus (AMD-AGI/Primus) builds Megatron's arguments from YAML and runs registered patches at fixed phases
-(`setup`, `build_args`, `before_train`). Its own EP backends are selected the same way: the Primus-Turbo
-DeepEP patch fires on `use_turbo_deepep: true` and swaps Megatron's flex dispatcher. This module registers
-our patches with Primus's registry (`primus.core.patches.register_patch`) so that these YAML keys, under
-`modules.pre_trainer.overrides`, select uccl:
+Primus (AMD-AGI/Primus) builds Megatron's arguments from the YAML and runs registered patches at fixed
+phases, in this order (primus/core/runtime/train_runtime.py):
+  1. `build_args`: right after it converted the YAML's keys into Megatron's arguments (keys Megatron does not
+     know are dropped there, and merged back into those arguments after this phase);
+  2. `setup`: before the trainer's setup;
+  3. `before_train`: after the trainer's init, right before training. Megatron's validate_args, which
+     Primus extends with its ROCm checks (among them `turbo_sync_free_moe_stage`'s switches), runs after
+     every phase, inside training: no patch sees its effects, so ours check the keys that cause them.
+
+Two routes to UCCL-EP:
+- the uccl dispatcher (ours), selected by these keys under `modules.pre_trainer.overrides`:
 
     moe_token_dispatcher_type: uccl     # or
     use_uccl_ep: true                   # Primus-style switch (sets moe_token_dispatcher_type: uccl)
@@ -14,34 +21,61 @@ our patches with Primus's registry (`primus.core.patches.register_patch`) so tha
     uccl_ep_env:                        # optional: UCCL_* / NCCL_* settings, exported if not already set
       UCCL_IB_GID_INDEX: 3
 
-Patches (all conditioned on uccl being selected, so they are inert otherwise):
-- `uccl_ep.setup` (phase setup): `megatron_patch.apply()` (registers `uccl` with megatron-core and
-  Megatron-LM's parser), exports `uccl_ep_env`, applies the `uccl_ep_*` settings; refuses
-  `use_turbo_deepep: true` alongside uccl (both would replace the MoE dispatcher).
-- `uccl_ep.build_args` and `uccl_ep.before_train`: set `moe_token_dispatcher_type = 'uccl'` on the Megatron
-  arguments Primus built (its builder drops keys Megatron does not know, and a later patch must not
-  switch the dispatcher back to flex).
+- Primus-Turbo's DeepEP dispatcher (`enable_primus_turbo: true`, `use_turbo_deepep: true`) on our Buffer:
+  importing this module registers our EP backend with Primus-Turbo as UCCL_EP when Primus-Turbo is
+  importable (uccl_ep_train.compat.primus_turbo); PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=UCCL_EP selects it.
 
-Primus has no plugin entry point, so the patches must be registered in the training processes before
-Primus runs them: start Primus through this module,
+Patches of the first route (conditioned on uccl being selected, so they are inert otherwise):
+- `uccl_ep.build_args` (phase build_args, the first): refuses settings that contradict uccl, then
+  `megatron_patch.apply()` (registers `uccl` with megatron-core and Megatron-LM's parser), exports
+  `uccl_ep_env`, applies the `uccl_ep_*` settings and sets `moe_token_dispatcher_type = 'uccl'` on the
+  arguments Primus built.
+- `uccl_ep.before_train` (phase before_train, after Primus's own patches of that phase): the same checks and
+  selection again, so no patch in between leaves training on another dispatcher.
+A refused configuration, or any failure of these patches, stops the launch: Primus's run_patches logs an
+Exception raised by a patch and carries on, so ours leave as SystemExit, which it does not catch.
 
-    python -m megatron_patch.primus train pretrain --config recipes/primus/deepseek_v3.yaml
+Primus has no plugin entry point, so the patches and the backend must be registered in the training
+processes before Primus runs: start Primus through this module, as a module or as a file (the arguments
+are Primus's CLI's):
 
-(the arguments are Primus's CLI's), or `import megatron_patch.primus` early in your own entry script;
-importing it registers the patches whenever Primus is importable.
+    python -m megatron_patch.primus train pretrain --config recipes/primus/deepseek_v3.yaml      # one process
+    torchrun --nproc-per-node 8 -m megatron_patch.primus train pretrain --config ...              # one per GPU
+    primus-cli direct --script <path of this file> -- train pretrain --config ...                 # torchrun too
+
+or `import megatron_patch.primus` early in your own entry script.
 """
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
 import sys
 from types import SimpleNamespace
 from typing import Any, Callable, Mapping, Optional
 
+if __name__ == "__main__" and not __package__:
+    # Run as a file (primus-cli's --script): Python put this file's folder first on sys.path, where this
+    # file would stand in for Primus's `primus` package. Import packages from the folder holding
+    # megatron_patch instead (added only when missing, so that PYTHONPATH keeps its order).
+    _here = os.path.dirname(os.path.abspath(__file__))
+    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _here]
+    if os.path.dirname(_here) not in map(os.path.abspath, sys.path):
+        sys.path.insert(0, os.path.dirname(_here))
+
+from uccl_ep_train.compat import primus_turbo  # noqa: E402  (after the path fix above)
+
 DISPATCHER = "uccl"
-PATCH_IDS = ("uccl_ep.setup", "uccl_ep.build_args", "uccl_ep.before_train")
 SETTING_KEYS = ("uccl_ep_num_sms", "uccl_ep_backend", "uccl_ep_timeout_s")
+LAST = 100  # a priority number above those of Primus's own patches: Primus runs lower numbers first
 _registered = False
+log = logging.getLogger(__name__)
+
+_TURBO_INSTEAD = ("to run Primus-Turbo's DeepEP dispatcher on UCCL-EP instead, drop use_uccl_ep and "
+                  "moe_token_dispatcher_type: uccl and set PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND="
+                  f"{primus_turbo.BACKEND_NAME} (primus-cli: --env PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND="
+                  f"{primus_turbo.BACKEND_NAME}), starting Primus through megatron_patch.primus")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -68,11 +102,15 @@ def uccl_selected(params: Any) -> bool:
 
 
 def check_params(params: Any) -> None:
-    """Refuse settings that contradict the uccl dispatcher, naming the YAML key."""
+    """Refuse settings that contradict the uccl dispatcher, naming the YAML key and what to set instead."""
     if _get(params, "use_turbo_deepep", False):
         raise ValueError("Primus config: use_turbo_deepep: true and the uccl dispatcher both replace the MoE "
-                         "token dispatcher; set use_turbo_deepep: false (or drop use_uccl_ep / "
-                         "moe_token_dispatcher_type: uccl)")
+                         "token dispatcher; to keep uccl, set use_turbo_deepep: false; " + _TURBO_INSTEAD)
+    stage = _get(params, "turbo_sync_free_moe_stage") or 0
+    if stage >= 2:
+        raise ValueError(f"Primus config: turbo_sync_free_moe_stage: {stage} turns use_turbo_deepep on (Primus's "
+                         "argument validation, stages 2 and 3), which replaces the uccl dispatcher; to keep "
+                         "uccl, set turbo_sync_free_moe_stage: 1 or 0; " + _TURBO_INSTEAD)
     other = _get(params, "moe_token_dispatcher_type")
     if _get(params, "use_uccl_ep", False) and other not in (None, DISPATCHER, "alltoall", "allgather"):
         raise ValueError(f"Primus config: use_uccl_ep: true but moe_token_dispatcher_type: {other}; "
@@ -85,7 +123,6 @@ def check_params(params: Any) -> None:
 def select_uccl(params: Any, backend_args: Any = None) -> None:
     """Point the module params (and Primus's Megatron args, if given) at the uccl dispatcher."""
     check_params(params)
-    _set(params, "moe_token_dispatcher_type", DISPATCHER)
     for target in (params, backend_args):
         if target is None:
             continue
@@ -111,7 +148,7 @@ def export_env(params: Any, environ: Optional[dict] = None) -> dict[str, str]:
 
 def apply_settings(params: Any) -> None:
     """`uccl_ep_num_sms` / `uccl_ep_backend` / `uccl_ep_timeout_s` -> megatron_patch.settings."""
-    from . import settings
+    from megatron_patch import settings
     ns = SimpleNamespace(**{k: _get(params, k) for k in SETTING_KEYS})
     settings.apply_arguments(ns)
 
@@ -128,24 +165,47 @@ def _condition(ctx: Any) -> bool:
     return uccl_selected(_params(ctx))
 
 
-def patch_setup(ctx: Any) -> None:
-    """Register uccl with Megatron and take the uccl_ep_* settings into effect."""
+def _stops_launch(patch: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Primus's run_patches logs an Exception raised by a patch (an ImportError too) and goes on with the
+    launch, which would then train on a dispatcher the user did not choose: re-raise it as SystemExit, which
+    run_patches does not catch, so the launch stops with the message (Primus's runtime reports it as the
+    cause of its failure)."""
+    @functools.wraps(patch)
+    def run(ctx: Any) -> None:
+        try:
+            patch(ctx)
+        except Exception as e:
+            message = f"megatron_patch.primus: {patch.__name__} stopped the launch: {e}"
+            log.error(message)
+            raise SystemExit(message) from e
+    return run
+
+
+def patch_build_args(ctx: Any) -> None:
+    """Refuse contradicting settings, register uccl with Megatron, take the uccl_ep_* settings into effect
+    and put Megatron's args on uccl (Primus's builder drops the keys Megatron does not know)."""
     params = _params(ctx)
     check_params(params)
-    from . import apply
-    apply()
+    import megatron_patch
+    megatron_patch.apply()
     export_env(params)
     apply_settings(params)
     select_uccl(params, ctx.extra.get("backend_args"))
 
 
-def patch_args(ctx: Any) -> None:
-    """Keep Megatron's args on the uccl dispatcher (Primus's builder drops unknown keys)."""
+def patch_before_train(ctx: Any) -> None:
+    """Check and select uccl again after every other patch had its turn (none may switch the dispatcher)."""
     select_uccl(_params(ctx), ctx.extra.get("backend_args"))
 
 
+PATCHES = (("uccl_ep.build_args", "build_args", 50, patch_build_args),        # 50: Primus's default
+           ("uccl_ep.before_train", "before_train", LAST, patch_before_train))
+PATCH_IDS = tuple(pid for pid, *_ in PATCHES)
+
+
 def register(register_patch: Optional[Callable] = None) -> list[str]:
-    """Register the patches with Primus (or with the given `register_patch` decorator factory).
+    """Register the patches with Primus (or with the given `register_patch` decorator factory, which takes
+    Primus's arguments).
 
     Returns the patch ids registered; [] when Primus is not importable. Idempotent for Primus's registry.
     """
@@ -158,10 +218,9 @@ def register(register_patch: Optional[Callable] = None) -> list[str]:
         except ImportError:
             return []
         _registered = True
-    for pid, phase, fn in zip(PATCH_IDS, ("setup", "build_args", "before_train"),
-                              (patch_setup, patch_args, patch_args)):
-        register_patch(pid, backend="megatron", phase=phase, condition=_condition,
-                       description=fn.__doc__ or "")(fn)
+    for pid, phase, priority, fn in PATCHES:
+        register_patch(pid, backend="megatron", phase=phase, condition=_condition, priority=priority,
+                       description=" ".join((fn.__doc__ or "").split()))(_stops_launch(fn))
     return list(PATCH_IDS)
 
 
@@ -259,7 +318,8 @@ def module_overrides(config: Mapping[str, Any], module: str = "pre_trainer") -> 
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """`python -m megatron_patch.primus <primus CLI args>`: register our patches, then run Primus's CLI."""
+    """`python -m megatron_patch.primus <primus CLI args>` (or this file run as a script, one process per rank
+    under torchrun): register our patches, then run Primus's CLI."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         from primus.cli.main import main as primus_main  # type: ignore[import-not-found]
@@ -273,7 +333,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     return int(result or 0)
 
 
-register()
-
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run from the importable module, so the patches Primus holds are that module's (one registration,
+    # whichever way this file was started).
+    from megatron_patch.primus import main as _main
+    sys.exit(_main())
+else:
+    register()
+    primus_turbo.register()

@@ -1,9 +1,12 @@
-"""Primus integration: the experiment YAML selects uccl, and our patches, run the way Primus runs them,
-put Megatron's arguments on the uccl dispatcher (Primus itself is stood in for by its patch-registry API)."""
+"""Primus integration: the experiment YAML selects uccl; our patches, run in the order Primus runs its phases
+(build_args, setup, before_train) by a registry that behaves like Primus's, put Megatron's arguments on uccl,
+and a refused configuration stops the launch; Primus-Turbo's DeepEP path runs on our Buffer (as UCCL_EP, or
+as DEEP_EP through our deep_ep). Primus and Primus-Turbo are stood in for by tests/primus_stub; with
+PRIMUS_PATH pointing at an AMD-AGI/Primus checkout, Primus's own runtime runs our patches too."""
+import json
 import os
 import subprocess
 import sys
-import types
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -11,10 +14,15 @@ import pytest
 
 import megatron_patch
 from megatron_patch import primus as hook
+from uccl_ep_train.compat import primus_turbo as turbo_backend
+from uccl_ep_train.localhost import free_loopback_port
 from uccl_ep_train.recipes import load_recipe
+
+from dist_utils import run_ranks
 
 ROOT = Path(__file__).resolve().parent.parent
 YAML = ROOT / "recipes" / "primus" / "deepseek_v3.yaml"
+STUB = Path(__file__).resolve().parent / "primus_stub"
 
 
 @pytest.fixture
@@ -80,97 +88,114 @@ def test_mini_yaml_parser():
         hook._mini_yaml("a:\n  - 1\n")
 
 
-class FakePrimus:
-    """Primus's patch registry and runner, reduced to what the hook touches."""
 
-    def __init__(self):
-        self.patches = []
-
-    def register_patch(self, patch_id, *, backend=None, phase=None, condition=None, description="", **kw):
-        def deco(fn):
-            self.patches.append(SimpleNamespace(id=patch_id, backend=backend, phase=phase, condition=condition, fn=fn))
-            return fn
-        return deco
-
-    def run(self, phase, params, backend_args=None):
-        ctx = SimpleNamespace(backend="megatron", phase=phase,
-                              extra={"module_config": SimpleNamespace(params=params), "backend_args": backend_args})
-        ran = []
-        for p in self.patches:
-            if p.backend == "megatron" and p.phase == phase and (p.condition is None or p.condition(ctx)):
-                p.fn(ctx)
-                ran.append(p.id)
-        return ran
-
-
+# ---------------------------------------------------------------------------------------------------------
+# our patches under a Primus-like registry and runtime (tests/primus_stub), in this process
+# ---------------------------------------------------------------------------------------------------------
 @pytest.fixture
-def fake_primus(monkeypatch):
-    fp = FakePrimus()
+def stub_primus(monkeypatch):
+    """The stand-in of Primus importable as `primus`, our patches registered with it (through the hook's
+    own import of primus.core.patches), megatron_patch.apply() recorded instead of run, env restored."""
+    monkeypatch.syspath_prepend(str(STUB))
+    before = {n for n in sys.modules if n == "primus" or n.startswith("primus.")}
+    assert not before, f"a real Primus is imported in this process: {sorted(before)}"
+    import primus.cli.main as cli
+    import primus.core.patches as registry
+    monkeypatch.setattr(hook, "_registered", False)
+    assert hook.register() == list(hook.PATCH_IDS)
     applied = []
     monkeypatch.setattr(megatron_patch, "apply", lambda: applied.append(True))
-    saved = dict(os.environ)        # the setup patch exports variables: keep them out of other tests
+    saved = dict(os.environ)        # the build_args patch exports variables: keep them out of other tests
     for k in [k for k in os.environ if k.startswith("UCCL_") or k == "NCCL_MAX_NCHANNELS"]:
         del os.environ[k]
-    fp.applied = applied
-    yield fp
+    yield SimpleNamespace(registry=registry, train=cli.train, applied=applied)
     os.environ.clear()
     os.environ.update(saved)
+    for name in [n for n in sys.modules if n == "primus" or n.startswith("primus.")]:
+        del sys.modules[name]
 
 
-def test_patches_select_uccl_through_primus_phases(fake_primus, overrides, monkeypatch):
+def test_patches_run_in_primus_phase_order_and_select_uccl(stub_primus, overrides, monkeypatch):
     from megatron_patch import settings
     monkeypatch.setattr(settings, "num_sms", None)
-    assert hook.register(fake_primus.register_patch) == list(hook.PATCH_IDS)
-    params = SimpleNamespace(**overrides)
-    # Primus's arg builder keeps only Megatron's keys; a stale flex selection must not survive
-    backend_args = SimpleNamespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True)
-    assert fake_primus.run("setup", params, backend_args) == ["uccl_ep.setup"]
-    assert fake_primus.applied == [True]                       # megatron_patch.apply() registered uccl
+    # a stale DeepEP switch in the experiment must not survive into Megatron's arguments
+    got = stub_primus.train(dict(overrides, moe_enable_deepep=True))
+    assert got["applied"] == [["build_args", "uccl_ep.build_args"], ["before_train", "uccl_ep.before_train"]]
+    assert (got["dispatcher"], got["deepep"]) == ("uccl", False)
+    assert stub_primus.applied == [True]                         # megatron_patch.apply() registered uccl
     assert os.environ["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "8"
     assert settings.num_sms == 24
     assert os.environ["UCCL_EP_BACKEND"] == "auto" and os.environ["UCCL_EP_TIMEOUT_S"] == "300"
-    assert backend_args.moe_token_dispatcher_type == "uccl" and backend_args.moe_enable_deepep is False
-    backend_args.moe_token_dispatcher_type = "flex"            # e.g. another patch switched it
-    assert fake_primus.run("build_args", params, backend_args) == ["uccl_ep.build_args"]
-    assert backend_args.moe_token_dispatcher_type == "uccl"
-    assert fake_primus.run("before_train", params, backend_args) == ["uccl_ep.before_train"]
 
 
-def test_patches_are_inert_without_uccl(fake_primus):
-    hook.register(fake_primus.register_patch)
-    params = SimpleNamespace(moe_token_dispatcher_type="alltoall", use_turbo_deepep=True)
-    backend_args = SimpleNamespace(moe_token_dispatcher_type="flex")
-    for phase in ("setup", "build_args", "before_train"):
-        assert fake_primus.run(phase, params, backend_args) == []
-    assert backend_args.moe_token_dispatcher_type == "flex" and fake_primus.applied == []
+def test_no_patch_between_the_phases_leaves_training_on_another_dispatcher(stub_primus, overrides):
+    """Patches of later phases (setup; before_train at 95, the highest number Primus's own use) switch the
+    dispatcher to alltoall: ours, which runs last in before_train, restores uccl."""
+    def to_alltoall(ctx):
+        ctx.extra["backend_args"].moe_token_dispatcher_type = "alltoall"
+    for phase, priority in (("setup", 50), ("before_train", 95)):
+        stub_primus.registry.register_patch(f"other.{phase}", backend="megatron", phase=phase,
+                                            priority=priority)(to_alltoall)
+    got = stub_primus.train(overrides)
+    assert got["dispatcher"] == "uccl"
+    assert got["applied"][-2:] == [["before_train", "other.before_train"], ["before_train", "uccl_ep.before_train"]]
 
 
-def test_use_uccl_ep_alone_selects_uccl_and_conflicts_are_named(fake_primus):
-    hook.register(fake_primus.register_patch)
-    params = SimpleNamespace(use_uccl_ep=True)
-    args = SimpleNamespace(moe_token_dispatcher_type="alltoall")
-    fake_primus.run("setup", params, args)
-    assert args.moe_token_dispatcher_type == "uccl" and params.moe_token_dispatcher_type == "uccl"
-    with pytest.raises(ValueError, match="use_turbo_deepep"):
-        fake_primus.run("setup", SimpleNamespace(use_uccl_ep=True, use_turbo_deepep=True), args)
+def test_patches_are_inert_without_uccl(stub_primus):
+    got = stub_primus.train({"moe_token_dispatcher_type": "flex", "moe_enable_deepep": True,
+                             "use_turbo_deepep": True, "turbo_sync_free_moe_stage": 2})
+    assert (got["dispatcher"], got["deepep"], got["applied"]) == ("flex", True, [])
+    assert stub_primus.applied == []
+
+
+@pytest.mark.parametrize("setting, named", [
+    ({"use_turbo_deepep": True}, "use_turbo_deepep: true"),
+    ({"turbo_sync_free_moe_stage": 2}, "turbo_sync_free_moe_stage: 2 turns use_turbo_deepep on"),
+    ({"turbo_sync_free_moe_stage": 3}, "turbo_sync_free_moe_stage: 3 turns use_turbo_deepep on"),
+    ({"moe_token_dispatcher_type": "flex"}, "moe_token_dispatcher_type: flex"),
+])
+def test_a_refused_configuration_stops_a_launch_whose_runner_goes_on_after_errors(stub_primus, overrides,
+                                                                                  setting, named):
+    """The stand-in's run_patches, like Primus's, logs an Exception from a patch and goes on: the refusal
+    must still stop the launch, before anything else of ours ran, saying what to set instead."""
+    with pytest.raises(SystemExit, match=named) as stop:
+        stub_primus.train(dict(overrides, **setting))
+    assert stub_primus.applied == []
+    if "turbo" in named:
+        assert f"PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND={turbo_backend.BACKEND_NAME}" in str(stop.value)
+
+
+def test_sync_free_stage_one_keeps_uccl(stub_primus, overrides):
+    """Stage 1 fuses the router and permutation only; DeepEP comes with stage 2."""
+    assert stub_primus.train(dict(overrides, turbo_sync_free_moe_stage=1))["dispatcher"] == "uccl"
+
+
+def test_a_failed_import_stops_the_launch_too(stub_primus, overrides, monkeypatch):
+    def no_megatron():
+        raise ImportError("No module named 'megatron'")
+    monkeypatch.setattr(megatron_patch, "apply", no_megatron)
+    with pytest.raises(SystemExit, match="patch_build_args stopped the launch: No module named 'megatron'"):
+        stub_primus.train(overrides)
+
+
+def test_register_uses_primus_registry_once(stub_primus):
+    """With Primus importable, `register()` uses primus.core.patches.register_patch, once, in phase order."""
+    registry = stub_primus.registry.PATCHES
+    assert [(p[0], p[2]) for p in registry] == [("uccl_ep.build_args", "build_args"),
+                                                 ("uccl_ep.before_train", "before_train")]
+    assert hook.register() == list(hook.PATCH_IDS)
+    assert len(registry) == 2
+    assert registry[1][4] == hook.LAST > 95     # after Primus's own before_train patches
+
+
+def test_pure_checks_name_the_conflicting_key():
+    hook.check_params(SimpleNamespace(use_uccl_ep=True, moe_token_dispatcher_type="alltoall"))
     with pytest.raises(ValueError, match="moe_token_dispatcher_type: flex"):
         hook.check_params(SimpleNamespace(use_uccl_ep=True, moe_token_dispatcher_type="flex"))
+    with pytest.raises(TypeError, match="uccl_ep_env must be a mapping"):
+        hook.check_params({"use_uccl_ep": True, "uccl_ep_env": ["UCCL_IB_GID_INDEX=3"]})
     with pytest.raises(ValueError, match="environment variable name"):
         hook.export_env(SimpleNamespace(uccl_ep_env={"BAD NAME": 1}), environ={})
-
-
-def test_register_with_primus_module_on_import_path(monkeypatch):
-    """With Primus importable, `register()` uses primus.core.patches.register_patch (once)."""
-    fp = FakePrimus()
-    pkgs = {name: types.ModuleType(name) for name in ("primus", "primus.core", "primus.core.patches")}
-    pkgs["primus.core.patches"].register_patch = fp.register_patch
-    for name, mod in pkgs.items():
-        monkeypatch.setitem(sys.modules, name, mod)
-    monkeypatch.setattr(hook, "_registered", False)
-    assert hook.register() == list(hook.PATCH_IDS)
-    assert hook.register() == list(hook.PATCH_IDS)
-    assert [p.id for p in fp.patches] == list(hook.PATCH_IDS)
-    assert [p.phase for p in fp.patches] == ["setup", "build_args", "before_train"]
 
 
 def test_cli_without_primus_says_how_to_get_it():
@@ -181,7 +206,7 @@ def test_cli_without_primus_says_how_to_get_it():
 
 
 def test_real_apply_lets_megatron_take_uccl_from_the_primus_config():
-    """The setup patch's megatron_patch.apply() makes Megatron-LM's parser (which Primus builds its
+    """The build_args patch's megatron_patch.apply() makes Megatron-LM's parser (which Primus builds its
     arguments from) accept the YAML's dispatcher; run in a fresh process (apply() patches megatron)."""
     code = f"""
 import argparse, sys
@@ -190,7 +215,7 @@ sys.path.insert(0, {str(ROOT)!r})
 from megatron_patch import primus as hook
 ov = hook.module_overrides(hook.load_yaml({str(YAML)!r}, environ={{}}))
 ctx = SimpleNamespace(extra={{"module_config": SimpleNamespace(params=SimpleNamespace(**ov)), "backend_args": None}})
-hook.patch_setup(ctx)
+hook.patch_build_args(ctx)
 from megatron.training.arguments import add_megatron_arguments
 p = add_megatron_arguments(argparse.ArgumentParser())
 ns = p.parse_args(["--moe-token-dispatcher-type", ov["moe_token_dispatcher_type"]])
@@ -202,32 +227,187 @@ print("DISPATCHER", ns.moe_token_dispatcher_type)
     assert "DISPATCHER uccl" in res.stdout
 
 
+# ---------------------------------------------------------------------------------------------------------
+# launch: torchrun starts one process per rank, through the module or through the file (primus-cli --script)
+# ---------------------------------------------------------------------------------------------------------
+def _torchrun(target: list[str], config: Path, cwd: Path, pythonpath: str) -> subprocess.CompletedProcess:
+    """2 ranks on this machine, rendezvous on 127.0.0.1, the stand-in of Primus importable."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(free_loopback_port()),
+           *target, "train", "pretrain", "--config", str(config)]
+    env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+def _results(stdout: str) -> list[dict]:
+    rows = [json.loads(line.split(" ", 1)[1]) for line in stdout.splitlines() if line.startswith("PRIMUS_STUB ")]
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+@pytest.mark.parametrize("form", ["module", "file"])
+def test_torchrun_starts_every_rank_through_the_hook(form, tmp_path):
+    """`torchrun -m megatron_patch.primus ...`, and the file run as a script the way `primus-cli direct
+    --script <file>` runs it (from another folder, megatron_patch not on PYTHONPATH: absolute imports and
+    the path fix let the file find its package, and keep it from standing in for `primus`)."""
+    if form == "module":
+        res = _torchrun(["-m", "megatron_patch.primus"], YAML, ROOT, os.pathsep.join((str(STUB), str(ROOT))))
+    else:
+        res = _torchrun([str(ROOT / "megatron_patch" / "primus.py")], YAML, tmp_path, str(STUB))
+    assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
+    got = _results(res.stdout)
+    assert [r["rank"] for r in got] == [0, 1]
+    for r in got:
+        assert (r["dispatcher"], r["deepep"]) == ("uccl", False)
+        assert r["applied"] == [["build_args", "uccl_ep.build_args"], ["before_train", "uccl_ep.before_train"]]
+
+
+def test_torchrun_launch_of_a_refused_configuration_fails_on_every_rank(tmp_path):
+    config = tmp_path / "turbo.yaml"
+    config.write_text(YAML.read_text().replace("use_turbo_deepep: false", "use_turbo_deepep: true"))
+    res = _torchrun(["-m", "megatron_patch.primus"], config, ROOT, os.pathsep.join((str(STUB), str(ROOT))))
+    assert res.returncode != 0
+    assert _results(res.stdout) == []
+    assert res.stderr.count("Training execution failed: megatron_patch.primus: patch_build_args stopped the "
+                            "launch: Primus config: use_turbo_deepep: true") == 2, res.stderr[-4000:]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# with a real Primus checkout: Primus's own runtime drives the phases
+# ---------------------------------------------------------------------------------------------------------
 REAL_PRIMUS = """
-import sys
+import json, sys
 from types import SimpleNamespace
 try:
-    from primus.core.patches import run_patches
+    from primus.backends.megatron.argument_builder import MegatronArgBuilder
+    import primus.core.runtime.train_runtime as runtime_module
+    from primus.core.runtime.train_runtime import PrimusRuntime, TrainContext
+    from primus.core.utils.yaml_utils import dict_to_nested_namespace
 except ImportError:
     sys.exit(3)
 import megatron_patch.primus as hook      # importing registers the patches with Primus
+
+phases = []
+run_patches = runtime_module.run_patches
+def counting(**kw):
+    phases.append([kw["phase"], run_patches(**kw)])
+    return phases[-1][1]
+runtime_module.run_patches = counting
+
+class Adapter:          # Primus's Megatron adapter, less the backend checkout: its argument builder
+    def prepare_backend(self, module_config): pass
+    def convert_config(self, params): return MegatronArgBuilder().update(params).finalize()
+    def load_trainer_class(self, stage="pretrain", **kw): return Trainer
+    def detect_backend_version(self): return None
+
+class Trainer:          # records what training gets
+    seen = None
+    def __init__(self, backend_args, **kw): self.args = backend_args
+    def setup(self): pass
+    def init(self): pass
+    def train(self): Trainer.seen = [self.args.moe_token_dispatcher_type, self.args.moe_enable_deepep]
+    def cleanup(self, on_error=False): pass
+
+def launch(overrides):
+    phases.clear()
+    runtime = PrimusRuntime(SimpleNamespace())
+    module_config = SimpleNamespace(params=dict_to_nested_namespace(overrides), model=None, framework="megatron")
+    runtime.ctx = TrainContext(config_path=None, data_path=None, module_name="pre_trainer", primus_config=None,
+                               module_config=module_config, framework="megatron", adapter=Adapter())
+    try:
+        runtime._initialize_trainer()         # convert, build_args, merge, the trainer
+        runtime._run_trainer_lifecycle()      # setup, trainer setup/init, before_train, train, after_train
+    except SystemExit as e:
+        return {"stopped": str(e), "phases": list(phases)}
+    return {"train": Trainer.seen, "phases": list(phases)}
+
 ov = hook.module_overrides(hook.load_yaml(sys.argv[1], environ={}))
-args = SimpleNamespace(moe_token_dispatcher_type="flex", moe_enable_deepep=True)
-extra = {"module_config": SimpleNamespace(params=SimpleNamespace(**ov)), "backend_args": args}
-applied = [run_patches(backend="megatron", phase=ph, extra=extra, stop_on_error=True)
-           for ph in ("setup", "build_args", "before_train")]
-off = {"module_config": SimpleNamespace(params=SimpleNamespace(moe_token_dispatcher_type="alltoall")),
-       "backend_args": SimpleNamespace(moe_token_dispatcher_type="flex")}
-print("RESULT", applied, args.moe_token_dispatcher_type, args.moe_enable_deepep,
-      run_patches(backend="megatron", phase="build_args", extra=off), off["backend_args"].moe_token_dispatcher_type)
+print("RESULT", json.dumps({"uccl": launch(dict(ov, moe_enable_deepep=True)),
+                            "turbo": launch(dict(ov, use_turbo_deepep=True)),
+                            "sync_free": launch(dict(ov, turbo_sync_free_moe_stage=2)),
+                            "off": launch({"moe_token_dispatcher_type": "alltoall"})}))
 """
 
 
-def test_with_primus_own_patch_runner():
-    """With a Primus checkout on PRIMUS_PATH (or Primus installed), Primus's own run_patches applies ours."""
+def test_with_primus_own_runtime():
+    """With PRIMUS_PATH pointing at an AMD-AGI/Primus checkout (or Primus installed), Primus's PrimusRuntime
+    runs its phases over our patches (its own patches are left out with PRIMUS_PATCHES: they need a GPU
+    Megatron setup): uccl reaches training, and a refused configuration stops it at the first phase although
+    Primus's run_patches carries on after a patch's Exception."""
     path = os.pathsep.join(p for p in (os.environ.get("PRIMUS_PATH"), str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore", "PRIMUS_PATCHES": ",".join(hook.PATCH_IDS)}
     res = subprocess.run([sys.executable, "-c", REAL_PRIMUS, str(YAML)], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "PYTHONPATH": path, "PYTHONWARNINGS": "ignore"})
+                         timeout=300, env=env)
     if res.returncode == 3:
         pytest.skip("Primus is not importable (set PRIMUS_PATH to an AMD-AGI/Primus checkout)")
     assert res.returncode == 0, res.stderr[-3000:]
-    assert "RESULT [1, 1, 1] uccl False 0 flex" in res.stdout
+    got = json.loads(res.stdout.split("RESULT ", 1)[1])
+    order = [["build_args", 1], ["setup", 0], ["before_train", 1], ["after_train", 0]]
+    assert got["uccl"] == {"train": ["uccl", False], "phases": order}
+    for case, key in (("turbo", "use_turbo_deepep: true"), ("sync_free", "turbo_sync_free_moe_stage: 2")):
+        assert key in got[case]["stopped"] and got[case]["phases"] == [], got[case]
+    assert got["off"] == {"train": ["alltoall", False], "phases": [[p, 0] for p, _ in order]}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Primus-Turbo's DeepEP dispatcher on our Buffer: as UCCL_EP (registered), or as DEEP_EP (our deep_ep)
+# ---------------------------------------------------------------------------------------------------------
+def test_importing_the_hook_registers_the_backend_where_primus_turbo_is():
+    assert turbo_backend.register() is False                     # no Primus-Turbo in this environment
+    code = ("import megatron_patch.primus\n"
+            "from primus_turbo.pytorch.kernels.moe.moe_dispatch_combine_impl import _REGISTRY\n"
+            "print(sorted((k, v.__module__ + '.' + v.__name__) for k, v in _REGISTRY.items()))")
+    res = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join((str(STUB), str(ROOT)))})
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip() == str([("DEEP_EP", "primus_turbo.pytorch.kernels.moe.moe_dispatch_combine_impl."
+                                                  "DeepEPRoute"),
+                                      ("UCCL_EP", "uccl_ep_train.compat.primus_turbo.UcclEPBackend")])
+
+
+def _turbo_route(rank: int, world: int, device: str, name: str) -> dict:
+    """Primus-Turbo's calls, in its order: dispatch (forward), combine (forward), the cached dispatch of the
+    combine's backward, the weighted combine of the dispatch's backward, and a worst-case sized dispatch."""
+    import torch
+    import torch.distributed as dist
+    sys.path.insert(0, str(STUB))
+    os.environ["PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND"] = name.lower()   # Primus-Turbo upper-cases it
+    from uccl_ep_train.compat import install_deep_ep
+    install_deep_ep(patch_megatron=False)          # `import deep_ep` finds ours (docs/deep_ep.md)
+    from primus_turbo.pytorch.kernels.moe import moe_dispatch_combine_impl as turbo
+    assert turbo_backend.register()                # what importing megatron_patch.primus does
+
+    turbo.set_buffer_global_config(num_use_cu=8)
+    group = dist.group.WORLD
+    tokens, hidden, experts, topk = 6, 16, 4, 2
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(tokens, hidden, generator=gen)
+    idx = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    idx[0, 1] = -1
+    w = torch.rand(tokens, topk, generator=gen).masked_fill(idx < 0, 0)
+    dest_ranks = torch.stack([(idx // (experts // world) == r).any(1) for r in range(world)], 1).sum(1)
+
+    recv_x, recv_idx, recv_w, per_expert, handle = turbo.moe_dispatch_impl(
+        x, group, None, topk_idx=idx, token_weights=w, num_experts=experts, async_finish=True,
+        allocate_on_comm_stream=True)
+    assert sum(per_expert) == int((recv_idx >= 0).sum())
+    back, _ = turbo.moe_combine_impl(recv_x, group, handle, async_finish=True, allocate_on_comm_stream=True)
+    assert torch.allclose(back, x * dest_ranks[:, None], atol=1e-6)
+    again = turbo.moe_dispatch_impl(x, group, handle, async_finish=True)[0]
+    assert torch.equal(again, recv_x)
+    _, grad_w = turbo.moe_combine_impl(recv_x, group, handle, topk_weights=recv_w)
+    assert torch.allclose(grad_w, w)            # each expert lives on one rank: every weight comes back once
+    worst = tokens * world
+    padded_x, _, _, _, padded_handle = turbo.moe_dispatch_impl(x, group, None, topk_idx=idx, token_weights=w,
+                                                               num_experts=experts, num_worst_tokens=worst)
+    assert padded_x.size(0) == worst
+    assert torch.allclose(turbo.moe_combine_impl(padded_x, group, padded_handle)[0], back, atol=1e-6)
+    backend = turbo.backend()
+    return {"backend": type(backend).__name__, "buffer": type(backend._buffer).__module__}
+
+
+@pytest.mark.parametrize("name, backend", [("UCCL_EP", "UcclEPBackend"), ("DEEP_EP", "DeepEPRoute")])
+def test_primus_turbo_dispatch_and_combine_on_our_buffer(name, backend):
+    """2 CPU ranks (gloo): UCCL_EP is ours, registered by the hook; DEEP_EP is Primus-Turbo's own backend
+    on `deep_ep`, which our deep_ep serves (what USING_UEP=1 selects)."""
+    for got in run_ranks(_turbo_route, 2, name):
+        assert got == {"backend": backend, "buffer": "uccl_ep_train.buffer"}

@@ -6,6 +6,9 @@ Two ways to opt in (a real DeepEP installation is never touched otherwise):
 - `uccl_ep_train.compat.install_deep_ep()` registers it in `sys.modules` in-process and, if megatron-core's
   fused_a2a was already imported without DeepEP, re-binds it so the flex dispatcher's `deepep` backend runs
   on ours.
+
+`compat.primus_turbo` is the other shape of the same offer: an EP backend that Primus-Turbo's dispatch/combine
+selects by name (UCCL_EP), registered with its `register_ep_backend`.
 """
 from __future__ import annotations
 
