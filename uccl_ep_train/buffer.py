@@ -106,12 +106,13 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
 def _make_low_latency_backend(buffer: "Buffer") -> Optional[Backend]:
     """The native LL backend when the Buffer is in low-latency mode on a native HT backend and the module has
     the LL kernels; None otherwise (LL calls then go to the reference backend)."""
-    if not buffer.low_latency_mode or buffer.backend_name != "native" or buffer.num_rdma_bytes == 0:
+    if not buffer.low_latency_mode or buffer.backend_name != "native":
         return None
     from .backends.low_latency import NativeLowLatencyBackend, low_latency_available
 
-    if not low_latency_available():
-        return None
+    smallest = low_latency_layout(1, FP8_BLOCK, buffer.group_size, buffer.group_size).total_bytes
+    if not low_latency_available() or buffer.num_rdma_bytes < smallest:  # too small for any LL call: the
+        return None                                                       # calls raise the size they need
     return NativeLowLatencyBackend(buffer.group, buffer.rank, buffer.group_size, buffer.id, buffer.num_nvl_bytes,
                                    buffer.num_rdma_bytes, buffer.device, topology=buffer.topology)
 

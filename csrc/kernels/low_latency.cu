@@ -177,9 +177,10 @@ __device__ __forceinline__ uint32_t to_e4m3(float v, bool fnuz) {
 }
 
 // Scale of a 128-channel block: amax / fp8 max (at least 1e-4 / max), rounded up to a power of two with
-// round_scale. As uccl_ep_train/fp8.py's per_token_cast_to_fp8.
+// round_scale. As uccl_ep_train/fp8.py's per_token_cast_to_fp8 computes it on a GPU, bit for bit: torch
+// divides by a scalar as a multiplication by its float reciprocal.
 __device__ __forceinline__ float fp8_scale(float amax, bool fnuz, bool round_scale) {
-  float s = __fdiv_rn(fmaxf(amax, 1e-4f), fnuz ? 240.f : 448.f);
+  float s = fmaxf(amax, 1e-4f) * (fnuz ? 1.0f / 240.f : 1.0f / 448.f);
   if (round_scale) {
     const uint32_t b = __float_as_uint(s);
     if (b & 0x7fffffu) s = __uint_as_float(((b >> 23) + 1u) << 23);
