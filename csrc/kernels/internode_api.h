@@ -27,6 +27,8 @@
 #include <string>
 #include <vector>
 
+#include "proxy/ring.h"
+
 namespace uccl_ep::internode {
 
 struct Common;  // kernel arguments every launch shares (internode_launch.cuh)
@@ -125,10 +127,6 @@ class InternodeBuffer {
   int rank() const { return rank_; }
 
  private:
-  struct RingFields {  // a proxy ring's device descriptor (uccl::RingDesc) as Python hands it over
-    uint64_t slots, claim, tail_cache, tail, flushed, echo;
-    uint32_t capacity, publish;
-  };
   void check_ready(const char* what) const;
   Common common() const;
   // The tables of one call: this rank's layout, and where its rows land on each RDMA peer; returns the rows
@@ -149,7 +147,7 @@ class InternodeBuffer {
   void* err_dev_ = nullptr;
   void* notified_ = nullptr;            // event after the last notify kernel
   void* copy_stream_ = nullptr;         // the count rows' copy to the host (off the caller's stream)
-  std::vector<RingFields> rings_;
+  std::vector<uccl::RingDesc> rings_;
   int64_t timeout_cycles_ = 0;
   double timeout_s_ = 0;
   // Counters every rank advances identically (host side; the kernels take their current values).

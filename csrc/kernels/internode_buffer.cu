@@ -1,5 +1,6 @@
 // InternodeBuffer: one rank's NVL buffer (IPC-shared in its node), RDMA region and flag region (both
 // registered with the CPU proxies by Python), and the launchers of the internode ops (internode_api.h).
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <sstream>
@@ -181,8 +182,9 @@ void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) 
   rings_.clear();
   for (const auto& r : rings) {
     UCCL_CHECK(r.size() == 8, "internode buffer: a ring descriptor has 8 fields, got " << r.size());
-    rings_.push_back(RingFields{uint64_t(r[0]), uint64_t(r[1]), uint64_t(r[2]), uint64_t(r[3]), uint64_t(r[4]),
-                          uint64_t(r[5]), uint32_t(r[6]), uint32_t(r[7])});
+    int64_t f[8];
+    std::copy(r.begin(), r.end(), f);
+    rings_.push_back(uccl::ring_desc_from(f));
   }
 }
 
@@ -231,19 +233,7 @@ Common InternodeBuffer::common() const {
   c.claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
   c.flags = static_cast<uint64_t*>(flags_dev_);
   c.rings.n = (int)rings_.size();
-  for (size_t i = 0; i < rings_.size(); ++i) {
-    const RingFields& r = rings_[i];
-    uccl::RingDesc& d = c.rings.r[i];
-    d.slots = reinterpret_cast<uccl::Command*>(r.slots);
-    d.claim = reinterpret_cast<unsigned long long*>(r.claim);
-    d.tail_cache = reinterpret_cast<unsigned long long*>(r.tail_cache);
-    d.tail = reinterpret_cast<unsigned long long*>(r.tail);
-    d.flushed = reinterpret_cast<unsigned long long*>(r.flushed);
-    d.echo = reinterpret_cast<unsigned long long*>(r.echo);
-    d.capacity = r.capacity;
-    d.mask = r.capacity - 1;
-    d.publish = r.publish;
-  }
+  for (size_t i = 0; i < rings_.size(); ++i) c.rings.r[i] = rings_[i];
   // one data channel per ring (channel 0, control, shares ring 0), at most the 63 non-control channels
   c.data_channels = std::min<int>((int)rings_.size(), uccl::kMaxChannels - 1);
   for (int j = 0; j < ranks_per_node_; ++j) c.nvl[j] = static_cast<char*>(peers_[j]);

@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "common/portability.h"
+#include "proxy/ring.h"
 
 namespace uccl_ep::low_latency {
 
@@ -47,11 +48,6 @@ constexpr int kLayoutFields = 16;
 // (pinned, GPU-mapped), error record; launchers for the four kernels.
 class LowLatencyBuffer {
  public:
-  struct RingFields {  // a proxy ring's device descriptor (uccl::RingDesc) as Python hands it over
-    uint64_t slots, claim, tail_cache, tail, flushed, echo;
-    uint32_t capacity, publish;
-  };
-
   LowLatencyBuffer(int device, int rank, int num_ranks, int ranks_per_node, int64_t bytes, int64_t flag_words,
                    int num_blocks, double timeout_s);
   ~LowLatencyBuffer();
@@ -103,7 +99,7 @@ class LowLatencyBuffer {
   void* err_dev_ = nullptr;
   void* peers_[kMaxLocal] = {};
   bool opened_ = false;
-  std::vector<RingFields> rings_;
+  std::vector<uccl::RingDesc> rings_;
 };
 
 }  // namespace uccl_ep::low_latency

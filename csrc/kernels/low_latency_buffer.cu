@@ -1,5 +1,6 @@
 // LowLatencyBuffer: one rank's low-latency regions (shared: IPC-exported and registered with the proxies;
 // local; host flags), its error record, and the launchers of the four LL kernels (low_latency_api.h).
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 
@@ -105,8 +106,9 @@ void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings)
   rings_.clear();
   for (const auto& r : rings) {
     UCCL_CHECK(r.size() == 8, "low-latency buffer: a ring descriptor has 8 fields, got " << r.size());
-    rings_.push_back(RingFields{uint64_t(r[0]), uint64_t(r[1]), uint64_t(r[2]), uint64_t(r[3]), uint64_t(r[4]),
-                                uint64_t(r[5]), uint32_t(r[6]), uint32_t(r[7])});
+    int64_t f[8];
+    std::copy(r.begin(), r.end(), f);
+    rings_.push_back(uccl::ring_desc_from(f));
   }
 }
 
@@ -183,19 +185,7 @@ Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_exp
   a.host_flags = static_cast<uint64_t*>(flags_dev_);
   for (int j = 0; j < ranks_per_node_; ++j) a.peers[j] = static_cast<char*>(peers_[j]);
   a.rings.n = (int)rings_.size();
-  for (size_t i = 0; i < rings_.size(); ++i) {
-    const RingFields& r = rings_[i];
-    uccl::RingDesc& d = a.rings.r[i];
-    d.slots = reinterpret_cast<uccl::Command*>(r.slots);
-    d.claim = reinterpret_cast<unsigned long long*>(r.claim);
-    d.tail_cache = reinterpret_cast<unsigned long long*>(r.tail_cache);
-    d.tail = reinterpret_cast<unsigned long long*>(r.tail);
-    d.flushed = reinterpret_cast<unsigned long long*>(r.flushed);
-    d.echo = reinterpret_cast<unsigned long long*>(r.echo);
-    d.capacity = r.capacity;
-    d.mask = r.capacity - 1;
-    d.publish = r.publish;
-  }
+  for (size_t i = 0; i < rings_.size(); ++i) a.rings.r[i] = rings_[i];
   return a;
 }
 

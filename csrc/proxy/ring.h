@@ -103,6 +103,22 @@ struct RingDesc {
   uint32_t publish;                // RingPublish: how producers publish and the consumer reads slots
 };
 
+// A ring's device descriptor from the 8 integers Python hands over (ProxyGroup.ring_desc(device=True): slots,
+// claim, tail_cache, tail, flushed, echo, capacity, publish), as the kernels' launchers store it.
+inline RingDesc ring_desc_from(const int64_t (&f)[8]) {
+  RingDesc d;
+  d.slots = reinterpret_cast<Command*>(f[0]);
+  d.claim = reinterpret_cast<unsigned long long*>(f[1]);
+  d.tail_cache = reinterpret_cast<unsigned long long*>(f[2]);
+  d.tail = reinterpret_cast<unsigned long long*>(f[3]);
+  d.flushed = reinterpret_cast<unsigned long long*>(f[4]);
+  d.echo = reinterpret_cast<unsigned long long*>(f[5]);
+  d.capacity = uint32_t(f[6]);
+  d.mask = uint32_t(f[6]) - 1;
+  d.publish = uint32_t(f[7]);
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------------------
 // Memory-order primitives (device: system scope; host: GCC atomics)
 UCCL_HOST_DEVICE UCCL_FORCEINLINE unsigned long long ring_load_acquire_sys(const unsigned long long* p) {
