@@ -34,7 +34,8 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend, WithoutLowLatency
-from .native import SharesMemoryWithPeers, _module, check_same_shape, quiesce, shape_header
+from .native import (SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce, recorded_errors,
+                     shape_header)
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -51,13 +52,9 @@ _DTYPE_CODES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 def internode_available() -> bool:
     """True when the native module has the internode kernels and proxies, and a GPU is visible."""
-    try:
-        m = _module()
-    except ImportError:
-        return False
     from .. import proxy
 
-    return hasattr(m, "InternodeBuffer") and proxy.available() and torch.cuda.is_available()
+    return module_serves("InternodeBuffer") and proxy.available()
 
 
 @dataclass
@@ -164,12 +161,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
             raise RuntimeError(f"native internode backend: unusable after an earlier error: {self._failed}")
         if self._buf is None:
             raise RuntimeError("native internode backend: destroyed")
-        msgs = [self._buf.error()]
-        try:
-            self._proxy.check()
-        except RuntimeError as exc:  # a rejected command or a dead transport, often the cause of a timeout
-            msgs.append(f"proxy: {exc}")
-        msg = "; ".join(m for m in msgs if m)
+        msg = recorded_errors(self._buf, self._proxy)
         if msg:
             self._failed = msg
             raise RuntimeError(f"native internode backend: {msg}")

@@ -104,13 +104,9 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
 def low_latency_available() -> bool:
     """True when the native module has the LL kernels and a GPU is visible."""
-    from .native import _module
+    from .native import module_serves
 
-    try:
-        m = _module()
-    except ImportError:
-        return False
-    return hasattr(m, "LowLatencyBuffer") and torch.cuda.is_available()
+    return module_serves("LowLatencyBuffer")
 
 
 @dataclass
@@ -208,13 +204,9 @@ class NativeLowLatencyBackend(Backend):
             raise RuntimeError(f"native low-latency kernels: unusable after an earlier error: {self._failed}")
         if self._buf is None:
             raise RuntimeError("native low-latency kernels: destroyed")
-        msgs = [self._buf.error()]
-        if self._proxy is not None:
-            try:
-                self._proxy.check()
-            except RuntimeError as exc:
-                msgs.append(f"proxy: {exc}")
-        msg = "; ".join(m for m in msgs if m)
+        from .native import recorded_errors
+
+        msg = recorded_errors(self._buf, self._proxy)
         if msg:
             self._failed = msg
             raise RuntimeError(f"native low-latency kernels: {msg}")

@@ -92,13 +92,30 @@ def _module():
     return _native
 
 
-def native_available() -> bool:
-    """True when the native module has the intranode kernels and a CUDA/HIP GPU is visible."""
+def module_serves(kernels: str) -> bool:
+    """True when the native module loads, was built with `kernels` (its buffer class: IntranodeBuffer,
+    InternodeBuffer, LowLatencyBuffer) and a CUDA/HIP GPU is visible."""
     try:
         m = _module()
     except ImportError:
         return False
-    return hasattr(m, "IntranodeBuffer") and torch.cuda.is_available()
+    return hasattr(m, kernels) and torch.cuda.is_available()
+
+
+def native_available() -> bool:
+    """True when the native module has the intranode kernels and a CUDA/HIP GPU is visible."""
+    return module_serves("IntranodeBuffer")
+
+
+def recorded_errors(buf, proxy) -> str:
+    """What a native buffer's kernels and its proxies (None: none) recorded, joined; "" when nothing."""
+    msgs = [buf.error()]
+    if proxy is not None:
+        try:
+            proxy.check()
+        except RuntimeError as exc:  # a rejected command or a dead transport, often the cause of a timeout
+            msgs.append(f"proxy: {exc}")
+    return "; ".join(m for m in msgs if m)
 
 
 def native_problem() -> str:
