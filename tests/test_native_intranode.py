@@ -231,3 +231,47 @@ def test_native_wait_times_out_with_message(mps):
         pytest.skip("native module built without intranode kernels")
     results = run_ranks(_timeout, 2, timeout=300, **gpu_ranks(2))
     assert "timeout on rank 0" in results[0] and "rank 0 reported it" in results[1]
+
+
+def _streams(rank, world, device):
+    """Synchronous calls return no event and run on the current stream; one on a second stream moves the
+    Buffer to its comm stream, which first waits for the calls issued on the first (results stay exact)."""
+    group = dist.new_group(list(range(world)))
+    ref, nat = _make_buffers(group)
+    x, idx, w = _inputs(rank, 257, 512, 4, 8 * world, 0.1, None, 11, world)
+    x, idx, w = x.cuda(), idx.cuda(), w.cuda()
+
+    def round_trip(buf):
+        per_rank, _, per_expert, in_rank, ev = buf.get_dispatch_layout(idx, 8 * world)
+        recv_x, _, recv_w, _, handle, ev2 = buf.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                                         num_tokens_per_expert=per_expert, topk_idx=idx,
+                                                         topk_weights=w, previous_event=ev)
+        out, _, ev3 = buf.combine(recv_x, handle, topk_weights=recv_w)
+        return recv_x, out, (ev, ev2, ev3)
+
+    want_x, want_out, _ = round_trip(ref)
+    got_x, got_out, events = round_trip(nat)
+    assert all(e.event is None for e in events), "a synchronous call returned an event (DeepEP returns none)"
+    assert not nat._comm_used
+    _same(got_x, want_x, "dispatch on the current stream")
+    _same(got_out, want_out, "combine on the current stream")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        got_x, got_out, _ = round_trip(nat)
+    torch.cuda.current_stream().wait_stream(side)
+    assert nat._comm_used, "a synchronous call on a second stream must move the Buffer to its comm stream"
+    _same(got_x, want_x, "dispatch on a second stream")
+    _same(got_out, want_out, "combine on a second stream")
+    torch.cuda.synchronize()
+    ref.destroy()
+    nat.destroy()
+    return True
+
+
+def test_synchronous_calls_follow_the_current_stream(mps):
+    from uccl_ep_train.backends.native import native_available
+
+    if not native_available():
+        pytest.skip("native module built without intranode kernels")
+    assert all(run_ranks(_streams, 2, timeout=300, **gpu_ranks(2)))

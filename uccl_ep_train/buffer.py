@@ -26,7 +26,7 @@ from . import validation as V
 from .backends.base import Backend
 from .backends.low_latency import low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
-from .events import EventHandle, EventOverlap, capturing
+from .events import EventHandle, EventOverlap, capturing, current_raw_stream
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
@@ -189,7 +189,9 @@ class Buffer:
         self._sequence = agreement.next_sequence(group)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
-        self._sync_event: Optional[EventHandle] = None  # after the last call run on the current stream
+        # the stream synchronous calls run on until the comm stream is first used (see _run), and its handle
+        self._sync_stream: Optional[torch.cuda.Stream] = None
+        self._sync_raw = 0
         self.topology: Topology = detect_topology(group)  # collective: before the backend, which needs it
         # collective: the same settings on every rank (else the same error on every rank), before any data moves
         agreement.agree(group, self.device, self._sequence, {
@@ -336,39 +338,46 @@ class Buffer:
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")
+        if previous_event is not None and previous_event.event is None:
+            previous_event = None  # a synchronous call's (DeepEP's EventOverlap(None)): already in stream order
         if checks is not None and not V.host_value_checks(self.backend.checks_values_on_device):
             checks = None
         if self._comm_stream is not None and capturing():
             # In a CUDA graph every call runs on the capturing stream (the graph orders it; a side stream
             # would need a fork and join per call); previous_event is waited on there.
-            if previous_event is not None and previous_event.event is not None:
+            if previous_event is not None:
                 previous_event.event.current_stream_wait()
             return fn(), EventOverlap(EventHandle(), None)
         if self._comm_stream is None:  # CPU ranks: the work is complete when fn returns
-            if previous_event is not None and previous_event.event is not None:
+            if previous_event is not None:
                 previous_event.event.current_stream_wait()
             if checks is not None:
                 checks()
             return fn(), EventOverlap(EventHandle(), None)
         if previous_event is None and not async_finish and not self._comm_used:
             # Synchronous calls of a Buffer that never overlapped run on the current stream: the same order as
-            # comm stream + wait, without the stream switch, event and per-tensor record_stream that would
-            # sit on the host's critical path. Once a call used the comm stream, every call does (ops on one
-            # Buffer must not run concurrently, and tensors may be owned by either stream).
+            # comm stream + wait, without the stream switch, events and per-tensor record_stream that would
+            # sit on the host's critical path. As in DeepEP, such a call returns no event (its work is already
+            # in the current stream's order). Once a call uses the comm stream, every call does (ops on one
+            # Buffer must not run concurrently, and tensors may be owned by either stream); so does a
+            # synchronous call on a second stream, the comm stream then waiting for the first one.
             if torch.cuda.current_device() != self.device.index:
                 with torch.cuda.device(self.device):  # the kernels take the current stream of their device
                     return self._run(fn, inputs, None, False, allocate_on_comm_stream, checks)
-            if checks is not None:
-                checks()
-            result = fn()
-            self._sync_event = EventHandle()  # after the kernels: the comm stream's first use waits for it
-            return result, EventOverlap(self._sync_event, None)
+            raw = current_raw_stream()
+            if self._sync_stream is None:
+                self._sync_stream, self._sync_raw = torch.cuda.current_stream(), raw  # once per Buffer
+            if raw == self._sync_raw:
+                if checks is not None:
+                    checks()
+                return fn(), EventOverlap(None, None)
         compute = torch.cuda.current_stream()
         comm = self._comm_stream
-        if not self._comm_used and self._sync_event is not None:
-            self._sync_event.stream_wait(comm)  # ops of this Buffer issued on the current stream come first
+        if not self._comm_used and self._sync_stream is not None:
+            comm.wait_stream(self._sync_stream)  # ops of this Buffer issued on the current stream come first
+            self._sync_stream = None
         self._comm_used = True
-        if previous_event is not None and previous_event.event is not None:
+        if previous_event is not None:
             previous_event.event.stream_wait(comm)
         else:
             comm.wait_stream(compute)

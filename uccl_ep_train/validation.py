@@ -73,7 +73,8 @@ def check_tensor(t: Any, arg: str, dtypes: Sequence[torch.dtype], ndim: int, con
 def check_device(t: Optional[torch.Tensor], arg: str, device: torch.device) -> None:
     if t is None:
         return
-    if t.device.type != device.type or (device.type == "cuda" and t.device.index != device.index):
+    # is_cuda / get_device(): no torch.device object per check (on every call's host path)
+    if not (t.get_device() == device.index and t.is_cuda if device.type == "cuda" else t.is_cpu):
         raise ValueError(f"{arg}: is on {t.device}, expected {device} like the Buffer")
 
 
