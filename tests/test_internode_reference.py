@@ -268,15 +268,15 @@ def test_backend_choice_across_nodes(monkeypatch):
     from uccl_ep_train.buffer import _make_backend
 
     class FakeInternode:
-        def __init__(self, *args, topology):
-            self.args, self.topology = args, topology
+        def __init__(self, *args, topology, proxy_groups):
+            self.args, self.topology, self.proxy_groups = args, topology, proxy_groups
 
     fake = types.ModuleType("uccl_ep_train.backends.internode")
     fake.NativeInternodeBackend, fake.internode_available = FakeInternode, lambda: False
     monkeypatch.setitem(sys.modules, "uccl_ep_train.backends.internode", fake)
     monkeypatch.setattr(native, "native_available", lambda: True)
     topo, device = Topology(4, 2), torch.device("cuda", 0)
-    args = (None, 0, 4, 1, 0, 0, device, topo)
+    args = (None, 0, 4, 1, 0, 0, device, topo, False)
     monkeypatch.setenv("UCCL_EP_BACKEND", "native")
     with pytest.raises(RuntimeError, match="span 2 nodes .*without the internode path"):
         _make_backend(*args)
@@ -287,18 +287,26 @@ def test_backend_choice_across_nodes(monkeypatch):
         monkeypatch.setenv("UCCL_EP_BACKEND", choice)
         chosen = _make_backend(*args)
         assert isinstance(chosen, FakeInternode) and chosen.topology is topo and chosen.args[-1] == device
+        assert chosen.proxy_groups == 1
+    # a low-latency Buffer's ranks also run the LL calls' proxies: the HT backend counts them
+    assert _make_backend(*args[:-1], True).proxy_groups == 2
 
 
 def test_proxy_threads_of_ranks_sharing_a_gpu(monkeypatch):
     """Emulated nodes: each proxy thread brings a spinning copy agent, so a rank's share of the cores holds
-    (share - 1) / 2 threads; unpinned; UCCL_EP_PROXY_THREADS wins; a GPU of its own changes nothing."""
+    (share - 1) / 2 threads, divided between its proxy groups; unpinned; UCCL_EP_PROXY_THREADS wins; a GPU of
+    its own changes nothing."""
     from uccl_ep_train.backends.internode import _shared_gpu_proxy_options
 
     monkeypatch.delenv("UCCL_EP_PROXY_THREADS", raising=False)
-    assert _shared_gpu_proxy_options(1, 16) == {}
-    assert _shared_gpu_proxy_options(2, 16) == {"pin_threads": False, "num_threads": 3}
-    assert _shared_gpu_proxy_options(4, 16) == {"pin_threads": False, "num_threads": 1}
-    assert _shared_gpu_proxy_options(4, 2) == {"pin_threads": False, "num_threads": 1}
-    assert _shared_gpu_proxy_options(2, 128) == {"pin_threads": False, "num_threads": 4}
+    assert _shared_gpu_proxy_options(1, 16, 1) == {}
+    assert _shared_gpu_proxy_options(2, 16, 1) == {"pin_threads": False, "num_threads": 3}
+    assert _shared_gpu_proxy_options(2, 16, 2) == {"pin_threads": False, "num_threads": 1}
+    assert _shared_gpu_proxy_options(4, 16, 1) == {"pin_threads": False, "num_threads": 1}
+    assert _shared_gpu_proxy_options(4, 2, 1) == {"pin_threads": False, "num_threads": 1}
+    assert _shared_gpu_proxy_options(2, 128, 1) == {"pin_threads": False, "num_threads": 4}
+    assert _shared_gpu_proxy_options(2, 128, 2) == {"pin_threads": False, "num_threads": 4}
+    assert _shared_gpu_proxy_options(2, 40, 2) == {"pin_threads": False, "num_threads": 4}
+    assert _shared_gpu_proxy_options(2, 24, 2) == {"pin_threads": False, "num_threads": 2}
     monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "2")
-    assert _shared_gpu_proxy_options(4, 16) == {"pin_threads": False}
+    assert _shared_gpu_proxy_options(4, 16, 1) == {"pin_threads": False}

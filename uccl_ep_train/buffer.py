@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import agreement
 from . import validation as V
 from .backends.base import Backend
-from .backends.low_latency import low_latency_layout
+from .backends.low_latency import PROXY_GROUPS, low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
 from .events import EventHandle, EventOverlap, capturing, current_raw_stream
 from .fp8 import FP8_BLOCK
@@ -68,7 +68,7 @@ def _warn_without_native_kernels() -> None:
 
 
 def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
-                  topology: Topology) -> Backend:
+                  topology: Topology, low_latency_mode: bool) -> Backend:
     choice = os.environ.get("UCCL_EP_BACKEND", "auto").lower()
     if choice not in ("auto", "reference", "native"):
         raise ValueError(f"UCCL_EP_BACKEND must be auto, reference or native, got {choice!r}")
@@ -90,7 +90,7 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
                 internode, why = _native_internode_backend()
                 if internode is not None:
                     return internode(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
-                                     topology=topology)
+                                     topology=topology, proxy_groups=PROXY_GROUPS if low_latency_mode else 1)
                 if choice == "native":
                     raise RuntimeError(f"UCCL_EP_BACKEND=native but the ranks span {topology.num_nodes} nodes "
                                        f"({topology.ranks_per_node} ranks each) and {why}; use "
@@ -199,7 +199,7 @@ class Buffer:
             "low_latency_mode": self.low_latency_mode, "num_qps_per_rank": self.num_qps_per_rank})
         self._backend: Optional[Backend] = _make_backend(group, self.rank, self.group_size, self.id,
                                                          self.num_nvl_bytes, self.num_rdma_bytes, self.device,
-                                                         self.topology)
+                                                         self.topology, self.low_latency_mode)
         self.backend_name = self._backend.name
         # LL calls: the native LL kernels beside a native HT backend (collective, so made here), else the
         # reference backend, made on first use

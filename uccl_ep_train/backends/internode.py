@@ -73,7 +73,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
     capture_refusal = ("its kernels take per-call op numbers from the host and its proxies are driven call by call "
                        "(capture-safe calls: the native backend on one node)")
 
-    def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology):
+    def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology,
+                 proxy_groups: int = 1):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
         if not topology.internode:
             raise ValueError("NativeInternodeBackend: the topology has one node; use the intranode backend")
@@ -98,7 +99,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         sizes: list = [None] * num_ranks
         dist.all_gather_object(sizes, (int(num_nvl_bytes), int(num_rdma_bytes), len(os.sched_getaffinity(0))),
                                group=group)  # (UCCL_EP_RDMA_CHUNK_BYTES agrees: Buffer checked it, agreement.py)
-        self._proxy_options = _shared_gpu_proxy_options(per_gpu, min(s[2] for s in sizes))
+        self._proxy_options = _shared_gpu_proxy_options(per_gpu, min(s[2] for s in sizes), proxy_groups)
         self._buf = None
         self._proxy = None
         self._failed: Optional[str] = None
@@ -368,20 +369,22 @@ def rdma_bytes_needed(num_tokens: int, hidden_bytes: int, num_ranks: int, ranks_
                for xb, yb in ((hidden_bytes, 0), (0, hidden_bytes)))
 
 
-def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int) -> dict:
+def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int, proxy_groups: int) -> dict:
     """Proxy options when ranks share a GPU (emulated nodes): every rank's proxy threads spin, so pinning them
     (each rank would take the same cores near the GPU) or running more of them than the cores hold makes
     spinners time-slice one core, at milliseconds per command. Then: no pinning, and as many threads as a
     rank's share of the cores holds, counting each thread's ipc copy agent (a process that spins while copies
-    come) and the rank's own thread: (cpus / ranks per GPU - 1) / 2, at most 4, unless
-    UCCL_EP_PROXY_THREADS says otherwise. Measured on 16 cores, 2 x 2 emulated ranks, BF16 dispatch: 1
-    thread 37 GB/s, 2 threads 12 GB/s. `cpus`: the fewest any rank may run on (every rank must run as many
-    threads)."""
+    come), the rank's own thread and every proxy group the rank runs (`proxy_groups`: 2 for a low-latency
+    Buffer, whose LL calls have proxies of their own): (cpus / ranks per GPU - 1) / (2 x groups), at least 1,
+    at most 4, unless UCCL_EP_PROXY_THREADS says otherwise. Measured on 16 cores, 2 x 2 emulated ranks, BF16
+    dispatch: 1 thread 37 GB/s, 2 threads 12 GB/s; 2 x 1 LL dispatch (one H100, 2 groups per rank): 3 threads
+    per group, the write landed 3-7 ms after the send kernel; 1 thread, 11 µs. `cpus`: the fewest any rank
+    may run on (every rank must run as many threads)."""
     if ranks_per_gpu <= 1:
         return {}
     options: dict = {"pin_threads": False}
     if "UCCL_EP_PROXY_THREADS" not in os.environ:
-        options["num_threads"] = max(1, min(4, (cpus // ranks_per_gpu - 1) // 2))
+        options["num_threads"] = max(1, min(4, (cpus // ranks_per_gpu - 1) // (2 * proxy_groups)))
     return options
 
 

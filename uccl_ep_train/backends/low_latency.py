@@ -31,6 +31,9 @@ _ERROR_WORDS = 4096  # the region starts with the kernels' claim word and error 
 _COUNTERS_BYTES = 12288  # counters the kernels keep, at the same place for every shape
 _SIGNALS = _ERROR_WORDS + _COUNTERS_BYTES
 _PROXY_REACH = 1 << 32  # a proxy command's offsets are 32-bit
+# Proxy groups a rank of a low-latency Buffer runs across nodes: the HT backend's and the LL calls' own (each
+# with its threads and ipc copy agents; _shared_gpu_proxy_options divides the cores between them).
+PROXY_GROUPS = 2
 _MAX_BLOCKS = 32  # blocks (one per SM) of each LL kernel, at most this rank's share of the GPU
 
 
@@ -166,7 +169,7 @@ class NativeLowLatencyBackend(Backend):
                 regions = {0: (self._buf.ptr(), self._buf.bytes(), True),
                            1: (self._buf.flag_ptr(), self._buf.flag_bytes(), False)}
                 self._proxy = ProxyGroup(rank, num_ranks, regions, group=group, gpu=device.index, low_latency=True,
-                                         **_shared_gpu_proxy_options(per_gpu, min(cpus)))
+                                         **_shared_gpu_proxy_options(per_gpu, min(cpus), PROXY_GROUPS))
                 rings = []
                 for t in range(self._proxy.num_threads):
                     d = self._proxy.ring_desc(t, device=True)
