@@ -35,6 +35,6 @@ setup(
         "gpu": ["transformer-engine[pytorch]"],
         "verbs": ["pyverbs"],
     },
-    entry_points={"console_scripts": ["uccl-ep-train=uccl_ep_train.cli:main"]},
+    entry_points={"console_scripts": ["uccl-ep-train=uccl_ep_train.apps.cli:main"]},
     **native_build_kwargs(),
 )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from uccl_ep_train.localhost import free_loopback_port
+from uccl_ep_train.apps.launch import free_loopback_port
 
 
 def _gpu_of(rank: int, world: int, ranks_per_gpu: int | None, backend: str) -> int:

@@ -3,7 +3,7 @@ by `bench --help`, an unknown command answered with the valid ones."""
 import pytest
 
 from uccl_ep_train import __version__
-from uccl_ep_train.cli import BENCHMARKS, COMMANDS, main
+from uccl_ep_train.apps.cli import BENCHMARKS, COMMANDS, main
 
 
 @pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
@@ -35,7 +35,7 @@ def test_unknown_command_names_the_valid_ones(capsys):
 def test_one_spelling_across_benchmarks():
     """The same option means the same thing in every benchmark: --ranks (DeepEP's --num-processes too),
     --num-tokens / --num-topk / --num-experts (the short forms too), --sms as a comma list, --json PATH."""
-    from uccl_ep_train.bench import expert_major, internode, intranode, megatron, proxy
+    from uccl_ep_train.apps.bench import expert_major, internode, intranode, megatron, proxy
 
     parsers = {"intranode": intranode._parse, "internode": internode.build_parser().parse_args,
                "megatron": megatron.build_parser().parse_args, "expert-major": expert_major.build_parser().parse_args}

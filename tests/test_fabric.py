@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from uccl_ep_train import proxy as P
-from uccl_ep_train.localhost import spawn_ranks
+from uccl_ep_train.apps.launch import spawn_ranks
 
 pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
                                 reason="native module with the fabric transport not built")

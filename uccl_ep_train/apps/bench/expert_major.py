@@ -71,7 +71,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
                       UCCL_EP_CHECK_VALUES="0")
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    from .. import Buffer, Config, permute
+    from uccl_ep_train import Buffer, Config, permute
 
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     g = torch.Generator().manual_seed(rank)
@@ -155,7 +155,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--num-processes: need 2..{torch.cuda.device_count()} GPUs, got {world}")
     import torch.multiprocessing as mp
 
-    from ..localhost import loopback_init_method
+    from ..launch import loopback_init_method
     context = run_context("bench expert-major", argv)
     mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json, context), nprocs=world, join=True)
     return 0

@@ -12,7 +12,7 @@ USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options
 Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `uccl` dispatcher).
 
     train          the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
-    bench NAME     benchmarks (uccl_ep_train.bench.NAME; `bench --help` lists them)
+    bench NAME     benchmarks (uccl_ep_train.apps.bench.NAME; `bench --help` lists them)
     doctor         RDMA NICs, GPUs, native module, transports on this machine
     plan           validate a recipe against a cluster shape, print launch command and memory estimate
     pretrain-gpt   Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
@@ -20,14 +20,14 @@ Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `ucc
 """
 
 COMMANDS = {
-    "train": "uccl_ep_train.train",
-    "doctor": "uccl_ep_train.doctor",
-    "plan": "uccl_ep_train.plan",
+    "train": "uccl_ep_train.apps.train",
+    "doctor": "uccl_ep_train.apps.doctor",
+    "plan": "uccl_ep_train.apps.plan",
     "pretrain-gpt": "megatron_patch.pretrain_gpt",
     "deep-ep-path": "uccl_ep_train.compat",
 }
 
-# `uccl-ep-train bench NAME` runs uccl_ep_train.bench.NAME (dashes as underscores); listed by `bench --help`
+# `uccl-ep-train bench NAME` runs uccl_ep_train.apps.bench.NAME (dashes as underscores); listed by `bench --help`
 BENCHMARKS = {
     "intranode": "HT dispatch/combine on this node's GPUs (NVLink), DeepEP's GB/s convention, NCCL beside it",
     "internode": "HT dispatch/combine across (emulated) nodes: CPU proxies + NVLink, RDMA and NVL GB/s",
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.strip())
         return 0
     if argv[0] == "--version":
-        from . import __version__
+        from uccl_ep_train import __version__
 
         print(f"uccl-ep-train {__version__}")
         return 0
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0].startswith("-"):
             print(_bench_usage(), file=sys.stderr)
             return 2
-        module = "uccl_ep_train.bench." + rest[0].replace("-", "_")
+        module = "uccl_ep_train.apps.bench." + rest[0].replace("-", "_")
         rest = rest[1:]
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context, warn_without_mps
-from ..localhost import spawn_ranks
+from ..launch import spawn_ranks
 
 FP8_BLOCK = 128
 

@@ -299,7 +299,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     import torch.multiprocessing as mp
 
-    from ..localhost import free_loopback_port
+    from ..launch import free_loopback_port
     world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     warn_without_mps(world, "megatron")
     context = run_context("bench megatron", argv)

@@ -41,8 +41,8 @@ import torch.distributed as dist
 
 from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context,
                warn_without_mps)
-from ..localhost import spawn_ranks
-from ..topology import MAX_RANKS_PER_NODE
+from ..launch import spawn_ranks
+from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 FP8_BLOCK = 128
 CPU_LAYER_SHAPE = {"num_tokens": 128, "hidden": 512, "num_experts": 32, "num_topk": 4}  # gloo ranks on CPU
@@ -152,9 +152,9 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
 
 
 def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
-    from .. import Buffer
-    from ..fp8 import fp8_dtype_for, per_token_cast_to_fp8
-    from ..topology import detect_topology
+    from uccl_ep_train import Buffer
+    from uccl_ep_train.fp8 import fp8_dtype_for, per_token_cast_to_fp8
+    from uccl_ep_train.topology import detect_topology
 
     if args.backend != "auto":
         os.environ["UCCL_EP_BACKEND"] = args.backend

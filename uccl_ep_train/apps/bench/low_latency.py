@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
-from ..localhost import spawn_ranks
+from ..launch import spawn_ranks
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
 SEED = 4321
@@ -90,7 +90,7 @@ def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
 
 
 def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list[dict]:
-    from .. import Buffer
+    from uccl_ep_train import Buffer
 
     shape = {k: getattr(args, k) for k in SHAPE}
     g = torch.Generator().manual_seed(SEED + rank)

@@ -138,7 +138,7 @@ def warn_without_mps(world: int, tag: str) -> None:
     print(f"[{tag}] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
           file=sys.stderr)
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # the spawned ranks inherit it before CUDA starts
-    from ..gpu_sharing import mps_active
+    from uccl_ep_train.gpu_sharing import mps_active
 
     if not mps_active():
         print(f"[{tag}] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "

@@ -33,7 +33,7 @@ import traceback
 import numpy as np
 
 from . import int_list, run_context
-from ..localhost import spawn_ranks
+from ..launch import spawn_ranks
 
 
 def _parse(argv):

@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .localhost import loopback_init_method
-from .topology import MAX_RANKS_PER_NODE
+from .launch import loopback_init_method
+from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "UCCL_EP_RANKS_PER_NODE in every rank (default: unset, one node)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--dispatcher", choices=["uccl", "alltoall"], default="uccl")
-    p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.recipes)")
+    p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.apps.recipes)")
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)

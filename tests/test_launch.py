@@ -5,15 +5,15 @@ import socket
 
 import pytest
 
-from uccl_ep_train import localhost
+from uccl_ep_train.apps import launch
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range():
-    low = localhost._ephemeral_low()
+    low = launch._ephemeral_low()
     for _ in range(5):
-        port = localhost.free_loopback_port()
-        if low > localhost._LOWEST_PORT:
-            assert localhost._LOWEST_PORT <= port < low
+        port = launch.free_loopback_port()
+        if low > launch._LOWEST_PORT:
+            assert launch._LOWEST_PORT <= port < low
         with socket.socket() as s:
             s.bind(("127.0.0.1", port))
 
@@ -23,9 +23,9 @@ def test_busy_candidates_are_skipped(monkeypatch):
         s.bind(("127.0.0.1", 0))
         s.listen()
         busy = s.getsockname()[1]
-        monkeypatch.setattr(localhost, "_LOWEST_PORT", busy)
-        monkeypatch.setattr(localhost, "_ephemeral_low", lambda: busy + 1)  # the only candidate is busy
-        assert localhost.free_loopback_port() != busy  # so the OS picks one
+        monkeypatch.setattr(launch, "_LOWEST_PORT", busy)
+        monkeypatch.setattr(launch, "_ephemeral_low", lambda: busy + 1)  # the only candidate is busy
+        assert launch.free_loopback_port() != busy  # so the OS picks one
 
 
 def test_a_listener_on_another_loopback_address_blocks_the_port(monkeypatch):
@@ -38,7 +38,7 @@ def test_a_listener_on_another_loopback_address_blocks_the_port(monkeypatch):
     with s:
         s.listen()
         busy = s.getsockname()[1]
-        assert not localhost._unbound(busy)
-        monkeypatch.setattr(localhost, "_LOWEST_PORT", busy)
-        monkeypatch.setattr(localhost, "_ephemeral_low", lambda: busy + 1)
-        assert localhost.free_loopback_port() != busy
+        assert not launch._unbound(busy)
+        monkeypatch.setattr(launch, "_LOWEST_PORT", busy)
+        monkeypatch.setattr(launch, "_ephemeral_low", lambda: busy + 1)
+        assert launch.free_loopback_port() != busy
