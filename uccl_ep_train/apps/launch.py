@@ -1,12 +1,35 @@
-"""Loopback rendezvous for the ranks our commands spawn themselves (train, bench): never another host."""
+"""The one way our commands (train, bench) and the tests start ranks: torchrun's environment, on loopback.
+
+A rank function `fn(rank, world, *args)` initialises its process group from the environment
+(`dist.init_process_group(backend)`: init_method env://) and returns what the caller collects; it leaves the
+group up, and the launcher tears it down. Where its process comes from does not change it:
+
+- under torchrun or Slurm (RANK and WORLD_SIZE already in the environment, `launched_world`), `run` calls
+  fn in this process, as that one rank, and gathers the results on rank 0;
+- otherwise `run` (or `spawn`) starts `world` processes (torch.multiprocessing's spawn context) with the
+  environment torchrun would give them: MASTER_ADDR=127.0.0.1, MASTER_PORT (a free loopback port), RANK,
+  WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, plus the caller's extra variables. Nothing listens anywhere but
+  127.0.0.1. The first failing rank's traceback comes back naming the rank (with any other rank's that fails
+  within a few seconds: the first to report is not always the cause), a run past its timeout names the ranks
+  still missing, and no child outlives the call.
+"""
 from __future__ import annotations
 
 import errno
+import os
+import pickle
+import queue
 import random
 import socket
+import sys
+import time
+import traceback
+from typing import Any, Callable, Mapping, Optional
 
 _FALLBACK_EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here
 _LOWEST_PORT = 10000  # candidates start here (well above the well-known and registered services we might meet)
+_MORE_ERRORS_S = 5.0  # after a rank fails, how long the others may take to report theirs (often the cause)
+_TEARDOWN_S = 30.0  # after every rank reported, how long they may take to leave before they are killed
 
 
 def _ephemeral_low() -> int:
@@ -49,37 +72,145 @@ def _unbound(port: int) -> bool:
     return False
 
 
-def loopback_init_method() -> str:
-    """A torch.distributed init_method on 127.0.0.1 with a free port."""
-    return f"tcp://127.0.0.1:{free_loopback_port()}"
+def launched_world() -> Optional[int]:
+    """WORLD_SIZE when a launcher (torchrun, Slurm through slurm/launch.sh) started this process as one rank
+    (RANK and WORLD_SIZE set); None when this process is to spawn its ranks itself."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    return None
 
 
-def spawn_ranks(target, world: int, make_args, timeout: float) -> dict:
-    """Run `world` spawned processes of target(*make_args(rank, port), q) on one loopback port. Each puts
-    (rank, "ok", payload) or (rank, "error", traceback) on q; returns {rank: payload}, or raises naming the
-    failed rank (RuntimeError) or the ranks still missing after `timeout` seconds (TimeoutError)."""
-    import multiprocessing as mp
-    import queue
+def torchrun_env(rank: int, world: int, port: int) -> dict[str, str]:
+    """The variables torchrun gives rank `rank` of `world` ranks on one host, rendezvous on 127.0.0.1:`port`."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(world),
+            "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(world)}
+
+
+def run(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Mapping[str, str]] = None,
+        timeout: Optional[float]) -> Optional[list[Any]]:
+    """fn(rank, world, *args) on every rank: fn's results in rank order, or None on a launched rank other
+    than 0 (its caller has nothing left to do). Launched (`launched_world`): this process is one rank; `env`
+    is set in it, `world` must be the launcher's WORLD_SIZE, and the results are gathered over fn's process
+    group. Otherwise `spawn`. `timeout` (seconds, None: no bound) applies to spawned ranks; launched ranks
+    are bounded by their launcher and their group's timeout."""
+    launched = launched_world()
+    if launched is None:
+        return spawn(fn, world, *args, env=env, timeout=timeout)
+    if world != launched:
+        raise ValueError(f"{world} ranks asked for, but the launcher started {launched} (WORLD_SIZE)")
+    import torch.distributed as dist
+
+    os.environ.update(env or {})
+    rank = int(os.environ["RANK"])
+    result = fn(rank, world, *args)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, result)
+    dist.destroy_process_group()
+    return gathered if rank == 0 else None
+
+
+def spawn(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Mapping[str, str]] = None,
+          timeout: Optional[float], exit_at_once: bool = False) -> list[Any]:
+    """Start `world` processes, each running fn(rank, world, *args) with `torchrun_env` and `env` set;
+    returns fn's results in rank order. Raises RuntimeError naming the ranks that failed (their tracebacks)
+    or exited without a result (their exit codes), TimeoutError naming the ranks still missing after
+    `timeout` seconds (None: no bound). Every child is gone when it returns or raises.
+    exit_at_once: a rank leaves right after reporting, without tearing its process group down (for groups
+    broken on purpose, whose teardown could wait for a peer that is gone)."""
+    if world < 1:
+        raise ValueError(f"spawn: world must be >= 1, got {world}")
+    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     port = free_loopback_port()
-    procs = [ctx.Process(target=target, args=(*make_args(r, port), q)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict = {}
+    procs = []
     try:
-        for _ in range(world):
-            try:
-                rank, status, payload = q.get(timeout=timeout)
+        for rank in range(world):
+            rank_env = {**torchrun_env(rank, world, port), **(env or {})}
+            procs.append(ctx.Process(target=_rank_process, name=f"rank {rank}",
+                                     args=(fn, rank, world, args, rank_env, q, exit_at_once)))
+            procs[-1].start()
+        results = _collect(q, procs, timeout)
+    except BaseException:
+        _stop(procs, 0.0)
+        raise
+    _stop(procs, _TEARDOWN_S)
+    return [results[rank] for rank in range(world)]
+
+
+def _rank_process(fn: Callable[..., Any], rank: int, world: int, args: tuple, env: dict[str, str], q: Any,
+                  exit_at_once: bool) -> None:
+    """A spawned rank: fn's result (pickled here, so that an unpicklable one is this rank's error and not a
+    silent loss in the queue's feeder thread) or its traceback onto q, then the group's teardown."""
+    os.environ.update(env)
+    try:
+        report = (rank, "ok", pickle.dumps(fn(rank, world, *args)))
+    except BaseException:  # noqa: BLE001 (every failure is reported, assertion errors and exits included)
+        _report(q, (rank, "error", traceback.format_exc()))
+        os._exit(1)  # a peer may be gone: no teardown that could wait for it
+    _report(q, report)
+    if exit_at_once:
+        os._exit(0)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _report(q: Any, item: tuple) -> None:
+    """Put `item` and wait until it is in the pipe (a rank may leave with os._exit right after)."""
+    q.put(item)
+    q.close()
+    q.join_thread()
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
+def _collect(q: Any, procs: list, timeout: Optional[float]) -> dict[int, Any]:
+    """Every rank's result, or the error naming the ranks that failed, died or are missing."""
+    world = len(procs)
+    deadline = None if timeout is None else time.monotonic() + timeout
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    while len(results) + len(errors) < world:
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            if errors:
+                break
+            missing = sorted(set(range(world)) - set(results))
+            raise TimeoutError(f"ranks {missing} of {world} did not finish within {timeout} s "
+                               f"(finished: {sorted(results)})")
+        try:
+            rank, status, payload = q.get(timeout=1.0 if left is None else min(1.0, left))
+        except queue.Empty:
+            gone = [r for r, p in enumerate(procs) if p.exitcode is not None and r not in results and r not in errors]
+            if not gone:
+                continue
+            try:  # a rank's report is in the pipe before it exits: read now, it is there if it was made
+                rank, status, payload = q.get(timeout=1.0)
             except queue.Empty:
-                raise TimeoutError(f"ranks timed out after {timeout} s (finished: {sorted(out)})") from None
-            if status != "ok":
-                raise RuntimeError(f"rank {rank} failed:\n{payload}")
-            out[rank] = payload
-    finally:
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-    return out
+                errors.update({r: f"exited with code {procs[r].exitcode} without a result\n" for r in gone})
+                continue
+        if status == "ok":
+            results[rank] = pickle.loads(payload)
+            continue
+        if not errors:  # the others' errors for a few seconds more (often the cause), then out
+            more = time.monotonic() + _MORE_ERRORS_S
+            deadline = more if deadline is None else min(deadline, more)
+        errors[rank] = payload
+    if errors:
+        raise RuntimeError(f"ranks {sorted(errors)} of {world} failed:\n" +
+                           "".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)))
+    return results
+
+
+def _stop(procs: list, grace: float) -> None:
+    """Wait up to `grace` seconds for the processes to leave, then kill the ones still there."""
+    deadline = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()

@@ -33,7 +33,6 @@ import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Callable, Optional
 
 import torch
@@ -41,7 +40,7 @@ import torch.distributed as dist
 
 from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context,
                warn_without_mps)
-from ..launch import spawn_ranks
+from ..launch import launched_world, run
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 FP8_BLOCK = 128
@@ -244,17 +243,9 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     return records
 
 
-def _worker(rank: int, world: int, port: int, args, shape: dict, q) -> None:
-    try:
-        os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        device = init_rank_group(rank, world, port)
-        try:
-            records = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, "ok", records))
-    except BaseException:  # report, do not hang the parent
-        q.put((rank, "error", traceback.format_exc()))
+def _rank(rank: int, world: int, args, shape: dict) -> list[dict]:
+    device = init_rank_group()
+    return _rank_main(rank, world, args, shape, device, dist.group.WORLD)
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -306,9 +297,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sms = args.sms
     if not sms or any(s <= 0 or s % 2 for s in sms):
         parser.error(f"--sms: positive even SM counts, got {args.sms!r}")
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else (
-        args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4))
+    launched = launched_world()
+    world = launched or args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4)
     if world < 2:
         parser.error(f"--ranks: need at least 2 ranks, got {world}")
     if shape["num_experts"] % world:
@@ -316,38 +306,20 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= shape["num_topk"] <= shape["num_experts"] or shape["hidden"] % FP8_BLOCK or shape["num_tokens"] < 1:
         parser.error(f"layer shape: need 1 <= --num-topk <= --num-experts, --hidden a multiple of {FP8_BLOCK}, "
                      f"--num-tokens >= 1; got {shape}")
-    if args.ranks_per_node is None and not torchrun:
+    if args.ranks_per_node is None and not launched:  # launched: nodes from LOCAL_WORLD_SIZE
         args.ranks_per_node = max(world // 2, 1)
     if args.ranks_per_node is not None and (not 1 <= args.ranks_per_node <= MAX_RANKS_PER_NODE
                                             or world % args.ranks_per_node):
         parser.error(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
                      f"({world}), got {args.ranks_per_node}")
     context = run_context("bench internode", argv)
-
-    if torchrun:  # one rank per process, one GPU each; nodes from LOCAL_WORLD_SIZE unless --ranks-per-node
-        rank = int(os.environ["RANK"])
-        if args.ranks_per_node is not None:
-            os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        if cuda:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo")
-        try:
-            mine = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, mine)
-        finally:
-            dist.destroy_process_group()
-        if rank != 0:
-            return 0
-        records = [r for rs in gathered for r in rs]
-    else:
-        if cuda:
-            warn_without_mps(world, "internode")
-        out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args, shape), timeout=1800)
-        records = [r for rank in sorted(out) for r in out[rank]]
+    if cuda:
+        warn_without_mps(world, "internode")
+    env = {} if args.ranks_per_node is None else {"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)}
+    out = run(_rank, world, args, shape, env=env, timeout=1800)
+    if out is None:  # a launched rank other than 0
+        return 0
+    records = [r for rs in out for r in rs]
     summary = [{**r, **context} for r in summarise(records)]
     _print(summary)
     if args.json:
