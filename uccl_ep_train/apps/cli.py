@@ -5,6 +5,7 @@ USAGE lists them; it is what `uccl-ep-train`, `--help` and an unknown command pr
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options; --version)
@@ -37,6 +38,9 @@ BENCHMARKS = {
     "proxy": "GPU->CPU command channel: commands/s, pickup latency, ipc/fabric bandwidth",
 }
 
+# Commands that drive Megatron: megatron-core is no requirement of the library, but of these (the `megatron` extra)
+NEEDS_MEGATRON = {"train", "pretrain-gpt", "bench megatron"}
+
 
 def _bench_usage() -> str:
     width = max(map(len, BENCHMARKS))
@@ -63,12 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             print(_bench_usage(), file=sys.stderr)
             return 2
         module = "uccl_ep_train.apps.bench." + rest[0].replace("-", "_")
-        rest = rest[1:]
+        cmd, rest = f"bench {rest[0]}", rest[1:]
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]
     else:
         print(f"uccl-ep-train: unknown command {cmd!r} (commands: {', '.join(['bench', *COMMANDS])})\n\n"
               f"{USAGE.strip()}", file=sys.stderr)
+        return 2
+    if cmd in NEEDS_MEGATRON and importlib.util.find_spec("megatron") is None:
+        print(f"uccl-ep-train {cmd}: needs megatron-core (pip install 'uccl-ep-train[megatron]')", file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(module)

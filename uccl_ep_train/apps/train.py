@@ -238,7 +238,7 @@ def plot_loss(log_paths: list[str], out: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib ({exc}); pip install matplotlib") from exc
+        raise SystemExit(f"--plot needs matplotlib ({exc}): pip install 'uccl-ep-train[plot]'") from exc
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in log_paths:
         with open(path) as f:
