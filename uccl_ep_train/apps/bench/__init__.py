@@ -8,12 +8,15 @@ clock around it) or "kernel" (GPU time only: profiler kernel time, or the GPU's 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import socket
 import subprocess
 from datetime import datetime, timezone
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
+
+from ..launch import run
 
 # DeepSeek-V3's MoE layer, the shape every benchmark that routes tokens defaults to.
 LAYER_SHAPE = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
@@ -95,6 +98,23 @@ def gpus_used(device, group=None) -> int:
     where: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(where, (socket.gethostname(), index), group=group)
     return len(set(where)) if cuda else 0
+
+
+def rank_records(rank_fn: Callable[..., list[dict]], world: int, *args: Any,
+                 env: Optional[Mapping[str, str]] = None) -> Optional[list[dict]]:
+    """Every rank's records of rank_fn(rank, world, *args), in rank order, through apps.launch.run (ranks
+    spawned, or this process as one rank under torchrun; 30 minutes at most); None on a launched rank other
+    than 0, which has nothing left to do."""
+    out = run(rank_fn, world, *args, env=env, timeout=1800)
+    return None if out is None else [r for rs in out for r in rs]
+
+
+def write_records(records: list[dict], path: str, tag: str) -> None:
+    """`--json PATH`: the records as a JSON list (missing directories made), and a line saying so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"[{tag}] wrote {len(records)} records to {path}", flush=True)
 
 
 def init_rank_group():

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
@@ -38,9 +37,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context,
-               warn_without_mps)
-from ..launch import launched_world, run
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records,
+               run_context, warn_without_mps, write_records)
+from ..launch import launched_world
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 FP8_BLOCK = 128
@@ -316,17 +315,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     if cuda:
         warn_without_mps(world, "internode")
     env = {} if args.ranks_per_node is None else {"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)}
-    out = run(_rank, world, args, shape, env=env, timeout=1800)
-    if out is None:  # a launched rank other than 0
+    records = rank_records(_rank, world, args, shape, env=env)
+    if records is None:  # a launched rank other than 0
         return 0
-    records = [r for rs in out for r in rs]
     summary = [{**r, **context} for r in summarise(records)]
     _print(summary)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"[internode] wrote {len(summary)} records to {args.json}", flush=True)
+        write_records(summary, args.json, "internode")
     return 0
 
 

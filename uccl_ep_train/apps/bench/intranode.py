@@ -24,7 +24,6 @@ reference backend and NCCL): the plain dispatch / combine timed here add no side
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,8 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context, warn_without_mps
-from ..launch import launched_world, run
+from . import (add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records, run_context,
+               warn_without_mps, write_records)
+from ..launch import launched_world
 
 FP8_BLOCK = 128
 
@@ -261,15 +261,13 @@ def main(argv=None) -> int:
     context = run_context("bench intranode", argv)  # the code and command that run, before they run
     world = launched_world() or args.ranks or torch.cuda.device_count()
     warn_without_mps(world, "intranode")
-    out = run(_rank, world, args, timeout=1800)
-    if out is None:  # a launched rank other than 0
+    records = rank_records(_rank, world, args)
+    if records is None:  # a launched rank other than 0
         return 0
-    records = [r for rs in out for r in rs]
     summary = [{**r, **context} for r in _summarise(records)]
     _print(summary)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_records(summary, args.json, "intranode")
     if args.plot:
         _plot(summary, args.plot)
     return 0

@@ -15,7 +15,6 @@ run's command, date, commit, device and GPU count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,8 +23,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
-from ..launch import launched_world, run
+from . import add_ranks_arg, gpus_used, init_rank_group, rank_records, run_context, warn_without_mps, write_records
+from ..launch import launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
 SEED = 4321
@@ -167,16 +166,13 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--ranks-per-node ({args.ranks_per_node}) must divide --ranks ({world})")
     context = run_context("bench low-latency", argv)
     warn_without_mps(world, "low-latency")
-    out = run(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)}, timeout=1800)
-    if out is None:  # a launched rank other than 0
+    records = rank_records(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)})
+    if records is None:  # a launched rank other than 0
         return 0
-    summary = [{**r, **context} for r in summarise([r for rs in out for r in rs])]
+    summary = [{**r, **context} for r in summarise(records)]
     _print(summary)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"[low-latency] wrote {len(summary)} records to {args.json}", flush=True)
+        write_records(summary, args.json, "low-latency")
     return 0
 
 
