@@ -122,9 +122,10 @@ def _rank_1_hangs(rank: int, world: int) -> int:
 
 def test_a_timeout_names_the_missing_ranks_and_kills_them():
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"ranks \[1\] of 2 did not finish within 5 s \(finished: \[0\]\)"):
-        launch.spawn(_rank_1_hangs, 2, timeout=5)
-    assert time.monotonic() - t0 < 60
+    # rank 0 finishes unless a loaded machine starts it slower than the timeout: rank 1 is named either way
+    with pytest.raises(TimeoutError, match=r"ranks \[(0, )?1\] of 2 did not finish within 20 s \(finished: "):
+        launch.spawn(_rank_1_hangs, 2, timeout=20)
+    assert time.monotonic() - t0 < 90
     assert not multiprocessing.active_children()
 
 
