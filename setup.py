@@ -1,6 +1,7 @@
 """Build and install uccl-ep-train.
 
-The pure-Python packages (`uccl_ep_train`, `megatron_patch`) always install. The native module
+The pure-Python packages (`uccl_ep_train`, `megatron_patch`) always install; the library needs torch and
+numpy only, extras add what the applications need (`megatron`, `plot`) and the tests (`test`). The native module
 `uccl_ep_train._native` (csrc/: kernels, proxy, transports; pybind11, no libtorch) is built by
 `native_build.py` when a C++ toolchain and pybind11 are present, with CUDA (nvcc) or HIP (hipcc) kernels
 when such a compiler is found, and with the libfabric / libibverbs transports when their headers exist.
@@ -14,6 +15,8 @@ from setuptools import find_packages, setup
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from native_build import native_build_kwargs  # noqa: E402
 
+MEGATRON_CORE = "megatron-core>=0.19,<0.20"
+
 setup(
     name="uccl-ep-train",
     version="0.1.0",
@@ -22,19 +25,16 @@ setup(
     long_description_content_type="text/markdown",
     python_requires=">=3.12",
     packages=find_packages(include=["uccl_ep_train", "uccl_ep_train.*", "megatron_patch", "megatron_patch.*"]),
-    install_requires=[
-        "torch>=2.4",
-        "megatron-core>=0.19,<0.20",
-        "pybind11>=2.12",
-        "numpy",
-        "pytest>=8",
-        "matplotlib",
-    ],
+    # what the library imports (pybind11 only builds the native module: pyproject.toml's build requirements)
+    install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        "test": ["pytest>=8"],
+        # megatron_patch and the applications that drive Megatron (train, pretrain-gpt, bench megatron)
+        "megatron": [MEGATRON_CORE],
+        "plot": ["matplotlib"],  # `train --plot`, `bench intranode --plot`
+        "test": ["pytest>=8", MEGATRON_CORE],  # the suite exercises megatron_patch
         "gpu": ["transformer-engine[pytorch]"],
         "verbs": ["pyverbs"],
     },
-    entry_points={"console_scripts": ["uccl-ep-train=uccl_ep_train.cli:main"]},
+    entry_points={"console_scripts": ["uccl-ep-train=uccl_ep_train.apps.cli:main"]},
     **native_build_kwargs(),
 )

@@ -49,7 +49,7 @@ stamp=.venv/.uccl-installed
 if [ ! -f "$stamp" ] || [ setup.py -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ -n "$(find csrc -newer "$stamp" -type f 2>/dev/null | head -1)" ]; then
   log "installing the project into .venv (first time: torch + megatron-core, a few GB)"
   .venv/bin/python -m pip install -q --upgrade pip setuptools wheel pybind11
-  .venv/bin/python -m pip install -q --no-build-isolation -e '.[test]'
+  .venv/bin/python -m pip install -q --no-build-isolation -e '.[megatron,plot,test]'
   touch "$stamp"
 fi
 log "ready: $(.venv/bin/python -c 'import uccl_ep_train, torch; print("uccl_ep_train", uccl_ep_train.__version__, "torch", torch.__version__)')"

@@ -125,7 +125,7 @@ fi
 if [ -z "${UCCL_TORCHRUN:-}" ]; then
   if command -v torchrun >/dev/null 2>&1; then UCCL_TORCHRUN=torchrun; else UCCL_TORCHRUN="$PY -m torch.distributed.run"; fi
 fi
-PLAN_OUT=$("$PY" -m uccl_ep_train.cli plan --recipe "$RECIPE" --nodes "$NNODES" --gpus-per-node "$LOCAL_WORLD_SIZE" \
+PLAN_OUT=$("$PY" -m uccl_ep_train.apps.cli plan --recipe "$RECIPE" --nodes "$NNODES" --gpus-per-node "$LOCAL_WORLD_SIZE" \
              ${PLAN_OPTS[@]+"${PLAN_OPTS[@]}"} --emit shell --torchrun "$UCCL_TORCHRUN" --node-rank "$NODE_RANK" \
              --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" -- ${EXTRA[@]+"${EXTRA[@]}"}) \
   || die "recipe $RECIPE does not fit $NNODES node(s) x $LOCAL_WORLD_SIZE GPU(s), or bad plan options (see above)"
@@ -140,7 +140,7 @@ if [ "${UCCL_SKIP_DOCTOR:-0}" != 1 ]; then
   if [ -n "${UCCL_DOCTOR_CMD:-}" ]; then
     eval "$UCCL_DOCTOR_CMD" || die "pre-flight check failed on node $NODE_RANK ($UCCL_DOCTOR_CMD)"
   else
-    "$PY" -m uccl_ep_train.cli doctor || die "pre-flight 'uccl-ep-train doctor' failed on node $NODE_RANK (UCCL_SKIP_DOCTOR=1 skips it)"
+    "$PY" -m uccl_ep_train.apps.cli doctor || die "pre-flight 'uccl-ep-train doctor' failed on node $NODE_RANK (UCCL_SKIP_DOCTOR=1 skips it)"
   fi
 fi
 

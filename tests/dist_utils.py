@@ -1,17 +1,15 @@
 """Spawn N ranks (gloo on CPU, NCCL on GPUs, or gloo with CUDA tensors for several ranks per GPU) running
-one function; failures come back with tracebacks."""
+one function, through the launcher the commands use (uccl_ep_train.apps.launch); failures come back with
+tracebacks."""
 from __future__ import annotations
 
-import os
-import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
-from uccl_ep_train.localhost import free_loopback_port
+from uccl_ep_train.apps.launch import spawn
 
 
 def _gpu_of(rank: int, world: int, ranks_per_gpu: int | None, backend: str) -> int:
@@ -28,30 +26,14 @@ def _gpu_of(rank: int, world: int, ranks_per_gpu: int | None, backend: str) -> i
     return gpu
 
 
-def _worker(rank: int, world: int, port: int, device: str, backend: str, ranks_per_gpu: int | None,
-            fn: Callable, args: tuple, env: dict, q, hard_exit: bool) -> None:
-    os.environ.update(env)
-    try:
-        torch.set_num_threads(1)
-        if device == "cuda":
-            torch.cuda.set_device(_gpu_of(rank, world, ranks_per_gpu, backend))
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=120))
-        result = fn(rank, world, device, *args)
-        q.put((rank, "ok", result))
-        if hard_exit:  # the group may be broken on purpose: skip the teardown collective
-            q.close()
-            q.join_thread()
-            os._exit(0)
-    except BaseException:  # report every failure, including assertion errors
-        q.put((rank, "error", traceback.format_exc()))
-        q.close()
-        q.join_thread()  # flush before the hard exit
-        os._exit(1)
-    try:
-        dist.destroy_process_group()
-    except Exception:
-        pass
+def _rank(rank: int, world: int, device: str, backend: str, ranks_per_gpu: int | None, fn: Callable,
+          args: tuple) -> Any:
+    """A test rank: its GPU, then its env:// group (the launcher tears it down), then fn."""
+    torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(_gpu_of(rank, world, ranks_per_gpu, backend))
+    dist.init_process_group(backend, timeout=timedelta(seconds=120))
+    return fn(rank, world, device, *args)
 
 
 def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout: float = 240,
@@ -68,45 +50,14 @@ def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend not in ("gloo", "nccl") or (backend == "nccl" and device != "cuda"):
         raise ValueError(f"run_ranks: backend {backend!r} with device {device!r}")
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = free_loopback_port()
-    base_env = {"GLOO_SOCKET_IFNAME": "lo", "MASTER_ADDR": "127.0.0.1", "NCCL_NVLS_ENABLE": "0",
-                "NVSHMEM_DISABLE_NVLS": "1", "OMP_NUM_THREADS": "1"}
+    base_env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
+                "OMP_NUM_THREADS": "1"}
     if device == "cuda" and backend == "gloo":  # Buffers keep CUDA tensors over the gloo group; ranks that
         base_env["UCCL_EP_DEVICE"] = "cuda"     # share a GPU load modules eagerly (gpu_sharing.sharing_verdict)
         base_env["CUDA_MODULE_LOADING"] = "EAGER"
     base_env.update(env or {})
-    procs = [ctx.Process(target=_worker, daemon=True,
-                         args=(r, world, port, device, backend, ranks_per_gpu, fn, args, base_env, q, hard_exit))
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: list[str] = []
-    import queue as _queue
-    import time
-    deadline = time.monotonic() + timeout
-    while len(results) + len(errors) < world and time.monotonic() < deadline:
-        try:
-            rank, status, payload = q.get(timeout=1)
-        except _queue.Empty:
-            if all(not p.is_alive() for p in procs) and q.empty():
-                break
-            continue
-        if status == "ok":
-            results[rank] = payload
-        else:
-            errors.append(f"--- rank {rank} ---\n{payload}")
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise AssertionError("\n".join(errors))
-    if len(results) < world:
-        raise AssertionError(f"only ranks {sorted(results)} of {world} finished within {timeout}s")
-    return [results[r] for r in range(world)]
+    return spawn(_rank, world, device, backend, ranks_per_gpu, fn, args, env=base_env, timeout=timeout,
+                 exit_at_once=hard_exit)
 
 
 def gpu_ranks(world: int) -> dict:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from record_check import assert_complete
-from uccl_ep_train.bench import _portable
+from uccl_ep_train.apps.bench import _portable
 
 REQUIRED = ("bench", "op", "ranks", "ranks_per_node", "nodes", "gbps", "nvl_gbps", "us", "sms", "sms_occupied",
             "device", "gpus",
@@ -18,7 +18,7 @@ SHAPE = {"num_tokens": 64, "hidden": 256, "num_experts": 16, "num_topk": 4}
 
 def _remote_tokens(rank: int, world: int, per_node: int) -> int:
     """Tokens of `rank` x other nodes holding at least one of their experts, counted token by token."""
-    from uccl_ep_train.bench.internode import make_inputs
+    from uccl_ep_train.apps.bench.internode import make_inputs
 
     _, topk_idx, _ = make_inputs(rank, SHAPE, torch.device("cpu"))
     experts_per_rank = SHAPE["num_experts"] // world
@@ -32,7 +32,7 @@ def _remote_tokens(rank: int, world: int, per_node: int) -> int:
 def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are child processes
     if torch.cuda.is_available():
         pytest.skip("the CPU shape and backend; GPU runs are measured by hand")
-    from uccl_ep_train.cli import main
+    from uccl_ep_train.apps.cli import main
 
     out = tmp_path / "internode.json"
     argv = ["--ranks", "4", "--ranks-per-node", "2", "--num-tokens", "64", "--hidden", "256", "--num-experts", "16",
@@ -67,7 +67,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
 
 
 def test_bench_help_lists_internode(capsys):
-    from uccl_ep_train.cli import main
+    from uccl_ep_train.apps.cli import main
 
     assert main(["bench", "--help"]) == 0
     text = capsys.readouterr().out
@@ -77,7 +77,7 @@ def test_bench_help_lists_internode(capsys):
 
 
 def test_records_name_no_machine_directory(tmp_path, monkeypatch):
-    from uccl_ep_train.bench import run_context
+    from uccl_ep_train.apps.bench import run_context
 
     monkeypatch.chdir(tmp_path)
     cmd = run_context("bench internode", ["--json", "/elsewhere/out/x.json", f"--json={tmp_path}/sub/y.json",

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 
 
 def test_bench_intranode_records_api_kernel_and_host_time(mps, tmp_path, capfd):  # capfd: child processes
-    from uccl_ep_train.cli import main
+    from uccl_ep_train.apps.cli import main
 
     out = tmp_path / "intranode.json"
     argv = ["--num-processes", "2", "--tokens", "256", "--hidden", "1024", "--topk", "4", "--experts", "32",

@@ -11,7 +11,7 @@ pytest.importorskip("megatron.core")
 
 
 def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks are child processes
-    from uccl_ep_train.bench import megatron as bench
+    from uccl_ep_train.apps.bench import megatron as bench
 
     out = tmp_path / "records.json"
     assert bench.main(["--ranks", "2", "--num-tokens", "16", "--hidden", "32", "--num-experts", "4",
@@ -32,7 +32,7 @@ def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks 
 
 def test_bench_megatron_drop_and_pad(tmp_path):
     """Megatron's drop-and-pad routing through both dispatchers; the settings are in the records."""
-    from uccl_ep_train.bench import megatron as bench
+    from uccl_ep_train.apps.bench import megatron as bench
 
     out = tmp_path / "records.json"
     assert bench.main(["--ranks", "2", "--num-tokens", "16", "--hidden", "32", "--num-experts", "4",
@@ -52,7 +52,7 @@ def test_bench_megatron_api_kernel_host_times_on_shared_gpu(tmp_path, mps, capfd
     carries the back-to-back api, kernel and host time per round trip."""
     import torch
 
-    from uccl_ep_train.bench import megatron as bench
+    from uccl_ep_train.apps.bench import megatron as bench
 
     ranks = torch.cuda.device_count() + 1  # one more than GPUs: they share over gloo
     if ranks > 8:

@@ -3,7 +3,7 @@ by `bench --help`, an unknown command answered with the valid ones."""
 import pytest
 
 from uccl_ep_train import __version__
-from uccl_ep_train.cli import BENCHMARKS, COMMANDS, main
+from uccl_ep_train.apps.cli import BENCHMARKS, COMMANDS, main
 
 
 @pytest.mark.parametrize("argv", [[], ["--help"], ["-h"]])
@@ -35,7 +35,7 @@ def test_unknown_command_names_the_valid_ones(capsys):
 def test_one_spelling_across_benchmarks():
     """The same option means the same thing in every benchmark: --ranks (DeepEP's --num-processes too),
     --num-tokens / --num-topk / --num-experts (the short forms too), --sms as a comma list, --json PATH."""
-    from uccl_ep_train.bench import expert_major, internode, intranode, megatron, proxy
+    from uccl_ep_train.apps.bench import expert_major, internode, intranode, megatron, proxy
 
     parsers = {"intranode": intranode._parse, "internode": internode.build_parser().parse_args,
                "megatron": megatron.build_parser().parse_args, "expert-major": expert_major.build_parser().parse_args}
@@ -54,3 +54,28 @@ def test_one_spelling_across_benchmarks():
     assert (a.threads, a.chunk_bytes, a.ops) == ([1, 4], [65536, 1048576], ["single", "ipc"])
     with pytest.raises(SystemExit):
         proxy._parse(["--ops", "single,nope"])
+
+
+def test_every_benchmark_module_is_listed():
+    """BENCHMARKS lists every module of uccl_ep_train.apps.bench (dashes for underscores), and only those."""
+    import pkgutil
+
+    from uccl_ep_train.apps import bench
+
+    modules = {m.name.replace("_", "-") for m in pkgutil.iter_modules(bench.__path__)}
+    assert modules == set(BENCHMARKS)
+
+
+@pytest.mark.parametrize("argv", [["train"], ["pretrain-gpt"], ["bench", "megatron"]])
+def test_commands_driving_megatron_name_the_extra_without_it(argv, capsys, monkeypatch):
+    from uccl_ep_train.apps import cli
+
+    real = cli.importlib.util.find_spec
+    monkeypatch.setattr(cli.importlib.util, "find_spec", lambda name, *a: None if name == "megatron" else real(name, *a))
+    assert main(argv) == 2
+    assert "needs megatron-core (pip install 'uccl-ep-train[megatron]')" in capsys.readouterr().err
+
+
+def test_unknown_benchmark_is_named(capsys):
+    assert main(["bench", "frobnicate"]) == 2
+    assert "command 'bench frobnicate' is not available" in capsys.readouterr().err

@@ -48,7 +48,7 @@ def test_pythonpath_directory_serves_deep_ep(tmp_path):
 
 
 def test_cli_prints_the_directory():
-    r = subprocess.run([sys.executable, "-m", "uccl_ep_train.cli", "deep-ep-path"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "uccl_ep_train.apps.cli", "deep-ep-path"], capture_output=True, text=True,
                        timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == deep_ep_path()
     assert os.path.isfile(os.path.join(r.stdout.strip(), "deep_ep", "__init__.py"))

@@ -4,8 +4,8 @@ import json
 import re
 from pathlib import Path
 
-from uccl_ep_train import doctor
-from uccl_ep_train.cli import main as cli_main
+from uccl_ep_train.apps import doctor
+from uccl_ep_train.apps.cli import main as cli_main
 
 
 def test_doctor_reports_rdma_state_and_native_module(tmp_path, capsys):

@@ -366,7 +366,7 @@ def test_native_expert_major_matches_reference(knobs, mps):
 # ---- the benchmark -----------------------------------------------------------------------------------
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
 def test_bench_expert_major_needs_gpus(capsys):
-    from uccl_ep_train.bench import expert_major
+    from uccl_ep_train.apps.bench import expert_major
 
     with pytest.raises(SystemExit):
         expert_major.main(["--iters", "1"])
@@ -377,7 +377,7 @@ def test_bench_expert_major_needs_gpus(capsys):
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_bench_expert_major_small_shape_runs_and_checks_exactness(tmp_path):
     from uccl_ep_train.backends.native import native_available
-    from uccl_ep_train.bench import expert_major
+    from uccl_ep_train.apps.bench import expert_major
 
     if not native_available():
         pytest.skip("native module built without intranode kernels")

@@ -9,13 +9,12 @@ error that names rank, peer, channel and phase. Proxies are torn down and rebuil
 """
 import os
 import threading
-import traceback
 
 import numpy as np
 import pytest
 
 from uccl_ep_train import proxy as P
-from uccl_ep_train.localhost import spawn_ranks
+from uccl_ep_train.apps.launch import spawn
 
 pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
                                 reason="native module with the fabric transport not built")
@@ -100,42 +99,37 @@ def _exchange_round(rank, world, fault, provider, threads):
         g.close()
 
 
-def _worker(rank, world, port, provider, faults, threads, q):
+def _worker(rank, world, provider, faults, threads):
     os.environ["FI_PROVIDER"] = provider
     os.environ["FI_TCP_IFACE"] = "lo"
     os.environ["FI_SOCKETS_IFACE"] = "lo"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    try:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        results = [_exchange_round(rank, world, f, provider, threads) for f in faults]
-        dist.destroy_process_group()
-        q.put((rank, "ok", results))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    return [_exchange_round(rank, world, f, provider, threads) for f in faults]
 
 
 def _run(world, provider, faults, threads=2, timeout=150):
-    return spawn_ranks(_worker, world, lambda r, port: (r, world, port, provider, faults, threads), timeout)
+    return spawn(_worker, world, provider, faults, threads, timeout=timeout)
 
 
 def test_tcp_two_ranks_every_byte_once():
     out = _run(2, "tcp", [""])
-    for rank, (stats,) in out.items():
+    for rank, (stats,) in enumerate(out):
         assert stats["rejected"] == 0 and stats["arrivals"] > 0
 
 
 def test_shm_two_ranks_fault_injection_many_seeds():
     faults = [f"reorder=0.3,delay_us=50,seed={s}" for s in range(1, 5)]
     out = _run(2, "shm", faults, threads=2)
-    for rank, stats in out.items():
+    for rank, stats in enumerate(out):
         assert all(s["fault_held"] > 0 for s in stats)
         assert sum(s["out_of_order"] for s in stats) > 0
 
 
 def test_tcp_three_ranks_reorder_and_four_threads():
     out = _run(3, "tcp", ["reorder=0.5,delay_us=20,seed=11"], threads=4)
-    for rank, (stats,) in out.items():
+    for rank, (stats,) in enumerate(out):
         assert stats["out_of_order"] > 0
 
 
@@ -144,55 +138,47 @@ def test_sockets_provider_two_ranks():
     assert len(out) == 2
 
 
-def _silent_worker(rank, port, q):
+def _silent_worker(rank, world):
     os.environ["FI_PROVIDER"] = "tcp"
     os.environ["FI_TCP_IFACE"] = "lo"
-    try:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        g = P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", num_threads=1,
-                         pin_threads=False, timeout_s=1.5)
-        msg = ""
-        if rank == 0:  # rank 1 never sends: rank 0's wait must end with a precise error
-            try:
-                g.wait_seq(1, 3, 1, phase="dispatch")
-            except RuntimeError as e:
-                msg = str(e)
-        dist.barrier()
-        g.close()
-        dist.destroy_process_group()
-        q.put((rank, "ok", msg))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    g = P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", num_threads=1,
+                     pin_threads=False, timeout_s=1.5)
+    msg = ""
+    if rank == 0:  # rank 1 never sends: rank 0's wait must end with a precise error
+        try:
+            g.wait_seq(1, 3, 1, phase="dispatch")
+        except RuntimeError as e:
+            msg = str(e)
+    dist.barrier()
+    g.close()
+    return msg
 
 
 def test_silent_peer_times_out_with_rank_peer_channel_phase():
-    res = spawn_ranks(_silent_worker, 2, lambda r, port: (r, port), timeout=90)
+    res = spawn(_silent_worker, 2, timeout=90)
     msg = res[0]
     for part in ("rank 0", "peer 1", "channel 3", "'dispatch'", "timeout"):
         assert part in msg, msg
 
 
-def _bootstrap_fail_worker(rank, port, q):
+def _bootstrap_fail_worker(rank, world):
     os.environ["FI_TCP_IFACE"] = "lo"
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    provider = "tcp" if rank == 0 else "no-such-provider"
     try:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        provider = "tcp" if rank == 0 else "no-such-provider"
-        try:
-            P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", provider=provider,
-                         num_threads=1, pin_threads=False)
-            msg = "no error"
-        except Exception as e:  # noqa: BLE001
-            msg = str(e)
-        dist.destroy_process_group()
-        q.put((rank, "ok", msg))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+        P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", provider=provider,
+                     num_threads=1, pin_threads=False)
+        msg = "no error"
+    except Exception as e:  # noqa: BLE001
+        msg = str(e)
+    return msg
 
 
 def test_a_rank_failing_at_bootstrap_fails_every_rank_without_hanging():
-    res = spawn_ranks(_bootstrap_fail_worker, 2, lambda r, port: (r, port), timeout=90)
+    res = spawn(_bootstrap_fail_worker, 2, timeout=90)
     assert "no-such-provider" in res[1]
     assert "bootstrap failed on rank 1" in res[0] and "no-such-provider" in res[0]
 
@@ -202,63 +188,59 @@ def _sizes_to(src, dst):
     return [64 * (dst + 1) + 8 * src + 3 * k for k in range(5)]
 
 
-def _per_destination_worker(rank, world, port, q):
+def _per_destination_worker(rank, world):
     os.environ["FI_PROVIDER"] = "tcp"
     os.environ["FI_TCP_IFACE"] = "lo"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    threads, slot = 2, 2048
+    recv_base = world * slot
+    buf = np.zeros(2 * world * slot, np.uint8)   # [send area per destination | receive area per source]
+    counters = np.zeros(world, np.int64)
+    for d in range(world):
+        buf[d * slot: (d + 1) * slot] = (np.arange(slot) + 13 * rank + d) % 251 + 1
+    g = P.ProxyGroup(rank, world, {0: buf, 1: counters}, transport="fabric", num_threads=threads,
+                     provider="tcp", pin_threads=False, timeout_s=60)
     try:
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        threads, slot = 2, 2048
-        recv_base = world * slot
-        buf = np.zeros(2 * world * slot, np.uint8)   # [send area per destination | receive area per source]
-        counters = np.zeros(world, np.int64)
+        rows = {t: [] for t in range(threads)}
         for d in range(world):
-            buf[d * slot: (d + 1) * slot] = (np.arange(slot) + 13 * rank + d) % 251 + 1
-        g = P.ProxyGroup(rank, world, {0: buf, 1: counters}, transport="fabric", num_threads=threads,
-                         provider="tcp", pin_threads=False, timeout_s=60)
-        try:
-            rows = {t: [] for t in range(threads)}
-            for d in range(world):
-                for k, n in enumerate(_sizes_to(rank, d)):   # channel k: spread over both threads
-                    off = sum(_sizes_to(rank, d)[:k])
-                    rows[k % threads].append((P.OP_WRITE if k % 2 else P.OP_WRITE_IMM, d, k, 0, n,
-                                              d * slot + off, recv_base + rank * slot + off))
-                rows[0].append((P.OP_WRITE_IMM, d, 0, 0, 0, 0, recv_base))          # zero-length signal
-                rows[1].append((P.OP_ATOMIC_ADD, d, 1, 1, 5, 0, 8 * rank))
-                rows[1].append((P.OP_BARRIER, d, 1, 0, 0, 0, 0))
-            rows[0].append((P.OP_NOP, 0, 0, 0, 99, 0, 0))                           # goes nowhere
-            for t in range(threads):
-                rows[t].append((P.OP_FLUSH, 0, t, 0, 0, 0, 0))
-                g.push(t, P.make_commands(rows[t]))
-            # The flush runs on the sending thread after every earlier command of its ring was posted and
-            # completed, so the counts read after it are final.
-            g.wait_flushed(0, 1, timeout_s=60)
-            g.wait_flushed(1, world + 1, timeout_s=60)   # a barrier also bumps `flushed`
-            for s in range(world):                       # and the peers' operations reached us
-                for ch, ops in ((0, 2), (1, 3), (2, 1), (3, 1), (4, 1)):
-                    g.wait_seq(s, ch, ops, timeout_s=60, phase="per-destination")
-            g.check()
-            stats = g.stats()
-            for s in range(world):
-                assert counters[s] == 5 and g.barrier_count(s) == 1
-                assert [g.imm_count(s, c) for c in range(5)] == [2, 0, 1, 0, 1]
-                sizes = _sizes_to(s, rank)
-                got = buf[recv_base + s * slot: recv_base + s * slot + sum(sizes)]
-                np.testing.assert_array_equal(got, (np.arange(sum(sizes)) + 13 * s + rank) % 251 + 1)
-            dist.barrier()   # peers finished waiting on our operations before anyone tears down
-        finally:
-            g.close()
-        dist.destroy_process_group()
-        q.put((rank, "ok", stats))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+            for k, n in enumerate(_sizes_to(rank, d)):   # channel k: spread over both threads
+                off = sum(_sizes_to(rank, d)[:k])
+                rows[k % threads].append((P.OP_WRITE if k % 2 else P.OP_WRITE_IMM, d, k, 0, n,
+                                          d * slot + off, recv_base + rank * slot + off))
+            rows[0].append((P.OP_WRITE_IMM, d, 0, 0, 0, 0, recv_base))          # zero-length signal
+            rows[1].append((P.OP_ATOMIC_ADD, d, 1, 1, 5, 0, 8 * rank))
+            rows[1].append((P.OP_BARRIER, d, 1, 0, 0, 0, 0))
+        rows[0].append((P.OP_NOP, 0, 0, 0, 99, 0, 0))                           # goes nowhere
+        for t in range(threads):
+            rows[t].append((P.OP_FLUSH, 0, t, 0, 0, 0, 0))
+            g.push(t, P.make_commands(rows[t]))
+        # The flush runs on the sending thread after every earlier command of its ring was posted and
+        # completed, so the counts read after it are final.
+        g.wait_flushed(0, 1, timeout_s=60)
+        g.wait_flushed(1, world + 1, timeout_s=60)   # a barrier also bumps `flushed`
+        for s in range(world):                       # and the peers' operations reached us
+            for ch, ops in ((0, 2), (1, 3), (2, 1), (3, 1), (4, 1)):
+                g.wait_seq(s, ch, ops, timeout_s=60, phase="per-destination")
+        g.check()
+        stats = g.stats()
+        for s in range(world):
+            assert counters[s] == 5 and g.barrier_count(s) == 1
+            assert [g.imm_count(s, c) for c in range(5)] == [2, 0, 1, 0, 1]
+            sizes = _sizes_to(s, rank)
+            got = buf[recv_base + s * slot: recv_base + s * slot + sum(sizes)]
+            np.testing.assert_array_equal(got, (np.arange(sum(sizes)) + 13 * s + rank) % 251 + 1)
+        dist.barrier()   # peers finished waiting on our operations before anyone tears down
+    finally:
+        g.close()
+    return stats
 
 
 def test_stats_count_bytes_and_commands_per_destination():
     world = 3
-    out = spawn_ranks(_per_destination_worker, world, lambda r, port: (r, world, port), timeout=120)
-    for rank, st in out.items():
+    out = spawn(_per_destination_worker, world, timeout=120)
+    for rank, st in enumerate(out):
         want_bytes = [sum(_sizes_to(rank, d)) for d in range(world)]
         assert st["bytes_to"] == want_bytes, (rank, st["bytes_to"], want_bytes)
         # per destination: 5 writes, the zero-length OP_WRITE_IMM, one atomic add, one barrier marker
@@ -269,32 +251,28 @@ def test_stats_count_bytes_and_commands_per_destination():
         assert st["nops"] == 1 and st["rejected"] == 0
 
 
-def _idle_then_write_worker(rank, port, q):
+def _idle_then_write_worker(rank, world):
     os.environ["FI_PROVIDER"] = "tcp"
     os.environ["FI_TCP_IFACE"] = "lo"
-    try:
-        import time
+    import time
 
-        import torch.distributed as dist
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-        buf = np.zeros(8192, np.uint8)
-        buf[:4096] = rank + 1
-        g = P.ProxyGroup(rank, 2, {0: buf}, transport="fabric", num_threads=1, pin_threads=False, timeout_s=1.0)
-        time.sleep(1.5)  # idle for longer than the timeout: nothing is in flight, nothing may time out
-        g.push(0, P.make_commands([(P.OP_WRITE, 1 - rank, 0, 0, 4096, 0, 4096)]))
-        g.wait_seq(1 - rank, 0, 1, phase="after idle")
-        g.check()
-        ok = bool((buf[4096:] == 2 - rank).all())
-        dist.barrier()
-        g.close()
-        dist.destroy_process_group()
-        q.put((rank, "ok", ok))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    buf = np.zeros(8192, np.uint8)
+    buf[:4096] = rank + 1
+    g = P.ProxyGroup(rank, 2, {0: buf}, transport="fabric", num_threads=1, pin_threads=False, timeout_s=1.0)
+    time.sleep(1.5)  # idle for longer than the timeout: nothing is in flight, nothing may time out
+    g.push(0, P.make_commands([(P.OP_WRITE, 1 - rank, 0, 0, 4096, 0, 4096)]))
+    g.wait_seq(1 - rank, 0, 1, phase="after idle")
+    g.check()
+    ok = bool((buf[4096:] == 2 - rank).all())
+    dist.barrier()
+    g.close()
+    return ok
 
 
 def test_first_write_after_an_idle_spell_longer_than_the_timeout():
     """The completion deadline counts from the post when nothing was in flight, not from the last
     completion: a thread idle for longer than UCCL_EP_TIMEOUT_S must not fail its next write at once."""
-    res = spawn_ranks(_idle_then_write_worker, 2, lambda r, port: (r, port), timeout=90)
-    assert res == {0: True, 1: True}
+    res = spawn(_idle_then_write_worker, 2, timeout=90)
+    assert res == [True, True]

@@ -51,7 +51,7 @@ def test_moe_layer_matches_alltoall(world, overrides):
 def _gpt_parity(rank: int, world: int, device: str) -> list[float]:
     import argparse
 
-    from uccl_ep_train.train import train_rank
+    from uccl_ep_train.apps.train import train_rank
     args = argparse.Namespace(recipe="tiny", seq_length=32, micro_batch_size=2, lr=3e-3, seed=7, steps=20,
                               quiet=True, log_every=100)
     curves = {}

@@ -6,15 +6,13 @@ Two processes, one per GPU (both on GPU 0 when only one exists), each protocol o
 built with CUDA.
 """
 import os
-import queue
-import socket
-import traceback
 
 import numpy as np
 import pytest
 import torch
 
 from uccl_ep_train import proxy as P
+from uccl_ep_train.apps.launch import spawn
 
 pytestmark = [pytest.mark.gpu]
 
@@ -34,110 +32,79 @@ def _ready():
     return None
 
 
-def _port():
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    p = s.getsockname()[1]
-    s.close()
-    return p
-
-
 def _len(k):
     return 0 if k % 9 == 8 else S - (k % 4) * 100
 
 
-def _worker(rank, world, port, q):
+def _worker(rank, world):
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    try:
-        import torch.distributed as dist
-        from uccl_ep_train import _native
-        dev = rank % torch.cuda.device_count()
-        torch.cuda.set_device(dev)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        slot = lambda s, c, k: ((s * len(CHANNELS) + c) * K + k) * S  # noqa: E731
-        half = world * len(CHANNELS) * K * S
-        pad = torch.empty(12345, dtype=torch.uint8, device="cuda")  # the region is a sub-allocation
-        region = torch.zeros(2 * half, dtype=torch.uint8, device="cuda")
-        idx = torch.arange(half, device="cuda", dtype=torch.int64)
-        region[:half] = ((idx * 3 + rank * 101) % 251 + 1).to(torch.uint8)
-        results = {}
-        for publish in PUBLISH:
-            # one ProxyGroup per ring publish protocol, in the same processes (UCCL_EP_RING_PUBLISH)
-            region[half:].zero_()
-            counters = np.zeros(world * len(CHANNELS), np.int64)
-            g = P.ProxyGroup(rank, world, {0: region, 1: counters}, transport="ipc", gpu=dev, num_threads=THREADS,
-                             timeout_s=60, ring_publish=publish)
-            assert g.config()["ring_publish"] == publish
-            per_ring = {t: [] for t in range(THREADS)}
-            for d in range(world):
-                for c in CHANNELS:
-                    for k in range(K):
-                        op = P.OP_WRITE_IMM if k % 2 else P.OP_WRITE
-                        per_ring[c % THREADS].append((op, d, c, 0, _len(k), slot(d, c, k), half + slot(rank, c, k)))
-                        per_ring[c % THREADS].append((P.OP_ATOMIC_ADD, d, c, 1, k + 1, 0, 8 * (rank * len(CHANNELS) + c)))
-            rows, offsets = [], [0]
-            for t in range(THREADS):
-                rows += per_ring[t]
-                offsets.append(len(rows))
-            cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
-            torch.cuda.synchronize()
-            dist.barrier()
-            _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 4, torch.cuda.current_stream().cuda_stream)
-            for s in range(world):
-                for c in CHANNELS:
-                    g.wait_seq(s, c, 2 * K, timeout_s=60, phase="gpu-ipc")
-            g.check()
-            expect = torch.zeros(half, dtype=torch.uint8, device="cuda")
-            for s in range(world):
-                src_pattern = ((torch.arange(half, device="cuda") * 3 + s * 101) % 251 + 1).to(torch.uint8)
-                for c in CHANNELS:
-                    assert g.imm_count(s, c) == K // 2
-                    assert counters[s * len(CHANNELS) + c] == K * (K + 1) // 2
-                    for k in range(K):
-                        n = _len(k)
-                        so = slot(rank, c, k)   # where s read from: its send area for destination `rank`
-                        expect[slot(s, c, k): slot(s, c, k) + n] = src_pattern[so: so + n]
-            got = region[half:]
-            mismatch = int((got != expect).sum())
-            # every pickup probe variant (4: the one-store vector publish, 5: an owned ring) round-trips here
-            rtt = [min(_native.gpu_pickup_latency(g._native, 0, 50, mode)) for mode in range(6)]
-            stats = g.stats()
-            dist.barrier()
-            g.close()
-            results[publish] = (mismatch, min(rtt), stats)
-        dist.destroy_process_group()
-        del pad
-        q.put((rank, "ok", results))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    from uccl_ep_train import _native
+    dev = rank % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo")
+    slot = lambda s, c, k: ((s * len(CHANNELS) + c) * K + k) * S  # noqa: E731
+    half = world * len(CHANNELS) * K * S
+    pad = torch.empty(12345, dtype=torch.uint8, device="cuda")  # the region is a sub-allocation
+    region = torch.zeros(2 * half, dtype=torch.uint8, device="cuda")
+    idx = torch.arange(half, device="cuda", dtype=torch.int64)
+    region[:half] = ((idx * 3 + rank * 101) % 251 + 1).to(torch.uint8)
+    results = {}
+    for publish in PUBLISH:
+        # one ProxyGroup per ring publish protocol, in the same processes (UCCL_EP_RING_PUBLISH)
+        region[half:].zero_()
+        counters = np.zeros(world * len(CHANNELS), np.int64)
+        g = P.ProxyGroup(rank, world, {0: region, 1: counters}, transport="ipc", gpu=dev, num_threads=THREADS,
+                         timeout_s=60, ring_publish=publish)
+        assert g.config()["ring_publish"] == publish
+        per_ring = {t: [] for t in range(THREADS)}
+        for d in range(world):
+            for c in CHANNELS:
+                for k in range(K):
+                    op = P.OP_WRITE_IMM if k % 2 else P.OP_WRITE
+                    per_ring[c % THREADS].append((op, d, c, 0, _len(k), slot(d, c, k), half + slot(rank, c, k)))
+                    per_ring[c % THREADS].append((P.OP_ATOMIC_ADD, d, c, 1, k + 1, 0, 8 * (rank * len(CHANNELS) + c)))
+        rows, offsets = [], [0]
+        for t in range(THREADS):
+            rows += per_ring[t]
+            offsets.append(len(rows))
+        cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
+        torch.cuda.synchronize()
+        dist.barrier()
+        _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 4, torch.cuda.current_stream().cuda_stream)
+        for s in range(world):
+            for c in CHANNELS:
+                g.wait_seq(s, c, 2 * K, timeout_s=60, phase="gpu-ipc")
+        g.check()
+        expect = torch.zeros(half, dtype=torch.uint8, device="cuda")
+        for s in range(world):
+            src_pattern = ((torch.arange(half, device="cuda") * 3 + s * 101) % 251 + 1).to(torch.uint8)
+            for c in CHANNELS:
+                assert g.imm_count(s, c) == K // 2
+                assert counters[s * len(CHANNELS) + c] == K * (K + 1) // 2
+                for k in range(K):
+                    n = _len(k)
+                    so = slot(rank, c, k)   # where s read from: its send area for destination `rank`
+                    expect[slot(s, c, k): slot(s, c, k) + n] = src_pattern[so: so + n]
+        got = region[half:]
+        mismatch = int((got != expect).sum())
+        # every pickup probe variant (4: the one-store vector publish, 5: an owned ring) round-trips here
+        rtt = [min(_native.gpu_pickup_latency(g._native, 0, 50, mode)) for mode in range(6)]
+        stats = g.stats()
+        dist.barrier()
+        g.close()
+        results[publish] = (mismatch, min(rtt), stats)
+    del pad
+    return results
 
 
 def test_gpu_kernel_pushes_commands_proxies_execute_over_ipc():
     why = _ready()
     if why:
         pytest.skip(why)
-    import multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, q)) for r in range(2)]
-    for p in procs:
-        p.start()
-    res = {}
-    try:
-        for _ in range(2):
-            rank, status, payload = q.get(timeout=240)
-            assert status == "ok", f"rank {rank}:\n{payload}"
-            res[rank] = payload
-    except queue.Empty:
-        pytest.fail(f"GPU ipc test timed out (results from {sorted(res)})")
-    finally:
-        for p in procs:
-            p.join(15)
-            if p.is_alive():
-                p.kill()
-    for rank, per_mode in res.items():
+    res = spawn(_worker, 2, timeout=240)
+    for rank, per_mode in enumerate(res):
         assert sorted(per_mode) == sorted(PUBLISH)
         for publish, (mismatch, rtt_min, stats) in per_mode.items():
             assert mismatch == 0, f"rank {rank} ({publish} publish): {mismatch} bytes differ"

@@ -4,9 +4,9 @@ import shlex
 
 import pytest
 
-from uccl_ep_train import plan
-from uccl_ep_train.plan import GiB, check_layout, count_params, estimate_memory, stage_layer_counts
-from uccl_ep_train.recipes import load_recipe
+from uccl_ep_train.apps import plan
+from uccl_ep_train.apps.plan import GiB, check_layout, count_params, estimate_memory, stage_layer_counts
+from uccl_ep_train.apps.recipes import load_recipe
 
 
 def run(capsys, *argv):
@@ -45,7 +45,7 @@ def test_json_report(capsys, tmp_path):
     assert rep["fits"] is True
     cmd = rep["torchrun"]
     assert cmd[:13] == ["torchrun", "--nnodes", "32", "--nproc-per-node", "8", "--node-rank", "$NODE_RANK",
-                        "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "-m", "uccl_ep_train.cli"]
+                        "--master-addr", "$MASTER_ADDR", "--master-port", "$MASTER_PORT", "-m", "uccl_ep_train.apps.cli"]
     assert cmd[13] == "pretrain-gpt"
     assert "--mock-data" in cmd and "--moe-token-dispatcher-type" in cmd
 
@@ -168,7 +168,7 @@ def test_emit_torchrun_and_env(capsys):
 
 
 def test_cli_dispatches_plan(capsys):
-    from uccl_ep_train.cli import main
+    from uccl_ep_train.apps.cli import main
     assert main(["plan", "--recipe", "deepseek-v2-lite", "--emit", "megatron-args"]) == 0
     out = capsys.readouterr().out
     assert "--num-experts 64" in out and "--moe-token-dispatcher-type uccl" in out
@@ -229,9 +229,9 @@ megatron_patch.apply()   # CPU stand-ins for megatron-core's CUDA streams
 from megatron.core.models.gpt import GPTModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-from uccl_ep_train.plan import check_layout, estimate_memory
-from uccl_ep_train.recipes import load_recipe
-from uccl_ep_train.recipes.model import _model_parallel_world
+from uccl_ep_train.apps.plan import check_layout, estimate_memory
+from uccl_ep_train.apps.recipes import load_recipe
+from uccl_ep_train.apps.recipes.model import _model_parallel_world
 r = load_recipe("tiny").with_args(hidden_size=256, num_attention_heads=4, kv_channels=64, ffn_hidden_size=1024,
     moe_ffn_hidden_size=256, moe_shared_expert_intermediate_size=256, num_layers=2, moe_layer_freq="([0]+[1])",
     seq_length=128, max_position_embeddings=128, micro_batch_size=2, global_batch_size=2,

@@ -23,7 +23,7 @@ def _run(args, cwd, megatron_lm=None):
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LM_PATH"}
     if megatron_lm:
         env["MEGATRON_LM_PATH"] = megatron_lm
-    return subprocess.run([sys.executable, "-m", "uccl_ep_train.cli", "pretrain-gpt", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, "-m", "uccl_ep_train.apps.cli", "pretrain-gpt", *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=180)
 
 

@@ -15,8 +15,8 @@ import pytest
 import megatron_patch
 from megatron_patch import primus as hook
 from uccl_ep_train.compat import primus_turbo as turbo_backend
-from uccl_ep_train.localhost import free_loopback_port
-from uccl_ep_train.recipes import load_recipe
+from uccl_ep_train.apps.launch import free_loopback_port
+from uccl_ep_train.apps.recipes import load_recipe
 
 from dist_utils import run_ranks
 

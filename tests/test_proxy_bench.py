@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_
 
 
 def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
-    from uccl_ep_train.cli import main
+    from uccl_ep_train.apps.cli import main
     monkeypatch.setenv("FI_TCP_IFACE", "lo")
     out = tmp_path / "proxy.json"
     rc = main(["bench", "proxy", "--mode", "cpu", "--threads", "1", "--chunk-bytes", "4096",

@@ -17,7 +17,7 @@ os.environ.setdefault("FI_TCP_IFACE", "lo")
 os.environ.setdefault("FI_SOCKETS_IFACE", "lo")
 
 from uccl_ep_train import proxy as P  # noqa: E402
-from uccl_ep_train.bench.proxy import one_way_pickup  # noqa: E402
+from uccl_ep_train.apps.bench.proxy import one_way_pickup  # noqa: E402
 
 native = pytest.mark.skipif(not P.available() or "fabric" not in P.compiled_transports(),
                             reason="native module with the fabric transport not built")

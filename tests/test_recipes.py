@@ -7,9 +7,9 @@ import pytest
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|TE).*")
 
-from uccl_ep_train.recipes import (  # noqa: E402
+from uccl_ep_train.apps.recipes import (  # noqa: E402
     Recipe, list_recipes, load_recipe, megatron_cli_args, nic_env, parse_moe_layer_freq)
-from uccl_ep_train.plan import count_params  # noqa: E402
+from uccl_ep_train.apps.plan import count_params  # noqa: E402
 
 RECIPES = ["deepseek-v3", "deepseek-v2-lite", "tiny"]
 
@@ -149,7 +149,7 @@ PUBLISHED_TOL = {"deepseek-v3": (0.005, 0.03), "deepseek-v2-lite": (0.01, 0.03)}
 
 @pytest.fixture(scope="module")
 def built():
-    from uccl_ep_train.recipes.model import build_meta_model, count_parameters
+    from uccl_ep_train.apps.recipes.model import build_meta_model, count_parameters
     out = {}
     for name in RECIPES:
         r = load_recipe(name)
@@ -196,7 +196,7 @@ def test_deepseek_v3_meta_shapes(built):
 def test_mtp_layers_are_counted_like_megatron_builds_them():
     """DeepSeek-V3 with its published MTP module (off by default): the analytic count follows megatron-core's
     MultiTokenPredictionLayer (norms, eh_proj, one MoE layer) -- checked on a 4-layer cut of the model."""
-    from uccl_ep_train.recipes.model import build_meta_model, count_parameters
+    from uccl_ep_train.apps.recipes.model import build_meta_model, count_parameters
     r = load_recipe("deepseek-v3").with_args(mtp_num_layers=1, num_layers=4, moe_layer_freq="([0]*3+[1])",
                                              pipeline_model_parallel_size=1, decoder_first_pipeline_num_layers=None,
                                              decoder_last_pipeline_num_layers=None)

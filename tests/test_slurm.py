@@ -55,7 +55,7 @@ def test_fake_slurm_environment_gives_the_right_torchrun_command(tmp_path):
     assert opt(cmd, "--node-rank") == "2"
     assert opt(cmd, "--master-addr") == "gpu003"
     assert opt(cmd, "--master-port") == str(20000 + 12345 % 20000)
-    assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["uccl_ep_train.cli", "pretrain-gpt"]
+    assert cmd[cmd.index("-m") + 1:cmd.index("-m") + 3] == ["uccl_ep_train.apps.cli", "pretrain-gpt"]
     assert opt(cmd, "--moe-token-dispatcher-type") == "uccl"
     assert opt(cmd, "--expert-model-parallel-size") == "16"
     assert cmd[-2:] == ["--data-path", "/data/my corpus"]
@@ -94,7 +94,7 @@ def test_without_slurm_it_runs_on_one_node(tmp_path):
     cmd = shlex.split(res.stdout.strip().splitlines()[-1])
     assert [opt(cmd, "--nnodes"), opt(cmd, "--nproc-per-node"), opt(cmd, "--node-rank")] == ["1", "2", "0"]
     assert opt(cmd, "--master-addr") == "127.0.0.1"
-    assert cmd[cmd.index("-m") + 1:] == ["uccl_ep_train.cli", "train", "--recipe", "tiny", "--steps", "2"]
+    assert cmd[cmd.index("-m") + 1:] == ["uccl_ep_train.apps.cli", "train", "--recipe", "tiny", "--steps", "2"]
 
 
 def test_missing_megatron_checkout_is_a_clear_error(tmp_path):
@@ -168,7 +168,7 @@ def test_tiny_recipe_trains_on_cpu_ranks_through_the_launcher(tmp_path):
     env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, MASTER_PORT=_free_port(), UCCL_LAUNCH_DRY_RUN=0,
                    UCCL_TORCHRUN=f"{shlex.quote(sys.executable)} -m torch.distributed.run", OMP_NUM_THREADS=1,
                    UCCL_SOCKET_IFNAME="lo")                # loopback only
-    if importlib.util.find_spec("uccl_ep_train.doctor") is None:
+    if importlib.util.find_spec("uccl_ep_train.apps.doctor") is None:
         env["UCCL_SKIP_DOCTOR"] = "1"   # the pre-flight command is not there yet
     res = subprocess.run(["bash", str(LAUNCH), "tiny", "--entry", "train", "--", "--steps", "20",
                           "--log-every", "5", "--json", str(log)],

@@ -13,7 +13,7 @@ def _losses_one_node_and_two(rank: int, world: int, device: str) -> tuple[list[f
     (the rank's environment set as `train --ranks-per-node 2` sets it). Same seeds, same rows: same losses."""
     import torch
 
-    from uccl_ep_train.train import build_parser, train_rank, use_ranks_per_node
+    from uccl_ep_train.apps.train import build_parser, train_rank, use_ranks_per_node
 
     os.environ.pop("UCCL_EP_RANKS_PER_NODE", None)  # the first run is one node whatever the caller set
     os.environ.pop("LOCAL_WORLD_SIZE", None)
@@ -37,7 +37,7 @@ def test_two_emulated_nodes_match_one_node():
 
 @pytest.mark.parametrize("ranks,per_node", [(4, 3), (4, 0), (16, 16)])
 def test_ranks_per_node_is_checked(ranks, per_node):
-    from uccl_ep_train.train import check_ranks_per_node
+    from uccl_ep_train.apps.train import check_ranks_per_node
 
     with pytest.raises(SystemExit, match="--ranks-per-node must be in 1..8 and divide the number of ranks"):
         check_ranks_per_node(per_node, ranks)
@@ -46,7 +46,7 @@ def test_ranks_per_node_is_checked(ranks, per_node):
 
 
 def test_cli_rejects_bad_ranks_per_node(monkeypatch):
-    from uccl_ep_train.train import main
+    from uccl_ep_train.apps.train import main
 
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="divide the number of ranks"):

@@ -176,7 +176,7 @@ void register_proxy_gpu(py::module_& m) {
         py::arg("proxy"), py::arg("ring"), py::arg("iters"), py::arg("mode") = 0,
         "Per-iteration stamps of the pickup probe: start/publish/seen (GPU globaltimer ns) and pickup (proxy "
         "clock, converted to steady_clock ns). The two clocks have an unknown offset: calibrate it "
-        "(uccl_ep_train.bench.proxy.one_way_pickup).");
+        "(uccl_ep_train.apps.bench.proxy.one_way_pickup).");
 
   m.def("gpu_timer_resolution",
         [](int gpu, int reads) {

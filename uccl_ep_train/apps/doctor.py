@@ -96,13 +96,13 @@ def collect() -> dict:
     except Exception as e:  # pragma: no cover
         report["gpus_error"] = str(e)
     try:
-        from .backends.native import native_problem
+        from uccl_ep_train.backends.native import native_problem
 
         report["native"]["problem"] = native_problem()
     except Exception as e:  # pragma: no cover - torch missing or broken
         report["native"]["problem"] = f"cannot check ({e})"
     report["fabric_providers"] = _fabric_providers()
-    from .config import SETTINGS
+    from uccl_ep_train.config import SETTINGS
 
     report["settings"] = {k: os.environ[k] for k in [*SETTINGS, *OTHER_VARS] if k in os.environ}
     # a UCCL_* variable nothing reads is usually a typo or a setting of another project (UCCL-EP's own)

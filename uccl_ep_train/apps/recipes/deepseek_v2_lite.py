@@ -5,7 +5,7 @@ Published shapes: arXiv 2405.04434 and the deepseek-ai/DeepSeek-V2-Lite model ca
 Reference layout: 2 nodes x 8 GPUs, TP1 x PP1 x EP16 (4 experts per GPU, EP spans both nodes).
 """
 
-from uccl_ep_train.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS
+from uccl_ep_train.apps.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS
 
 RECIPE = dict(
     name="deepseek-v2-lite",

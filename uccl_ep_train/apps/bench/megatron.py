@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
+from ..launch import launched_world, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,8 +179,8 @@ def _profile(disp, x, routing_map, probs_full, grad, kind: str, rank: int, cuda:
         print(prof.key_averages().table(sort_by=key, row_limit=22, max_name_column_width=60), flush=True)
 
 
-def _rank(rank: int, world: int, args, port: int, out_path: Optional[str], context: dict) -> None:
-    device = init_rank_group(rank, world, port)
+def _rank(rank: int, world: int, args, out_path: Optional[str], context: dict) -> None:
+    device = init_rank_group()
     cuda = device.type == "cuda"
     shared_gpu = cuda and dist.get_backend() == "gloo"  # ranks share a GPU: NCCL is out
     import megatron_patch
@@ -286,7 +287,6 @@ def _rank(rank: int, world: int, args, port: int, out_path: Optional[str], conte
     if rank == 0 and out_path:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
-    dist.destroy_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -297,13 +297,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--sms must be a positive even number, got {args.num_sms}")
     if args.moe_pad_expert_input_to_capacity and args.moe_expert_capacity_factor is None:
         parser.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
-    import torch.multiprocessing as mp
-
-    from ..localhost import free_loopback_port
-    world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+    world = launched_world() or args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     warn_without_mps(world, "megatron")
     context = run_context("bench megatron", argv)
-    mp.spawn(_rank, args=(world, args, free_loopback_port(), args.json, context), nprocs=world, join=True)
+    if run(_rank, world, args, args.json, context, timeout=1800) is None:  # a launched rank other than 0
+        return 0
     if args.json:
         print(f"records: {args.json}", file=sys.stderr)
     return 0

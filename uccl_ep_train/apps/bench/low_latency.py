@@ -15,18 +15,16 @@ run's command, date, commit, device and GPU count.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import traceback
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from . import add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
-from ..localhost import spawn_ranks
+from . import add_ranks_arg, gpus_used, init_rank_group, rank_records, run_context, warn_without_mps, write_records
+from ..launch import launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
 SEED = 4321
@@ -90,7 +88,7 @@ def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
 
 
 def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list[dict]:
-    from .. import Buffer
+    from uccl_ep_train import Buffer
 
     shape = {k: getattr(args, k) for k in SHAPE}
     g = torch.Generator().manual_seed(SEED + rank)
@@ -123,17 +121,9 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
     return records
 
 
-def _worker(rank: int, world: int, port: int, args, q) -> None:
-    try:
-        os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        device = init_rank_group(rank, world, port)
-        try:
-            records = _rank_main(rank, world, args, device, dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, "ok", records))
-    except BaseException:  # report, do not hang the parent
-        q.put((rank, "error", traceback.format_exc()))
+def _rank(rank: int, world: int, args) -> list[dict]:
+    device = init_rank_group()
+    return _rank_main(rank, world, args, device, dist.group.WORLD)
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -166,24 +156,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("bench low-latency needs CUDA/HIP GPUs (the LL kernels; the reference runs beside them)")
-    world = args.ranks or max(torch.cuda.device_count(), 2)
+    world = launched_world() or args.ranks or max(torch.cuda.device_count(), 2)
     if world < 2 or args.num_experts % world:
         parser.error(f"--ranks: at least 2, dividing --num-experts ({args.num_experts}); got {world}")
     if args.hidden % 512 or args.iters < 1 or args.warmup < 0:
         parser.error("--hidden must be a multiple of 512, --iters >= 1, --warmup >= 0")
-    args.ranks_per_node = args.ranks_per_node or world
+    args.ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world % args.ranks_per_node:
         parser.error(f"--ranks-per-node ({args.ranks_per_node}) must divide --ranks ({world})")
     context = run_context("bench low-latency", argv)
     warn_without_mps(world, "low-latency")
-    out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args), timeout=1800)
-    summary = [{**r, **context} for r in summarise([r for rank in sorted(out) for r in out[rank]])]
+    records = rank_records(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)})
+    if records is None:  # a launched rank other than 0
+        return 0
+    summary = [{**r, **context} for r in summarise(records)]
     _print(summary)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"[low-latency] wrote {len(summary)} records to {args.json}", flush=True)
+        write_records(summary, args.json, "low-latency")
     return 0
 
 

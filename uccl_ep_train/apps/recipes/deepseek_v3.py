@@ -7,7 +7,7 @@ Reference layout: 32 nodes x 8 GPUs = 256 GPUs, TP1 x PP8 x EP32 (each EP group 
 and combine cross the network through the CPU proxies), 61 layers split 7 | 8 x 6 | 6 over the stages.
 """
 
-from uccl_ep_train.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS
+from uccl_ep_train.apps.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS
 
 RECIPE = dict(
     name="deepseek-v3",

@@ -19,6 +19,8 @@ Every record also carries the run's command, date, commit, "gpus" (GPUs the meas
 producers) and "timing": "kernel" where the GPU's globaltimer read inside the probe kernel gives the
 interval (pickup_rtt, pickup, visibility), "api" where the host clock brackets the host call (nop_push:
 launch until the rings drained; ipc_write, fabric_*: push until flushed; the CPU producer's pickup_rtt).
+It measures in its own process and spawns the two ranks of ipc_write / fabric_write itself (apps.launch),
+so it is not started as a rank of torchrun.
 """
 from __future__ import annotations
 
@@ -28,12 +30,11 @@ import os
 import statistics
 import sys
 import time
-import traceback
 
 import numpy as np
 
 from . import int_list, run_context
-from ..localhost import spawn_ranks
+from ..launch import launched_world, spawn
 
 
 def _parse(argv):
@@ -214,66 +215,63 @@ def _pickup(args, g, device, threads):
     return recs
 
 
-def _ipc_worker(rank, world, port, args, threads, q):
+def _ipc_rank(rank, world, args, threads):
+    """One of the two ranks of ipc_write (GPU rank % count): its records, one per chunk size."""
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
-    try:
-        import torch
-        import torch.distributed as dist
-        from uccl_ep_train import _native
-        from uccl_ep_train import proxy as P
-        dev = rank % torch.cuda.device_count()
-        torch.cuda.set_device(dev)
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        recs = []
-        peer = 1 - rank
-        max_chunk = max(args.chunk_bytes)
-        span = max(args.total_bytes // 4, max_chunk * 8)
-        region = torch.zeros(2 * span, dtype=torch.uint8, device="cuda")
-        with P.ProxyGroup(rank, world, {0: region}, transport="ipc", gpu=dev, num_threads=threads,
-                          timeout_s=120) as g:
-            for chunk in args.chunk_bytes:
-                n = max(threads, args.total_bytes // chunk)
-                per_slot = span // chunk
-                rows, offsets = [], [0]
-                for t in range(threads):
-                    mine = [i for i in range(n) if i % threads == t]
-                    rows += [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
-                             for i in mine]
-                    rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
-                    offsets.append(len(rows))
-                cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
-                base = [g.flushed(t) for t in range(threads)]
-                torch.cuda.synchronize()
-                dist.barrier()
-                t0 = time.perf_counter()
-                _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1,
-                                          torch.cuda.current_stream().cuda_stream)
-                for t in range(threads):
-                    g.wait_flushed(t, base[t] + 1, timeout_s=120)
-                sec = time.perf_counter() - t0
-                gbps = n * chunk / sec / 1e9
-                recs.append(dict(bench="proxy", op="ipc_write", ranks=world, gbps=gbps, us=sec / n * 1e6,
-                                 device=torch.cuda.get_device_name(dev), timing="api",
-                                 gpus=min(world, torch.cuda.device_count()), sms=0, threads=threads, chunk_bytes=chunk,
-                                 commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
-                                 commands_per_s=n / sec, transport="ipc", both_directions=True,
-                                 max_inflight=g.config()["max_inflight"],
-                                 ring_publish=g.config().get("ring_publish")))
-                dist.barrier()
-            g.check()
-        dist.destroy_process_group()
-        q.put((rank, "ok", recs))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch
+    import torch.distributed as dist
+    from uccl_ep_train import _native
+    from uccl_ep_train import proxy as P
+    dev = rank % torch.cuda.device_count()
+    torch.cuda.set_device(dev)
+    dist.init_process_group("gloo")
+    recs = []
+    peer = 1 - rank
+    max_chunk = max(args.chunk_bytes)
+    span = max(args.total_bytes // 4, max_chunk * 8)
+    region = torch.zeros(2 * span, dtype=torch.uint8, device="cuda")
+    with P.ProxyGroup(rank, world, {0: region}, transport="ipc", gpu=dev, num_threads=threads,
+                      timeout_s=120) as g:
+        for chunk in args.chunk_bytes:
+            n = max(threads, args.total_bytes // chunk)
+            per_slot = span // chunk
+            rows, offsets = [], [0]
+            for t in range(threads):
+                mine = [i for i in range(n) if i % threads == t]
+                rows += [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
+                         for i in mine]
+                rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
+                offsets.append(len(rows))
+            cmds = torch.from_numpy(P.make_commands(rows).view(np.uint8).copy()).cuda()
+            base = [g.flushed(t) for t in range(threads)]
+            torch.cuda.synchronize()
+            dist.barrier()
+            t0 = time.perf_counter()
+            _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1,
+                                      torch.cuda.current_stream().cuda_stream)
+            for t in range(threads):
+                g.wait_flushed(t, base[t] + 1, timeout_s=120)
+            sec = time.perf_counter() - t0
+            gbps = n * chunk / sec / 1e9
+            recs.append(dict(bench="proxy", op="ipc_write", ranks=world, gbps=gbps, us=sec / n * 1e6,
+                             device=torch.cuda.get_device_name(dev), timing="api",
+                             gpus=min(world, torch.cuda.device_count()), sms=0, threads=threads, chunk_bytes=chunk,
+                             commands=n, total_bytes=n * chunk, rank=rank, seconds=sec,
+                             commands_per_s=n / sec, transport="ipc", both_directions=True,
+                             max_inflight=g.config()["max_inflight"],
+                             ring_publish=g.config().get("ring_publish")))
+            dist.barrier()
+        g.check()
+    return recs
 
 
 def _gpu_ipc(args):
     recs = []
     threads = max(args.threads)
-    out = spawn_ranks(_ipc_worker, 2, lambda r, port: (r, 2, port, args, threads), timeout=300)
+    out = spawn(_ipc_rank, 2, args, threads, timeout=300)
     for i, chunk in enumerate(args.chunk_bytes):
-        rows = [out[r][i] for r in sorted(out)]
+        rows = [rank_recs[i] for rank_recs in out]
         for r in rows:
             recs.append(r)
         gb = [r["gbps"] for r in rows]
@@ -284,50 +282,47 @@ def _gpu_ipc(args):
 
 
 # ---------------------------------------------------------------------------------------------- cpu
-def _fabric_worker(rank, world, port, args, threads, q):
+def _fabric_rank(rank, world, args, threads):
+    """One of the two ranks of fabric_cmds / fabric_write (CPU producers): its records, one per chunk size."""
     os.environ["FI_PROVIDER"] = args.provider
     os.environ.setdefault("FI_TCP_IFACE", "lo")
     os.environ.setdefault("FI_SOCKETS_IFACE", "lo")
-    try:
-        import torch.distributed as dist
-        from uccl_ep_train import proxy as P
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-        recs = []
-        peer = 1 - rank
-        max_chunk = max(args.chunk_bytes)
-        span = max(min(args.total_bytes, 64 << 20) // 2, max_chunk * 4)
-        buf = np.zeros(2 * span, np.uint8)
-        with P.ProxyGroup(rank, world, {0: buf}, transport="fabric", num_threads=threads, pin_threads=False,
-                          timeout_s=120, max_inflight=32) as g:
-            for chunk in [0] + list(args.chunk_bytes):
-                total = args.total_bytes if chunk else 0
-                n = max(threads, total // chunk) if chunk else 20000
-                per_slot = max(1, span // max(chunk, 1))
-                base = [g.flushed(t) for t in range(threads)]
-                per_ring = []
-                for t in range(threads):
-                    rows = [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
-                            for i in range(t, n, threads)]
-                    rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
-                    per_ring.append(P.make_commands(rows))
-                dist.barrier()
-                t0 = time.perf_counter()
-                for t in range(threads):
-                    g.push(t, per_ring[t])
-                for t in range(threads):
-                    g.wait_flushed(t, base[t] + 1, timeout_s=120)
-                sec = time.perf_counter() - t0
-                recs.append(dict(bench="proxy", op="fabric_write" if chunk else "fabric_cmds", ranks=world,
-                                 gbps=n * chunk / sec / 1e9, us=sec / n * 1e6, device="cpu", gpus=0,
-                                 timing="api", sms=0,
-                                 threads=threads, chunk_bytes=chunk, commands=n, commands_per_s=n / sec,
-                                 provider=args.provider, rank=rank, transport="fabric", producer="cpu"))
-                dist.barrier()
-            g.check()
-        dist.destroy_process_group()
-        q.put((rank, "ok", recs))
-    except BaseException:
-        q.put((rank, "error", traceback.format_exc()))
+    import torch.distributed as dist
+    from uccl_ep_train import proxy as P
+    dist.init_process_group("gloo")
+    recs = []
+    peer = 1 - rank
+    max_chunk = max(args.chunk_bytes)
+    span = max(min(args.total_bytes, 64 << 20) // 2, max_chunk * 4)
+    buf = np.zeros(2 * span, np.uint8)
+    with P.ProxyGroup(rank, world, {0: buf}, transport="fabric", num_threads=threads, pin_threads=False,
+                      timeout_s=120, max_inflight=32) as g:
+        for chunk in [0] + list(args.chunk_bytes):
+            total = args.total_bytes if chunk else 0
+            n = max(threads, total // chunk) if chunk else 20000
+            per_slot = max(1, span // max(chunk, 1))
+            base = [g.flushed(t) for t in range(threads)]
+            per_ring = []
+            for t in range(threads):
+                rows = [(P.OP_WRITE, peer, t, 0, chunk, (i % per_slot) * chunk, span + (i % per_slot) * chunk)
+                        for i in range(t, n, threads)]
+                rows.append((P.OP_FLUSH, peer, t, 0, 0, 0, 0))
+                per_ring.append(P.make_commands(rows))
+            dist.barrier()
+            t0 = time.perf_counter()
+            for t in range(threads):
+                g.push(t, per_ring[t])
+            for t in range(threads):
+                g.wait_flushed(t, base[t] + 1, timeout_s=120)
+            sec = time.perf_counter() - t0
+            recs.append(dict(bench="proxy", op="fabric_write" if chunk else "fabric_cmds", ranks=world,
+                             gbps=n * chunk / sec / 1e9, us=sec / n * 1e6, device="cpu", gpus=0,
+                             timing="api", sms=0,
+                             threads=threads, chunk_bytes=chunk, commands=n, commands_per_s=n / sec,
+                             provider=args.provider, rank=rank, transport="fabric", producer="cpu"))
+            dist.barrier()
+        g.check()
+    return recs
 
 
 def _cpu_latency(args):
@@ -349,10 +344,10 @@ def _cpu_latency(args):
 
 def _cpu(args):
     threads = min(args.threads)
-    out = spawn_ranks(_fabric_worker, 2, lambda r, port: (r, 2, port, args, threads), timeout=300)
+    out = spawn(_fabric_rank, 2, args, threads, timeout=300)
     recs = []
     for i in range(len(out[0])):
-        rows = [out[r][i] for r in sorted(out)]
+        rows = [rank_recs[i] for rank_recs in out]
         recs += rows
         r0 = rows[0]
         print(f"[{r0['op']}] fabric/{args.provider} chunk {r0['chunk_bytes']} B, {threads} threads: "
@@ -363,6 +358,10 @@ def _cpu(args):
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = _parse(argv)
+    if launched_world() is not None:
+        print("bench proxy: measures in this process and spawns its own pair of ranks: run it without torchrun",
+              file=sys.stderr)
+        return 2
     from uccl_ep_train import proxy as P
     if not P.available():
         print("bench proxy: the native module is not built (python setup.py build_ext --inplace)", file=sys.stderr)

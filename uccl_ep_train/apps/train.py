@@ -25,8 +25,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .localhost import loopback_init_method
-from .topology import MAX_RANKS_PER_NODE
+from .launch import launched_world, run
+from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -37,7 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "UCCL_EP_RANKS_PER_NODE in every rank (default: unset, one node)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--dispatcher", choices=["uccl", "alltoall"], default="uccl")
-    p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.recipes)")
+    p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.apps.recipes)")
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -206,7 +206,7 @@ def use_ranks_per_node(ranks_per_node: Optional[int]) -> None:
         os.environ["UCCL_EP_RANKS_PER_NODE"] = str(ranks_per_node)
 
 
-def _rank_main(rank: int, world: int, args, init_method: str) -> None:
+def _rank_main(rank: int, world: int, args) -> None:
     use_ranks_per_node(getattr(args, "ranks_per_node", None))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
@@ -215,14 +215,10 @@ def _rank_main(rank: int, world: int, args, init_method: str) -> None:
     device = _device_for(local_rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=rank,
-                            world_size=world, timeout=timedelta(minutes=10))
-    try:
-        history = train_rank(rank, world, args, device)
-        if rank == 0:
-            _write_log(args, world, device, history)
-    finally:
-        dist.destroy_process_group()
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    history = train_rank(rank, world, args, device)
+    if rank == 0:
+        _write_log(args, world, device, history)
 
 
 def _write_log(args, world: int, device: torch.device, history: list[dict]) -> None:
@@ -242,7 +238,7 @@ def plot_loss(log_paths: list[str], out: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as exc:
-        raise SystemExit(f"--plot needs matplotlib ({exc}); pip install matplotlib") from exc
+        raise SystemExit(f"--plot needs matplotlib ({exc}): pip install 'uccl-ep-train[plot]'") from exc
     fig, ax = plt.subplots(figsize=(7, 4))
     for path in log_paths:
         with open(path) as f:
@@ -259,26 +255,21 @@ def plot_loss(log_paths: list[str], out: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # under torchrun
-        check_ranks_per_node(args.ranks_per_node, int(os.environ["WORLD_SIZE"]))
-        _rank_main(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args, "env://")
-        if int(os.environ["RANK"]) != 0:
-            return 0
-        world = int(os.environ["WORLD_SIZE"])
-    else:
-        world = args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
-        check_ranks_per_node(args.ranks_per_node, world)
+    launched = launched_world()  # under torchrun this process is one rank
+    world = launched or args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 4)
+    check_ranks_per_node(args.ranks_per_node, world)
+    if not launched:
         if torch.cuda.is_available() and world > torch.cuda.device_count():
             raise SystemExit(f"--ranks {world} exceeds the {torch.cuda.device_count()} visible GPUs")
         if world < 1 or args.steps < 1:
             raise SystemExit("--ranks and --steps must be >= 1")
-        import torch.multiprocessing as mp
-        init = loopback_init_method()
         print(f"uccl-ep-train train: {world} ranks ({'NCCL/GPU' if torch.cuda.is_available() else 'gloo/CPU'}), "
               + (f"{world // args.ranks_per_node} nodes x {args.ranks_per_node} ranks per node "
                  f"(UCCL_EP_RANKS_PER_NODE={args.ranks_per_node}), " if args.ranks_per_node else "")
               + f"dispatcher {args.dispatcher}, recipe {args.recipe}, {args.steps} steps", file=sys.stderr)
-        mp.spawn(_rank_main, args=(world, args, init), nprocs=world, join=True)
+    # no time bound: a run takes what its steps take; a rank stuck in a collective fails at the group's timeout
+    if run(_rank_main, world, args, timeout=None) is None:  # a launched rank other than 0
+        return 0
     path = args.json or os.path.join("runs", f"train-{args.dispatcher}.json")
     with open(path) as f:
         steps = json.load(f)["steps"]

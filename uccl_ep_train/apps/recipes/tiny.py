@@ -7,7 +7,7 @@ DotProductAttention takes no separate key/value head dims), which CPU machines l
 Layout: one node, EP over all ranks (8 experts: EP 1, 2, 4 or 8).
 """
 
-from uccl_ep_train.recipes.common import DEEPSEEK_ARGS
+from uccl_ep_train.apps.recipes.common import DEEPSEEK_ARGS
 
 RECIPE = dict(
     name="tiny",

@@ -5,6 +5,7 @@ USAGE lists them; it is what `uccl-ep-train`, `--help` and an unknown command pr
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 
 USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options; --version)
@@ -12,7 +13,7 @@ USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options
 Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `uccl` dispatcher).
 
     train          the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
-    bench NAME     benchmarks (uccl_ep_train.bench.NAME; `bench --help` lists them)
+    bench NAME     benchmarks (uccl_ep_train.apps.bench.NAME; `bench --help` lists them)
     doctor         RDMA NICs, GPUs, native module, transports on this machine
     plan           validate a recipe against a cluster shape, print launch command and memory estimate
     pretrain-gpt   Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
@@ -20,14 +21,14 @@ Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `ucc
 """
 
 COMMANDS = {
-    "train": "uccl_ep_train.train",
-    "doctor": "uccl_ep_train.doctor",
-    "plan": "uccl_ep_train.plan",
+    "train": "uccl_ep_train.apps.train",
+    "doctor": "uccl_ep_train.apps.doctor",
+    "plan": "uccl_ep_train.apps.plan",
     "pretrain-gpt": "megatron_patch.pretrain_gpt",
     "deep-ep-path": "uccl_ep_train.compat",
 }
 
-# `uccl-ep-train bench NAME` runs uccl_ep_train.bench.NAME (dashes as underscores); listed by `bench --help`
+# `uccl-ep-train bench NAME` runs uccl_ep_train.apps.bench.NAME (dashes as underscores); listed by `bench --help`
 BENCHMARKS = {
     "intranode": "HT dispatch/combine on this node's GPUs (NVLink), DeepEP's GB/s convention, NCCL beside it",
     "internode": "HT dispatch/combine across (emulated) nodes: CPU proxies + NVLink, RDMA and NVL GB/s",
@@ -36,6 +37,9 @@ BENCHMARKS = {
     "low-latency": "DeepEP's low-latency dispatch/combine (128 tokens, top-8 of 256): native kernels vs reference",
     "proxy": "GPU->CPU command channel: commands/s, pickup latency, ipc/fabric bandwidth",
 }
+
+# Commands that drive Megatron: megatron-core is no requirement of the library, but of these (the `megatron` extra)
+NEEDS_MEGATRON = {"train", "pretrain-gpt", "bench megatron"}
 
 
 def _bench_usage() -> str:
@@ -50,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE.strip())
         return 0
     if argv[0] == "--version":
-        from . import __version__
+        from uccl_ep_train import __version__
 
         print(f"uccl-ep-train {__version__}")
         return 0
@@ -62,13 +66,16 @@ def main(argv: list[str] | None = None) -> int:
         if not rest or rest[0].startswith("-"):
             print(_bench_usage(), file=sys.stderr)
             return 2
-        module = "uccl_ep_train.bench." + rest[0].replace("-", "_")
-        rest = rest[1:]
+        module = "uccl_ep_train.apps.bench." + rest[0].replace("-", "_")
+        cmd, rest = f"bench {rest[0]}", rest[1:]
     elif cmd in COMMANDS:
         module = COMMANDS[cmd]
     else:
         print(f"uccl-ep-train: unknown command {cmd!r} (commands: {', '.join(['bench', *COMMANDS])})\n\n"
               f"{USAGE.strip()}", file=sys.stderr)
+        return 2
+    if cmd in NEEDS_MEGATRON and importlib.util.find_spec("megatron") is None:
+        print(f"uccl-ep-train {cmd}: needs megatron-core (pip install 'uccl-ep-train[megatron]')", file=sys.stderr)
         return 2
     try:
         mod = importlib.import_module(module)

@@ -7,7 +7,7 @@ launcher. Every recipe sets `moe_token_dispatcher_type="uccl"`. `env` holds UCCL
 `cluster` the reference cluster shape (nodes, gpus_per_node) and `published` reference numbers checked by
 the tests (total / active parameters).
 
-    from uccl_ep_train.recipes import load_recipe
+    from uccl_ep_train.apps.recipes import load_recipe
     r = load_recipe("deepseek-v3")                   # or "deepseek-v2-lite", "tiny", or a .py/.json/.toml path
     r = r.with_args(expert_model_parallel_size=64)   # a new Recipe; the original is unchanged
     r.megatron_args()   # ['--num-layers', '61', ..., '--moe-token-dispatcher-type', 'uccl', ...]

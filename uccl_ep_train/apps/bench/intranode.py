@@ -24,7 +24,6 @@ reference backend and NCCL): the plain dispatch / combine timed here add no side
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -32,8 +31,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context, warn_without_mps
-from ..localhost import spawn_ranks
+from . import (add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records, run_context,
+               warn_without_mps, write_records)
+from ..launch import launched_world
 
 FP8_BLOCK = 128
 
@@ -189,18 +189,9 @@ def _rank_main(rank: int, world: int, args) -> list[dict]:
     return records
 
 
-def _worker(rank, world, port, args, q):
-    try:
-        init_rank_group(rank, world, port)
-        try:
-            records = _rank_main(rank, world, args)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, "ok", records))
-    except BaseException:  # report, do not hang the parent
-        import traceback
-
-        q.put((rank, "error", traceback.format_exc()))
+def _rank(rank: int, world: int, args) -> list[dict]:
+    init_rank_group()
+    return _rank_main(rank, world, args)
 
 
 def _summarise(records: list[dict]) -> list[dict]:
@@ -239,7 +230,7 @@ def _plot(summary: list[dict], path: str) -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("--plot: matplotlib is not installed; skipped", file=sys.stderr)
+        print("--plot: matplotlib is not installed (pip install 'uccl-ep-train[plot]'); skipped", file=sys.stderr)
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op in ("dispatch_bf16", "dispatch_fp8", "combine"):
@@ -268,27 +259,15 @@ def main(argv=None) -> int:
         print("bench intranode: needs CUDA/HIP GPUs", file=sys.stderr)
         return 2
     context = run_context("bench intranode", argv)  # the code and command that run, before they run
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
-        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
-        dist.init_process_group("nccl")
-        records = _rank_main(rank, world, args)
-        gathered: list = [None] * world
-        dist.all_gather_object(gathered, records)
-        dist.destroy_process_group()
-        if rank != 0:
-            return 0
-        records = [r for rs in gathered for r in rs]
-    else:
-        world = args.ranks or torch.cuda.device_count()
-        warn_without_mps(world, "intranode")
-        out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args), timeout=1800)
-        records = [r for rank in sorted(out) for r in out[rank]]
+    world = launched_world() or args.ranks or torch.cuda.device_count()
+    warn_without_mps(world, "intranode")
+    records = rank_records(_rank, world, args)
+    if records is None:  # a launched rank other than 0
+        return 0
     summary = [{**r, **context} for r in _summarise(records)]
     _print(summary)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
+        write_records(summary, args.json, "intranode")
     if args.plot:
         _plot(summary, args.plot)
     return 0

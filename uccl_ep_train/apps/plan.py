@@ -29,7 +29,7 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from uccl_ep_train.recipes import NIC_PROFILES, Recipe, load_recipe, nic_env
+from uccl_ep_train.apps.recipes import NIC_PROFILES, Recipe, load_recipe, nic_env
 
 GiB = 1024 ** 3
 
@@ -411,7 +411,7 @@ def torchrun_command(recipe: Recipe, nnodes: int, nproc_per_node: int, node_rank
     through megatron_patch; train: our own training job) with the recipe's Megatron-LM arguments."""
     cmd = shlex.split(torchrun) + ["--nnodes", str(nnodes), "--nproc-per-node", str(nproc_per_node),
            "--node-rank", str(node_rank), "--master-addr", str(master_addr), "--master-port", str(master_port),
-           "-m", "uccl_ep_train.cli", entry]
+           "-m", "uccl_ep_train.apps.cli", entry]
     if entry == "pretrain-gpt":
         extra_flags = {a.split("=", 1)[0] for a in (extra or [])}
         if extra_flags & {"--data-path", "--train-data-path", "--per-split-data-args-path", "--data-args-path"}:

@@ -28,21 +28,19 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
-import traceback
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context,
-               warn_without_mps)
-from ..localhost import spawn_ranks
-from ..topology import MAX_RANKS_PER_NODE
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records,
+               run_context, warn_without_mps, write_records)
+from ..launch import launched_world
+from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 FP8_BLOCK = 128
 CPU_LAYER_SHAPE = {"num_tokens": 128, "hidden": 512, "num_experts": 32, "num_topk": 4}  # gloo ranks on CPU
@@ -152,9 +150,9 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
 
 
 def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
-    from .. import Buffer
-    from ..fp8 import fp8_dtype_for, per_token_cast_to_fp8
-    from ..topology import detect_topology
+    from uccl_ep_train import Buffer
+    from uccl_ep_train.fp8 import fp8_dtype_for, per_token_cast_to_fp8
+    from uccl_ep_train.topology import detect_topology
 
     if args.backend != "auto":
         os.environ["UCCL_EP_BACKEND"] = args.backend
@@ -244,17 +242,9 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     return records
 
 
-def _worker(rank: int, world: int, port: int, args, shape: dict, q) -> None:
-    try:
-        os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        device = init_rank_group(rank, world, port)
-        try:
-            records = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
-        finally:
-            dist.destroy_process_group()
-        q.put((rank, "ok", records))
-    except BaseException:  # report, do not hang the parent
-        q.put((rank, "error", traceback.format_exc()))
+def _rank(rank: int, world: int, args, shape: dict) -> list[dict]:
+    device = init_rank_group()
+    return _rank_main(rank, world, args, shape, device, dist.group.WORLD)
 
 
 def summarise(records: list[dict]) -> list[dict]:
@@ -306,9 +296,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     sms = args.sms
     if not sms or any(s <= 0 or s % 2 for s in sms):
         parser.error(f"--sms: positive even SM counts, got {args.sms!r}")
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    world = int(os.environ["WORLD_SIZE"]) if torchrun else (
-        args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4))
+    launched = launched_world()
+    world = launched or args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4)
     if world < 2:
         parser.error(f"--ranks: need at least 2 ranks, got {world}")
     if shape["num_experts"] % world:
@@ -316,45 +305,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not 1 <= shape["num_topk"] <= shape["num_experts"] or shape["hidden"] % FP8_BLOCK or shape["num_tokens"] < 1:
         parser.error(f"layer shape: need 1 <= --num-topk <= --num-experts, --hidden a multiple of {FP8_BLOCK}, "
                      f"--num-tokens >= 1; got {shape}")
-    if args.ranks_per_node is None and not torchrun:
+    if args.ranks_per_node is None and not launched:  # launched: nodes from LOCAL_WORLD_SIZE
         args.ranks_per_node = max(world // 2, 1)
     if args.ranks_per_node is not None and (not 1 <= args.ranks_per_node <= MAX_RANKS_PER_NODE
                                             or world % args.ranks_per_node):
         parser.error(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
                      f"({world}), got {args.ranks_per_node}")
     context = run_context("bench internode", argv)
-
-    if torchrun:  # one rank per process, one GPU each; nodes from LOCAL_WORLD_SIZE unless --ranks-per-node
-        rank = int(os.environ["RANK"])
-        if args.ranks_per_node is not None:
-            os.environ["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
-        if cuda:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", rank)))
-            torch.cuda.set_device(device)
-        else:
-            device = torch.device("cpu")
-        dist.init_process_group("nccl" if cuda else "gloo")
-        try:
-            mine = _rank_main(rank, world, args, shape, device, dist.group.WORLD)
-            gathered: list = [None] * world
-            dist.all_gather_object(gathered, mine)
-        finally:
-            dist.destroy_process_group()
-        if rank != 0:
-            return 0
-        records = [r for rs in gathered for r in rs]
-    else:
-        if cuda:
-            warn_without_mps(world, "internode")
-        out = spawn_ranks(_worker, world, lambda r, port: (r, world, port, args, shape), timeout=1800)
-        records = [r for rank in sorted(out) for r in out[rank]]
+    if cuda:
+        warn_without_mps(world, "internode")
+    env = {} if args.ranks_per_node is None else {"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)}
+    records = rank_records(_rank, world, args, shape, env=env)
+    if records is None:  # a launched rank other than 0
+        return 0
     summary = [{**r, **context} for r in summarise(records)]
     _print(summary)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-        with open(args.json, "w") as f:
-            json.dump(summary, f, indent=1)
-        print(f"[internode] wrote {len(summary)} records to {args.json}", flush=True)
+        write_records(summary, args.json, "internode")
     return 0
 
 

@@ -24,14 +24,14 @@ import math
 import os
 import sys
 from dataclasses import replace
-from datetime import timedelta
 from functools import partial
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, add_ranks_arg, gpus_used, int_list, run_context
+from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, run_context
+from ..launch import launched_world, run
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,12 +66,10 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], context: dict) -> None:
-    os.environ.update(NCCL_NVLS_ENABLE="0", NVSHMEM_DISABLE_NVLS="1", UCCL_EP_BACKEND="native",
-                      UCCL_EP_CHECK_VALUES="0")
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timedelta(minutes=5))
-    from .. import Buffer, Config, permute
+def _rank(rank: int, world: int, args, out_path: Optional[str], context: dict) -> None:
+    os.environ.update(UCCL_EP_BACKEND="native", UCCL_EP_CHECK_VALUES="0")
+    gpu = init_rank_group()
+    from uccl_ep_train import Buffer, Config, permute
 
     T, H, E, K = args.num_tokens, args.hidden, args.num_experts, args.num_topk
     g = torch.Generator().manual_seed(rank)
@@ -79,7 +77,7 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
     w = torch.rand(T, K, generator=g).cuda()
     x = torch.randn(T, H, generator=g).bfloat16().cuda()
     buf = Buffer(dist.group.WORLD, int(1e9), 0)
-    device, gpus = torch.cuda.get_device_name(), gpus_used(torch.device("cuda", rank))
+    device, gpus = torch.cuda.get_device_name(), gpus_used(gpu)
 
     def separate_fresh():
         per_rank, _, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
@@ -141,7 +139,6 @@ def _rank(rank: int, world: int, args, init: str, out_path: Optional[str], conte
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
     buf.destroy()
-    dist.destroy_process_group()
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -150,14 +147,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs CUDA/HIP GPUs (the native backend)")
-    world = args.ranks or torch.cuda.device_count()
-    if world < 2 or world > torch.cuda.device_count():
+    world = launched_world() or args.ranks or torch.cuda.device_count()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # one rank per GPU (NCCL)
+    if world < 2 or local > torch.cuda.device_count():
         parser.error(f"--num-processes: need 2..{torch.cuda.device_count()} GPUs, got {world}")
-    import torch.multiprocessing as mp
-
-    from ..localhost import loopback_init_method
     context = run_context("bench expert-major", argv)
-    mp.spawn(_rank, args=(world, args, loopback_init_method(), args.json, context), nprocs=world, join=True)
+    run(_rank, world, args, args.json, context, timeout=1800)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Benchmarks: torchrun/spawn entry points printing DeepEP conventions and writing JSON records.
+"""Benchmarks: commands whose ranks start through apps.launch (spawned, or one rank per process under
+torchrun), printing DeepEP conventions and writing JSON records.
 
 Every record a bench writes says how, where, when and on what code it was measured (tests/record_check.py
 checks it): "command" (`run_context`), "device" with "gpus" (`gpus_used`), "date" and "commit"
@@ -7,12 +8,15 @@ clock around it) or "kernel" (GPU time only: profiler kernel time, or the GPU's 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shlex
 import socket
 import subprocess
 from datetime import datetime, timezone
-from typing import Optional
+from typing import Any, Callable, Mapping, Optional
+
+from ..launch import run
 
 # DeepSeek-V3's MoE layer, the shape every benchmark that routes tokens defaults to.
 LAYER_SHAPE = {"num_tokens": 4096, "hidden": 7168, "num_experts": 256, "num_topk": 8}
@@ -96,11 +100,28 @@ def gpus_used(device, group=None) -> int:
     return len(set(where)) if cuda else 0
 
 
-def init_rank_group(rank: int, world: int, port: int):
-    """The process group of a spawned bench rank, on 127.0.0.1:`port` -> its device. One rank per GPU: NCCL.
-    More ranks than GPUs: rank r on GPU r % count over a gloo group with CUDA tensors (UCCL_EP_DEVICE=cuda;
-    NCCL refuses two ranks per GPU), which should run under NVIDIA MPS (`warn_without_mps`). No GPU: gloo on
-    the CPU."""
+def rank_records(rank_fn: Callable[..., list[dict]], world: int, *args: Any,
+                 env: Optional[Mapping[str, str]] = None) -> Optional[list[dict]]:
+    """Every rank's records of rank_fn(rank, world, *args), in rank order, through apps.launch.run (ranks
+    spawned, or this process as one rank under torchrun; 30 minutes at most); None on a launched rank other
+    than 0, which has nothing left to do."""
+    out = run(rank_fn, world, *args, env=env, timeout=1800)
+    return None if out is None else [r for rs in out for r in rs]
+
+
+def write_records(records: list[dict], path: str, tag: str) -> None:
+    """`--json PATH`: the records as a JSON list (missing directories made), and a line saying so."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(records, f, indent=1)
+    print(f"[{tag}] wrote {len(records)} records to {path}", flush=True)
+
+
+def init_rank_group():
+    """The process group of a bench rank, from torchrun's environment (apps.launch sets it for the ranks it
+    spawns) -> its device. One rank per GPU: NCCL. More ranks on a host than GPUs: local rank r on GPU
+    r % count over a gloo group with CUDA tensors (UCCL_EP_DEVICE=cuda; NCCL refuses two ranks per GPU),
+    which should run under NVIDIA MPS (`warn_without_mps`). No GPU: gloo on the CPU."""
     import torch
     import torch.distributed as dist
     from datetime import timedelta
@@ -108,37 +129,39 @@ def init_rank_group(rank: int, world: int, port: int):
     for var, value in (("NCCL_NVLS_ENABLE", "0"), ("NVSHMEM_DISABLE_NVLS", "1"),
                        ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1"), ("GLOO_SOCKET_IFNAME", "lo")):
         os.environ.setdefault(var, value)
-    init, timeout = f"tcp://127.0.0.1:{port}", timedelta(minutes=10)
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    timeout = timedelta(minutes=10)
     if not torch.cuda.is_available():
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        dist.init_process_group("gloo", timeout=timeout)
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    device = torch.device("cuda", rank % gpus)
+    device = torch.device("cuda", local_rank % gpus)
     torch.cuda.set_device(device)
-    if world > gpus:
+    if local_world > gpus:
         os.environ["UCCL_EP_DEVICE"] = "cuda"
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=timeout)
+        dist.init_process_group("gloo", timeout=timeout)
     else:
-        dist.init_process_group("nccl", init_method=init, rank=rank, world_size=world, timeout=timeout,
-                                device_id=device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
     return device
 
 
 def warn_without_mps(world: int, tag: str) -> None:
-    """Before spawning `world` ranks: when they outnumber the GPUs, say how they share them, make them load
-    their kernels eagerly (gpu_sharing.sharing_verdict), and warn when NVIDIA MPS is not running."""
+    """Before running `world` ranks (the ranks on this host: LOCAL_WORLD_SIZE when a launcher started this
+    process as one of them): when they outnumber the GPUs, say how they share them, make them load their
+    kernels eagerly (gpu_sharing.sharing_verdict), and warn when NVIDIA MPS is not running."""
     import sys
 
     import torch
 
     gpus = torch.cuda.device_count()
+    world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     if world <= gpus:
         return
     print(f"[{tag}] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
           file=sys.stderr)
     os.environ.setdefault("CUDA_MODULE_LOADING", "EAGER")  # the spawned ranks inherit it before CUDA starts
-    from ..gpu_sharing import mps_active
+    from uccl_ep_train.gpu_sharing import mps_active
 
     if not mps_active():
         print(f"[{tag}] warning: NVIDIA MPS is not running: ranks sharing a GPU time-slice it and kernels that "
