@@ -23,8 +23,8 @@ def _expected_expert_rows(all_in, expert: int):
 
 def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, experts: int,
               topk: int) -> tuple[int, str]:
-    """Every LL mode (BF16, FP8, FP8 with round_scale, UE8M0; hook or not; zero_copy or not) against the oracle.
-    Returns (checks passed, class name of the backend that served the LL calls)."""
+    """Every LL mode (BF16, FP8, FP8 with round_scale, UE8M0; hook or not; zero_copy or not) against the oracle,
+    the hook both on the current stream (before any async_finish call) and on the comm stream (after). Returns (checks passed, class name of the backend that served the LL calls)."""
     group = dist.new_group(list(range(world)))
     rdma = Buffer.get_low_latency_rdma_size_hint(max_tokens, hidden, world, experts)
     buf = Buffer(group, 0, rdma, low_latency_mode=True, num_qps_per_rank=experts // world)
@@ -38,7 +38,7 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
     checks = 0
     for use_fp8, round_scale, ue8m0 in ((False, False, False), (True, False, False), (True, True, False),
                                         (True, True, True)):
-        for hook_mode in (False, True):
+        for hook_mode in (True, False):  # hook first: on the current stream while the Buffer has not overlapped
             stats = torch.zeros(local, dtype=torch.int32, device=device)
             recv, recv_count, handle, event, hook = buf.low_latency_dispatch(
                 x, idx, max_tokens, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,

@@ -846,7 +846,7 @@ class Buffer:
             return out
 
         (recv_x, recv_scales, recv_count, handle, receive), event = self._run(
-            run, (x, topk_idx), None, async_finish or return_recv_hook, False)
+            run, (x, topk_idx), None, async_finish, False)
         hook = self._hook(receive) if return_recv_hook else (lambda: None)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
@@ -904,8 +904,7 @@ class Buffer:
                 receive()
             return receive
 
-        receive, event = self._run(run, (x, topk_idx, topk_weights, handle), None, async_finish or return_recv_hook,
-                                   False)
+        receive, event = self._run(run, (x, topk_idx, topk_weights, handle), None, async_finish, False)
         hook = self._hook(receive) if return_recv_hook else (lambda: None)
         return out, event, hook
 
@@ -916,20 +915,15 @@ class Buffer:
         return self.low_latency_backend.low_latency_combine_buffer(handle)
 
     def _hook(self, receive: Callable[[], None]) -> Callable[[], None]:
-        """The recv hook: completes the receive on the comm stream; the current stream then waits for it."""
+        """The recv hook: launches the receive where the Buffer's calls run (as DeepEP: the current stream,
+        like the send of a call without async_finish, unless the Buffer moved to its comm stream, which the
+        current stream then waits for); a second call does nothing."""
         done = []
 
         def hook() -> None:
-            if done:
-                return
-            if self._comm_stream is None:
-                receive()
-            else:
-                self._comm_stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(self._comm_stream):
-                    receive()
-                torch.cuda.current_stream().wait_stream(self._comm_stream)
-            done.append(True)
+            if not done:
+                self._run(receive, (), None, False, False)
+                done.append(True)
 
         return hook
 
