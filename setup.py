@@ -29,6 +29,7 @@ setup(
         "numpy",
         "pytest>=8",
         "matplotlib",
+        "tqdm",
     ],
     extras_require={
         "test": ["pytest>=8"],

@@ -54,3 +54,15 @@ def test_one_spelling_across_benchmarks():
     assert (a.threads, a.chunk_bytes, a.ops) == ([1, 4], [65536, 1048576], ["single", "ipc"])
     with pytest.raises(SystemExit):
         proxy._parse(["--ops", "single,nope"])
+
+
+def test_train_help_names_where_the_log_goes_and_the_output_switches(capsys):
+    """`train --help`: the JSON log and the plot under runs/train/, --quiet, --verbose, --log-every."""
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "JSON log path (default runs/train/<dispatcher>.json)" in out
+    assert "the JSON log's, ending .png" in out
+    for option in ("--quiet", "--verbose", "--log-every"):
+        assert option in out, option
