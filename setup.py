@@ -15,7 +15,8 @@ from setuptools import find_packages, setup
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from native_build import native_build_kwargs  # noqa: E402
 
-MEGATRON_CORE = "megatron-core>=0.19,<0.20"
+# megatron_patch and the applications that drive Megatron (train, pretrain-gpt, bench megatron; train's bar)
+MEGATRON = ["megatron-core>=0.19,<0.20", "tqdm"]
 
 setup(
     name="uccl-ep-train",
@@ -28,10 +29,9 @@ setup(
     # what the library imports (pybind11 only builds the native module: pyproject.toml's build requirements)
     install_requires=["torch>=2.4", "numpy"],
     extras_require={
-        # megatron_patch and the applications that drive Megatron (train, pretrain-gpt, bench megatron)
-        "megatron": [MEGATRON_CORE],
+        "megatron": MEGATRON,
         "plot": ["matplotlib"],  # `train --plot`, `bench intranode --plot`
-        "test": ["pytest>=8", MEGATRON_CORE],  # the suite exercises megatron_patch
+        "test": ["pytest>=8", *MEGATRON],  # the suite exercises megatron_patch and train
         "gpu": ["transformer-engine[pytorch]"],
         "verbs": ["pyverbs"],
     },

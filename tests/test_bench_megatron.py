@@ -25,9 +25,27 @@ def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks 
         assert (r["device"], r["gpus"], r["timing"]) == ("cpu", 0, "api")
         assert r["command"].startswith("uccl-ep-train bench megatron --ranks 2 ")
         assert r["sms_occupied"] is None  # uccl on CPU: the reference backend; alltoall: no Buffer
+        # every record names the dispatchers of its run that did not start, and why (what stdout says)
+        assert set(r["skipped"]) == {"flex-nosuchbackend", "alltoall-x"}
+        assert "only flex takes a backend suffix, got alltoall-x" in r["skipped"]["alltoall-x"]
     text = capfd.readouterr().out
-    assert "flex-nosuchbackend: skipped" in text
-    assert "only flex takes a backend suffix, got alltoall-x" in text
+    assert f"flex-nosuchbackend: skipped ({records[0]['skipped']['flex-nosuchbackend']})" in text
+    assert "alltoall-x: skipped (ValueError: --dispatchers: only flex takes a backend suffix, got alltoall-x)" in text
+
+
+def test_skip_reason_says_how_to_get_deep_ep():
+    """flex over DeepEP without `deep_ep`: the reason carries Megatron's error and the way to ours."""
+    from uccl_ep_train.bench.megatron import skip_reason
+
+    missing = ImportError("DeepEP is not installed.")
+    for kind in ("flex", "flex-deepep"):
+        reason = skip_reason(kind, missing)
+        assert reason.startswith("ImportError: DeepEP is not installed. (flex needs `deep_ep` importable")
+        assert "export PYTHONPATH=$(uccl-ep-train deep-ep-path):$PYTHONPATH" in reason
+    # other backends and other failures: the error alone (we ship no HybridEP)
+    assert skip_reason("flex-hybridep", ImportError("HybridEP is not installed.")) == \
+        "ImportError: HybridEP is not installed."
+    assert skip_reason("flex", RuntimeError("needs NCCL")) == "RuntimeError: needs NCCL"
 
 
 def test_bench_megatron_drop_and_pad(tmp_path):

@@ -79,3 +79,15 @@ def test_commands_driving_megatron_name_the_extra_without_it(argv, capsys, monke
 def test_unknown_benchmark_is_named(capsys):
     assert main(["bench", "frobnicate"]) == 2
     assert "command 'bench frobnicate' is not available" in capsys.readouterr().err
+
+
+def test_train_help_names_where_the_log_goes_and_the_output_switches(capsys):
+    """`train --help`: the JSON log and the plot under runs/train/, --quiet, --verbose, --log-every."""
+    with pytest.raises(SystemExit) as done:
+        main(["train", "--help"])
+    assert done.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "JSON log path (default runs/train/<dispatcher>.json)" in out
+    assert "the JSON log's, ending .png" in out
+    for option in ("--quiet", "--verbose", "--log-every"):
+        assert option in out, option

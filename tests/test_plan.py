@@ -149,6 +149,78 @@ def test_too_small_cluster_does_not_fit(capsys):
     rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "8", "--gpus-per-node", "8", "--ep", "8")
     assert rc == 0
     assert "DOES NOT FIT in 80 GiB" in out
+    # nothing fits 8 x 8 GPUs of 80 GiB: the report says so, and where it would
+    assert "no TP x PP x EP layout of deepseek-v3 fits 8 node(s) x 8 GPU(s) of 80 GiB" in out
+    assert "it fits from 24 nodes of 8 GPU(s)" in out
+
+
+def _suggested_commands(text: str) -> list[list[str]]:
+    return [line.split("uccl-ep-train plan ")[1].split() for line in text.splitlines() if line.startswith("  TP ")]
+
+
+def test_refused_layout_proposes_layouts_that_fit(capsys):
+    """The recipe's own layout (EP 32 x PP 8 = 256 ranks) cannot be laid on 16 x 8 GPUs: plan says why and
+    lists layouts that fit, each of which plan then accepts, fitting, at the memory it listed."""
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "16", "--gpus-per-node", "8",
+                       "--gpu-mem-gib", "141")
+    assert rc == 2 and out == ""
+    assert "not divisible by ETP*EP*PP = 1*32*8" in err
+    assert "layouts of deepseek-v3 that fit 16 node(s) x 8 GPU(s), 141 GiB each (best first):" in err
+    commands = _suggested_commands(err)
+    assert 1 <= len(commands) <= 5
+    for line, argv in zip([l for l in err.splitlines() if l.startswith("  TP ")], commands):
+        rc, out2, err2 = run(capsys, *argv, "--gpu-mem-gib", "141", "--json")
+        assert rc == 0, err2
+        rep = json.loads(out2)
+        assert rep["fits"] is True and rep["suggestions"] == []
+        assert f"{rep['memory']['total'] / GiB:.2f} GiB per GPU" in line
+
+
+def test_no_layout_fits_8_nodes_of_8_gpus(capsys):
+    """DeepSeek-V3 on 8 x 8 GPUs of 80 GiB: no layout fits; plan lists the valid ones needing the least
+    memory (as the plan estimates them) and the fewest nodes that hold it (24: none from 10 to 22)."""
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "8", "--gpus-per-node", "8")
+    assert rc == 2
+    assert "no TP x PP x EP layout of deepseek-v3 fits 8 node(s) x 8 GPU(s) of 80 GiB" in err
+    lines = [l for l in err.splitlines() if l.startswith("  TP ")]
+    assert len(lines) == 5 and lines[0].startswith("  TP 8 PP 4 EP 16 ")
+    totals = []
+    for line, argv in zip(lines, _suggested_commands(err)):
+        rc, out2, _ = run(capsys, *argv, "--json")
+        rep = json.loads(out2)
+        assert rc == 0 and rep["fits"] is False and rep["layout"]["errors"] == []
+        assert f"{rep['memory']['total'] / GiB:.2f} GiB per GPU" in line
+        totals.append(rep["memory"]["total"])
+    assert totals == sorted(totals) and totals[0] > 80 * GiB
+    assert "it fits from 24 nodes of 8 GPU(s): uccl-ep-train plan --recipe deepseek-v3 --nodes 24" in err
+    r = load_recipe("deepseek-v3")
+    assert plan.suggest_layouts(r, 22, 8, 80.0, 1) == [] and plan.suggest_layouts(r, 24, 8, 80.0, 1)
+
+
+def test_json_report_suggests_layouts_when_memory_does_not_fit(capsys):
+    rc, out, _ = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--ep", "8",
+                     "--json")
+    rep = json.loads(out)
+    assert rc == 0 and rep["fits"] is False and rep["suggestions"]
+    for sug in rep["suggestions"]:
+        r = plan.with_layout(load_recipe("deepseek-v3"), sug["tp"], sug["pp"], sug["ep"])
+        lay = check_layout(r, 32, 8)
+        assert lay.errors == [] and (lay.dp, lay.expert_dp, lay.stage_layers) == \
+            (sug["dp"], sug["expert_dp"], sug["stage_layers"])
+        assert sug["memory_total"] == estimate_memory(r, lay).total <= 0.9 * 80 * GiB
+
+
+def test_internode_note_counts_the_expert_group_and_names_the_proxies():
+    """Megatron's EP group is EP x ETP consecutive ranks (TP is not in the expert grid): TP 8 x EP 16 on nodes
+    of 8 spans 2 nodes; between nodes the tokens go through the CPU proxies (docs/internode.md)."""
+    r = plan.with_layout(load_recipe("deepseek-v3"), 8, 4, 16)
+    lay = check_layout(r, 8, 8)
+    assert lay.errors == [] and lay.ep_nodes == 2
+    note = next(n for n in lay.notes if "EP group" in n)
+    assert note.startswith("each EP group spans 2 nodes: ")
+    assert "between nodes through the CPU proxies" in note and "UCCL_EP_TRANSPORT" in note
+    inside = plan.with_layout(load_recipe("deepseek-v3"), 8, 4, 8)
+    assert not any("EP group" in n for n in check_layout(inside, 8, 8).notes)
 
 
 def test_emit_torchrun_and_env(capsys):

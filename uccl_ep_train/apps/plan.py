@@ -9,7 +9,9 @@ Checks (all reported at once, exit status 2 if any fails): world size divisible 
 ETP*EP*PP, experts divisible by EP, heads by TP, FFN widths by TP / ETP, layers per pipeline stage
 (even split, or the recipe's first/last-stage counts with the rest even), global batch divisible by
 micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP.
-`--check-megatron` adds Megatron-LM's own validate_args; `--suggest` lists layouts that fit.
+`--check-megatron` adds Megatron-LM's own validate_args; `--suggest` lists layouts that fit, and a layout
+that is refused or does not fit in memory gets the same list (when none fits: the valid layouts needing the
+least memory and the fewest nodes that hold one), all from these checks and this estimate.
 
 Memory estimate per GPU, for the heaviest pipeline stage (weights, gradients, optimizer state,
 activations, EP buffers): see docs/recipes.md for the model behind each term. It is an estimate to catch
@@ -278,10 +280,14 @@ def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
                                  "the pipeline bubble dominates; raise global_batch_size")
     if a.get("moe_token_dispatcher_type") != "uccl":
         lay.notes.append(f"moe_token_dispatcher_type is {a.get('moe_token_dispatcher_type')!r}, not 'uccl'")
-    lay.ep_nodes = lay.ep * lay.etp * lay.tp / gpus_per_node if experts else 0.0
+    # Megatron's expert grid is ETP x EP x expert-DP x PP (TP does not enter it): an EP group is EP ranks
+    # ETP apart, EP x ETP consecutive ranks
+    lay.ep_nodes = lay.ep * lay.etp / gpus_per_node if experts else 0.0
     if experts and lay.ep * lay.etp > gpus_per_node:
-        lay.notes.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes: dispatch/combine go over RDMA "
-                         "through the CPU proxies (set UCCL_SOCKET_IFNAME / UCCL_IB_GID_INDEX)")
+        lay.notes.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes: dispatch/combine move tokens inside "
+                         "a node over NVLink/xGMI and between nodes through the CPU proxies (RDMA writes: verbs "
+                         "on RDMA NICs, libfabric on EFA, UCCL_EP_TRANSPORT overrides; RoCE: UCCL_IB_GID_INDEX); "
+                         "docs/internode.md")
     return lay
 
 
@@ -465,10 +471,10 @@ def with_layout(recipe: Recipe, tp: int, pp: int, ep: int) -> Recipe:
                             decoder_last_pipeline_num_layers=last)
 
 
-def suggest_layouts(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
-                    limit: int = 5) -> list[tuple[Recipe, Layout, MemoryEstimate]]:
-    """Valid TP x PP x EP layouts for the cluster that fit in `gpu_mem_gib` (with 10 % headroom), best
-    first: fewest pipeline stages, then smallest TP (TP stays inside a node), then least memory."""
+def valid_layouts(recipe: Recipe, nodes: int, gpus_per_node: int) -> list[tuple[Recipe, Layout, MemoryEstimate]]:
+    """Every TP x PP x EP layout of `recipe` (with_layout: TP 1, 2, 4, 8 inside a node) that check_layout
+    accepts on this cluster, with estimate_memory's estimate: the plan's own rules, so each one is a layout
+    `plan --tp --pp --ep` accepts and estimates alike."""
     world = nodes * gpus_per_node
     experts = int(recipe.args.get("num_experts") or 0)
     heads = int(recipe.args["num_attention_heads"])
@@ -482,13 +488,60 @@ def suggest_layouts(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib:
                     continue
                 r = with_layout(recipe, tp, pp, ep)
                 lay = check_layout(r, nodes, gpus_per_node)
-                if lay.errors:
-                    continue
-                mem = estimate_memory(r, lay)
-                if mem.total <= 0.9 * gpu_mem_gib * GiB:
-                    found.append((r, lay, mem))
+                if not lay.errors:
+                    found.append((r, lay, estimate_memory(r, lay)))
+    return found
+
+
+def suggest_layouts(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+                    limit: int = 5) -> list[tuple[Recipe, Layout, MemoryEstimate]]:
+    """Valid TP x PP x EP layouts for the cluster that fit in `gpu_mem_gib` (with 10 % headroom), best
+    first: fewest pipeline stages, then smallest TP (TP stays inside a node), then least memory."""
+    found = [x for x in valid_layouts(recipe, nodes, gpus_per_node) if x[2].total <= 0.9 * gpu_mem_gib * GiB]
     found.sort(key=lambda x: (x[1].pp, x[1].tp, x[2].total))
     return found[:limit]
+
+
+def fewest_nodes_that_fit(recipe: Recipe, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+                          max_factor: int = 4) -> Optional[int]:
+    """When no layout fits `nodes`: the fewest nodes of `gpus_per_node` GPUs (tried in steps of a quarter of
+    `nodes`, up to `max_factor` times as many) on which suggest_layouts finds one; None if none does."""
+    step = max(1, nodes // 4)
+    for n in range(nodes + step, max_factor * nodes + 1, step):
+        if suggest_layouts(recipe, n, gpus_per_node, gpu_mem_gib, 1):
+            return n
+    return None
+
+
+def _layout_line(recipe_arg: str, nodes: int, gpus_per_node: int, r: Recipe, lay: Layout,
+                 mem: MemoryEstimate) -> str:
+    stages = "" if r.args.get("decoder_first_pipeline_num_layers") is None else \
+        f" (stages {r.args['decoder_first_pipeline_num_layers']}|...|{r.args['decoder_last_pipeline_num_layers']})"
+    return (f"  TP {lay.tp} PP {lay.pp} EP {lay.ep}{stages}: DP {lay.dp}, expert-DP {lay.expert_dp}, "
+            f"{_fmt_gib(mem.total).strip()} per GPU  ->  uccl-ep-train plan --recipe {recipe_arg} "
+            f"--nodes {nodes} --gpus-per-node {gpus_per_node} --tp {lay.tp} --pp {lay.pp} --ep {lay.ep}")
+
+
+def layout_advice(recipe: Recipe, recipe_arg: str, nodes: int, gpus_per_node: int, gpu_mem_gib: float,
+                  limit: int = 5) -> tuple[list[tuple[Recipe, Layout, MemoryEstimate]], list[str]]:
+    """What to run instead, for --suggest and for a layout that is refused or does not fit: (the layouts
+    that fit, best first; the lines that say so). When none fits, the lines give the layouts needing the
+    least memory here and the fewest nodes on which one fits."""
+    found = suggest_layouts(recipe, nodes, gpus_per_node, gpu_mem_gib, limit)
+    where = f"{nodes} node(s) x {gpus_per_node} GPU(s)"
+    if found:
+        return found, [f"layouts of {recipe.name} that fit {where}, {gpu_mem_gib:g} GiB each (best first):",
+                       *(_layout_line(recipe_arg, nodes, gpus_per_node, *x) for x in found)]
+    lines = [f"no TP x PP x EP layout of {recipe.name} fits {where} of {gpu_mem_gib:g} GiB (with 10 % headroom)"]
+    least = sorted(valid_layouts(recipe, nodes, gpus_per_node), key=lambda x: x[2].total)[:limit]
+    if least:
+        lines += ["the valid layouts needing the least memory:",
+                  *(_layout_line(recipe_arg, nodes, gpus_per_node, *x) for x in least)]
+    more = fewest_nodes_that_fit(recipe, nodes, gpus_per_node, gpu_mem_gib)
+    lines.append(f"it fits from {more} nodes of {gpus_per_node} GPU(s): uccl-ep-train plan --recipe {recipe_arg} "
+                 f"--nodes {more} --gpus-per-node {gpus_per_node} --gpu-mem-gib {gpu_mem_gib:g} --suggest"
+                 if more else f"no layout fits up to {4 * nodes} nodes of {gpus_per_node} GPU(s) either")
+    return [], lines
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -540,20 +593,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         return 2
     nodes = ns.nodes if ns.nodes is not None else int(recipe.cluster.get("nodes", 1))
     gpn = ns.gpus_per_node if ns.gpus_per_node is not None else int(recipe.cluster.get("gpus_per_node", 1))
+    limit = ns.suggest if ns.suggest is not None else 5
     if ns.suggest is not None:
-        found = suggest_layouts(recipe, nodes, gpn, ns.gpu_mem_gib, ns.suggest)
-        if not found:
-            print(f"uccl-ep-train plan: no TP x PP x EP layout of {recipe.name} fits {nodes} node(s) x {gpn} "
-                  f"GPU(s) of {ns.gpu_mem_gib:g} GiB", file=sys.stderr)
-            return 2
-        print(f"layouts of {recipe.name} for {nodes} node(s) x {gpn} GPU(s), {ns.gpu_mem_gib:g} GiB each (best first):")
-        for r, lay, mem in found:
-            stages = "" if r.args.get("decoder_first_pipeline_num_layers") is None else \
-                f" (stages {r.args['decoder_first_pipeline_num_layers']}|...|{r.args['decoder_last_pipeline_num_layers']})"
-            print(f"  TP {lay.tp} PP {lay.pp} EP {lay.ep}{stages}: DP {lay.dp}, expert-DP {lay.expert_dp}, "
-                  f"{_fmt_gib(mem.total).strip()} per GPU  ->  uccl-ep-train plan --recipe {ns.recipe} "
-                  f"--nodes {nodes} --gpus-per-node {gpn} --tp {lay.tp} --pp {lay.pp} --ep {lay.ep}")
-        return 0
+        found, lines = layout_advice(recipe, ns.recipe, nodes, gpn, ns.gpu_mem_gib, limit)
+        print("\n".join(lines), file=sys.stdout if found else sys.stderr)
+        return 0 if found else 2
     if ns.entry == "train":
         # `uccl-ep-train train` runs EP over all ranks, one micro-batch per rank per step
         world = nodes * gpn
@@ -570,6 +614,7 @@ def main(argv: Optional[list[str]] = None) -> int:
               file=sys.stderr)
         for e in lay.errors:
             print(f"  - {e}", file=sys.stderr)
+        print("\n".join(layout_advice(recipe, ns.recipe, nodes, gpn, ns.gpu_mem_gib, limit)[1]), file=sys.stderr)
         return 2
     cmd = torchrun_command(recipe, nodes, gpn, ns.node_rank, ns.master_addr, ns.master_port, ns.entry, extra,
                            ns.torchrun)
@@ -591,11 +636,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     pb = count_params(recipe)
     mem = estimate_memory(recipe, lay)
     sbatch = ["sbatch", f"--nodes={nodes}", f"--gpus-per-node={gpn}", "slurm/train.sbatch", recipe.name]
+    fits = mem.total <= ns.gpu_mem_gib * GiB
+    found, advice = ([], []) if fits else layout_advice(recipe, ns.recipe, nodes, gpn, ns.gpu_mem_gib, limit)
     if ns.json:
+        suggestions = [{"tp": x.tp, "pp": x.pp, "ep": x.ep, "dp": x.dp, "expert_dp": x.expert_dp,
+                        "stage_layers": x.stage_layers, "memory_total": m.total} for _, x, m in found]
         report = json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
-                             "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib,
-                             "fits": mem.total <= ns.gpu_mem_gib * GiB, "sbatch": sbatch, "torchrun": cmd,
-                             "env": env}, indent=1)
+                             "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib, "fits": fits,
+                             "suggestions": suggestions, "sbatch": sbatch, "torchrun": cmd, "env": env}, indent=1)
         if ns.json == "-":
             print(report)
         else:
@@ -618,13 +666,13 @@ def main(argv: Optional[list[str]] = None) -> int:
            f"  optimizer    {_fmt_gib(mem.optimizer)}",
            f"  activations  {_fmt_gib(mem.activations)}",
            f"  EP buffers   {_fmt_gib(mem.ep_buffers)}",
-           f"  total        {_fmt_gib(mem.total)}  "
-           + ("fits" if mem.total <= ns.gpu_mem_gib * GiB else "DOES NOT FIT")
+           f"  total        {_fmt_gib(mem.total)}  " + ("fits" if fits else "DOES NOT FIT")
            + f" in {ns.gpu_mem_gib:g} GiB"]
     out += [f"note      {n}" for n in lay.notes]
     out += ["launch    " + " ".join(sbatch),
             "per node  " + " ".join(f"{k}={v}" for k, v in env.items()),
             "          " + _quote(cmd)]
+    out += advice
     print("\n".join(out))
     return 0
 

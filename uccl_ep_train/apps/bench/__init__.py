@@ -156,7 +156,7 @@ def warn_without_mps(world: int, tag: str) -> None:
 
     gpus = torch.cuda.device_count()
     world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world <= gpus:
+    if gpus == 0 or world <= gpus:  # CPU ranks share no GPU
         return
     print(f"[{tag}] {world} ranks on {gpus} GPUs: rank r on GPU r % {gpus}, gloo group with CUDA tensors",
           file=sys.stderr)

@@ -19,6 +19,10 @@ the host's time. `--moe-expert-capacity-factor` (token dropping) and `--moe-pad-
 (drop-and-pad: the uccl dispatcher's sync-free path) route as Megatron's router does with those settings.
 More ranks than GPUs: they share the GPUs over a gloo group (run NVIDIA MPS); only `uccl` runs then (the
 other dispatchers need NCCL, which refuses two ranks on one GPU).
+
+A dispatcher that cannot start here (its package does not import, NCCL is out) is skipped, saying why and
+what would make it run (flex's DeepEP backend: ours, `export PYTHONPATH=$(uccl-ep-train deep-ep-path):$PYTHONPATH`),
+on stdout and in every record ("skipped": {dispatcher: reason}); `uccl` itself never is.
 """
 from __future__ import annotations
 
@@ -83,6 +87,19 @@ def _make_dispatcher(kind: str, num_experts: int, topk: int, hidden: int, world:
     rank = dist.get_rank()
     cls = {"uccl": UCCLTokenDispatcher, "alltoall": MoEAlltoAllTokenDispatcher, "flex": MoEFlexTokenDispatcher}[kind]
     return cls(local, list(range(rank * local, (rank + 1) * local)), config=cfg, pg_collection=pg)
+
+
+# Megatron's flex dispatcher's DeepEP backend imports `deep_ep`; ours answers it once on PYTHONPATH
+DEEP_EP_HINT = "flex needs `deep_ep` importable: ours is `export PYTHONPATH=$(uccl-ep-train deep-ep-path):$PYTHONPATH`"
+
+
+def skip_reason(kind: str, exc: BaseException) -> str:
+    """Why dispatcher `kind` could not start here, as the bench prints and records it: the error, and for flex
+    over DeepEP (`flex`, `flex-deepep`) failing to import, how to get a `deep_ep` (ours, DEEP_EP_HINT)."""
+    reason = f"{type(exc).__name__}: {exc}"
+    if kind in ("flex", "flex-deepep") and isinstance(exc, ImportError):
+        reason += f" ({DEEP_EP_HINT})"
+    return reason
 
 
 PHASES = ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess", "experts", "combine_preprocess",
@@ -205,6 +222,7 @@ def _rank(rank: int, world: int, args, out_path: Optional[str], context: dict) -
     grad = torch.randn(T, H, generator=g).to(device, dtype)
     device_name, gpus = torch.cuda.get_device_name(device) if cuda else "cpu", gpus_used(device)
     records = []
+    skipped: dict[str, str] = {}
     for kind in [k for k in args.dispatchers.split(",") if k]:
         try:
             if shared_gpu and kind != "uccl":
@@ -213,8 +231,9 @@ def _rank(rank: int, world: int, args, out_path: Optional[str], context: dict) -
         except (ImportError, ValueError, AssertionError, RuntimeError) as exc:
             if kind == "uccl":  # a peer that cannot start here is skipped; ours must
                 raise
+            skipped[kind] = skip_reason(kind, exc)
             if rank == 0:
-                print(f"[megatron] {kind}: skipped ({type(exc).__name__}: {exc})", flush=True)
+                print(f"[megatron] {kind}: skipped ({skipped[kind]})", flush=True)
             continue
         times = []
         phase_ms = [0.0] * len(PHASES)
@@ -284,6 +303,8 @@ def _rank(rank: int, world: int, args, out_path: Optional[str], context: dict) -
                 print(f"[megatron] {kind:<8} back to back: api {rec['api_us']:.1f} us, kernels {rec['kernel_us']:.1f} "
                       f"us (api/kernel {rec['api_us'] / rec['kernel_us']:.2f}), host {rec['host_us']:.1f} us per round "
                       "trip", flush=True)
+    for rec in records:  # a record says what the run it belongs to could not compare it with
+        rec["skipped"] = dict(skipped)
     if rank == 0 and out_path:
         with open(out_path, "w") as f:
             json.dump(records, f, indent=1)
