@@ -96,6 +96,26 @@ def test_a_dropped_buffer_is_freed_once_every_rank_dropped_it():
     assert run_ranks(_parked, 2) == [[[], [], ["first"]], [[], [], ["first"]]]
 
 
+def _group_outlives_destroy(rank: int, world: int, device: str) -> bool:
+    import weakref
+
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, 1 << 20)
+    buf.destroy()
+    del buf
+    alive = weakref.ref(group)
+    dist.destroy_process_group(group)
+    del group
+    return alive() is not None  # no gc.collect(): what frees it at exit without a collection
+
+
+def test_buffer_bookkeeping_does_not_keep_a_destroyed_group_alive():
+    """A gloo group joins its worker threads only in its destructor: kept alive past destroy_process_group
+    (by agreement's tables), it reached interpreter finalization, where a worker still freeing the last
+    collective's tensors aborted the process (std::terminate, SIGABRT at exit)."""
+    assert run_ranks(_group_outlives_destroy, 2) == [False, False]
+
+
 def _children() -> int:
     """Live child processes (the ipc transport's copy agents are some)."""
     n = 0

@@ -11,11 +11,19 @@ write into (a peer's next op writes into this rank's buffer once this rank said 
 one). So a dropped Buffer's resources are parked; the next Buffer creation on the same group, after every
 rank finished its GPU work, frees the ones that every rank has dropped: no rank can start an op on them
 any more. At interpreter exit, what is still parked is released locally.
+
+Both tables hold their groups weakly: a Buffer's bookkeeping must not keep a process group alive after
+`dist.destroy_process_group`. A gloo group joins its worker threads only in its C++ destructor; one kept
+alive here would live into interpreter finalization, where a worker still dropping the tensors of the last
+collective (which needs the GIL) is ended by Python mid-destructor: std::terminate, SIGABRT at exit. (A
+parked release holds its Buffer's backends, which hold the group: that group lives until the release runs,
+at the next Buffer creation or at exit, where the atexit handler below drops it while Python still runs.)
 """
 from __future__ import annotations
 
 import atexit
 import os
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -33,8 +41,10 @@ SHARED_SETTINGS = (
     "UCCL_EP_VERBS_NATIVE_ATOMICS",
 )
 
-_sequence: dict[Any, int] = {}  # group -> Buffers created on it so far (the same on every rank)
-_parked: dict[Any, dict[int, Callable[[], None]]] = {}  # group -> {sequence number: local release}
+# group -> Buffers created on it so far (the same on every rank)
+_sequence: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+# group -> {sequence number: local release}
+_parked: "weakref.WeakKeyDictionary[Any, dict[int, Callable[[], None]]]" = weakref.WeakKeyDictionary()
 
 
 def next_sequence(group: Any) -> int:
@@ -81,8 +91,8 @@ def _disagreements(per_rank: list[dict]) -> list[str]:
 @atexit.register
 def _release_parked_at_exit() -> None:
     """Every rank is leaving: what is still parked is released locally (threads joined, agents stopped)."""
-    for parked in _parked.values():
-        for release in parked.values():
+    for parked in list(_parked.values()):
+        for release in list(parked.values()):
             try:
                 release()
             except Exception:  # exiting: report nothing, release the rest
