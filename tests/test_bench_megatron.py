@@ -35,7 +35,7 @@ def test_bench_megatron_records_and_skips(tmp_path, capfd):  # capfd: the ranks 
 
 def test_skip_reason_says_how_to_get_deep_ep():
     """flex over DeepEP without `deep_ep`: the reason carries Megatron's error and the way to ours."""
-    from uccl_ep_train.bench.megatron import skip_reason
+    from uccl_ep_train.apps.bench.megatron import skip_reason
 
     missing = ImportError("DeepEP is not installed.")
     for kind in ("flex", "flex-deepep"):

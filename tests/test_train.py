@@ -70,7 +70,7 @@ def test_train_is_quiet_and_logs_plain_lines_when_stdout_is_not_a_terminal(tmp_p
     root = os.path.dirname(os.path.dirname(os.path.abspath(uccl_ep_train.__file__)))
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
         p for p in (root, os.environ.get("PYTHONPATH")) if p))
-    r = subprocess.run([sys.executable, "-m", "uccl_ep_train.cli", "train", "--ranks", "2", "--steps", "5",
+    r = subprocess.run([sys.executable, "-m", "uccl_ep_train.apps.cli", "train", "--ranks", "2", "--steps", "5",
                         "--log-every", "2", "--no-loss-check", "--plot"],
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -95,7 +95,7 @@ RECORD = {"loss": 2.5, "tokens_per_s": 12345.0, "dispatch_ms": 1.25, "combine_ms
 
 
 def test_progress_is_a_bar_on_a_terminal_and_lines_elsewhere():
-    from uccl_ep_train.train import Progress
+    from uccl_ep_train.apps.train import Progress
 
     term = _Terminal()
     bar = Progress(3, 10, term)
@@ -127,7 +127,7 @@ class _Records(logging.Handler):
 def test_quiet_libraries(rank, verbose):
     """Rank 0 drops the libraries' noise (by message, category and module) and info logs, and keeps other
     warnings; the other ranks keep errors only; --verbose changes nothing."""
-    from uccl_ep_train.train import LIBRARY_NOISE_LOGS, quiet_libraries
+    from uccl_ep_train.apps.train import LIBRARY_NOISE_LOGS, quiet_libraries
 
     loggers = [logging.getLogger(name) for name in (*LIBRARY_NOISE_LOGS, "uccl_ep_train")]
     saved = [list(lg.filters) for lg in loggers]
