@@ -22,8 +22,10 @@ RECIPE = dict(
         "num_attention_heads": 4,
         "kv_channels": 16,
         "init_method_std": 0.02,
-        # CPU: no TransformerEngine / Apex, so the fused kernels are off
+        # no TransformerEngine / Apex (CPU ranks, or GPUs without them): the fused kernels are off
+        # (megatron-core's fused masked softmax imports Apex's scaled_masked_softmax_cuda on GPUs)
         "apply_rope_fusion": False,
+        "masked_softmax_fusion": False,
         "gradient_accumulation_fusion": False,
         "no_persist_layer_norm": True,
         "num_experts": 8,
