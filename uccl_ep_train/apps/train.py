@@ -71,12 +71,15 @@ def log_path(args: argparse.Namespace) -> str:
 
 # Warnings that say nothing about the user's job, as (message regex, category, module regex): optional
 # accelerators that are absent (the job runs without them: Megatron falls back to torch), megatron-core's
-# notes about its own internals, the interpreter's patch level. Every rank raises them, several times each.
+# notes about its own internals, torch's note on the norm path it takes, the interpreter's patch level. Every
+# rank raises them, several times each.
 LIBRARY_NOISE_WARNINGS = (
     (r"(Transformer Engine and )?Apex (is|are) not installed", UserWarning, r"megatron\."),
     (r"Only transformer-engine>=[\d.]+ supports MoE experts", UserWarning, r"megatron\."),
     (r"absl\.logging is not installed", UserWarning, r"megatron\."),
     (r"Guards may run slower on Python", RuntimeWarning, r"torch\._dynamo\."),
+    # megatron-core's RMSNorm keeps fp32 weights for bf16 activations on GPUs: torch's unfused path, noted per call
+    (r"Mismatch dtype between input and weight", UserWarning, r"torch\.nn\.functional"),
 )
 # The same for log records, as logger name -> message start: megatron-core deprecating the GPTModel class
 # this job builds on, torch noting that a CPU run has no CUDA runtime.
@@ -291,7 +294,10 @@ def _rank_main(rank: int, world: int, args) -> None:
     device = _device_for(local_rank)
     if device.type == "cpu":
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
+    if device.type == "cuda":  # device_id: NCCL's barrier knows the rank's GPU (no "using the device" guess)
+        dist.init_process_group("nccl", timeout=timedelta(minutes=10), device_id=device)
+    else:
+        dist.init_process_group("gloo", timeout=timedelta(minutes=10))
     history = train_rank(rank, world, args, device)
     if rank == 0:
         _write_log(args, world, device, history)
