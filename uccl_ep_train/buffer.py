@@ -189,9 +189,7 @@ class Buffer:
         self._sequence = agreement.next_sequence(group)
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
-        # the stream synchronous calls run on until the comm stream is first used (see _run), and its handle
-        self._sync_stream: Optional[torch.cuda.Stream] = None
-        self._sync_raw = 0
+        self._sync_stream: Optional[torch.cuda.Stream] = None  # where synchronous calls run (see _run)
         self.topology: Topology = detect_topology(group)  # collective: before the backend, which needs it
         # collective: the same settings on every rank (else the same error on every rank), before any data moves
         agreement.agree(group, self.device, self._sequence, {
@@ -364,10 +362,9 @@ class Buffer:
             if torch.cuda.current_device() != self.device.index:
                 with torch.cuda.device(self.device):  # the kernels take the current stream of their device
                     return self._run(fn, inputs, None, False, allocate_on_comm_stream, checks)
-            raw = current_raw_stream()
             if self._sync_stream is None:
-                self._sync_stream, self._sync_raw = torch.cuda.current_stream(), raw  # once per Buffer
-            if raw == self._sync_raw:
+                self._sync_stream = torch.cuda.current_stream()  # once per Buffer
+            if current_raw_stream() == self._sync_stream.cuda_stream:
                 if checks is not None:
                     checks()
                 return fn(), EventOverlap(None, None)
