@@ -318,3 +318,43 @@ def test_config_positional_like_deepep():
     assert (c.num_sms, c.num_max_nvl_chunked_send_tokens, c.num_max_nvl_chunked_recv_tokens) == (24, 8, 256)
     with pytest.raises(ValueError, match="num_max_nvl_chunked_send_tokens must be <="):
         Config(24, 512, 256)
+
+
+@pytest.mark.parametrize("module, cls, prefix", [
+    ("native", "NativeBackend", "native backend"),
+    ("internode", "NativeInternodeBackend", "native internode backend"),
+    ("low_latency", "NativeLowLatencyBackend", "native low-latency kernels"),
+])
+def test_a_recorded_error_makes_a_native_backend_unusable(module, cls, prefix):
+    """The first error a native buffer's kernels or proxies recorded is raised, then every later call raises
+    it as 'unusable after an earlier error'; a destroyed backend says so (one mechanism for all three)."""
+    import importlib
+
+    backend_cls = getattr(importlib.import_module(f"uccl_ep_train.backends.{module}"), cls)
+
+    class Kernels:
+        msg = ""
+
+        def error(self):
+            return self.msg
+
+    class Proxies:
+        def check(self):
+            raise RuntimeError("rejected command to rank 1")
+
+    b = object.__new__(backend_cls)
+    b._buf, b._failed = Kernels(), None
+    b.check_errors()  # nothing recorded
+    b._buf.msg = "timeout on rank 0 waiting for rank 1 (dispatch)"
+    if module != "native":
+        b._proxy = Proxies()
+    with pytest.raises(RuntimeError) as first:
+        b.check_errors()
+    want = f"{prefix}: timeout on rank 0 waiting for rank 1 (dispatch)"
+    assert str(first.value) == want + ("; proxy: rejected command to rank 1" if module != "native" else "")
+    b._buf.msg = ""
+    with pytest.raises(RuntimeError, match=f"^{prefix}: unusable after an earlier error: timeout on rank 0"):
+        b.check_errors()
+    b._failed, b._buf = None, None
+    with pytest.raises(RuntimeError, match=f"^{prefix}: destroyed$"):
+        b.check_errors()

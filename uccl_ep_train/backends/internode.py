@@ -34,7 +34,7 @@ from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..topology import Topology
 from .base import Backend, WithoutLowLatency
-from .native import (SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce, recorded_errors,
+from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce,
                      shape_header)
 
 log = logging.getLogger("uccl_ep_train")
@@ -68,8 +68,9 @@ class InternodeState:
     max_recv: int  # the most rows any rank receives (NVL buffer sizing)
 
 
-class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
+class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLatency, Backend):
     name = "native"
+    error_prefix = "native internode backend"
     capture_refusal = ("its kernels take per-call op numbers from the host and its proxies are driven call by call "
                        "(capture-safe calls: the native backend on one node)")
 
@@ -156,20 +157,6 @@ class NativeInternodeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
         quiesce(self.device, self.group)  # nothing in flight: every op's chunks and READYs were awaited
         self._close()
         self._open(nvl, rdma)
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"native internode backend: unusable after an earlier error: {self._failed}")
-        if self._buf is None:
-            raise RuntimeError("native internode backend: destroyed")
-        msg = recorded_errors(self._buf, self._proxy)
-        if msg:
-            self._failed = msg
-            raise RuntimeError(f"native internode backend: {msg}")
-
-    def check_errors(self) -> None:
-        """Raise if a kernel or a proxy thread recorded an error (timeout, ring full, rejected command)."""
-        self._check()
 
     def proxy_stats(self) -> dict:
         """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""

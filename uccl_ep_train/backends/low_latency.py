@@ -24,6 +24,7 @@ from ..fp8 import FP8_BLOCK, fp8_dtype_for
 from ..handles import LowLatencyHandle
 from ..topology import Topology
 from .base import Backend
+from .native import RaisesRecordedErrors, SharesMemoryWithPeers, _module, module_serves, quiesce
 
 MAX_TOPK = 32  # top-k slots per token the layout has room for (the native LL_MAX_TOPK)
 _MSG_HEADER = 16  # a dispatch message: {source token, -, -, -}, then x (BF16, or FP8 and its scales)
@@ -107,8 +108,6 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
 
 def low_latency_available() -> bool:
     """True when the native module has the LL kernels and a GPU is visible."""
-    from .native import module_serves
-
     return module_serves("LowLatencyBuffer")
 
 
@@ -128,10 +127,11 @@ class _Raw:
         self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "typestr": typestr, "version": 2}
 
 
-class NativeLowLatencyBackend(Backend):
+class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backend):
     """LL calls of a Buffer made with `low_latency_mode=True` on GPUs (the HT calls use the Buffer's backend)."""
 
     name = "native"
+    error_prefix = "native low-latency kernels"
     capture_refusal = ""  # fixed sizes; every signal target lives in device memory
     checks_values_on_device = True  # expert ids (dispatch send)
 
@@ -139,7 +139,6 @@ class NativeLowLatencyBackend(Backend):
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
         from ..gpu_sharing import check_gpu_sharing
         from .internode import _shared_gpu_proxy_options
-        from .native import _module
 
         self._native = _module()
         self.device = device
@@ -190,29 +189,6 @@ class NativeLowLatencyBackend(Backend):
                 proxy.close()
         finally:
             buf.destroy()
-
-    def destroy(self) -> None:
-        if self._buf is None:
-            return
-        from .native import quiesce
-
-        try:
-            quiesce(self.device, self.group)
-        finally:
-            self.release()
-
-    def check_errors(self) -> None:
-        """Raise if a kernel or a proxy thread recorded an error (timeout, ring full, rejected command)."""
-        if self._failed is not None:
-            raise RuntimeError(f"native low-latency kernels: unusable after an earlier error: {self._failed}")
-        if self._buf is None:
-            raise RuntimeError("native low-latency kernels: destroyed")
-        from .native import recorded_errors
-
-        msg = recorded_errors(self._buf, self._proxy)
-        if msg:
-            self._failed = msg
-            raise RuntimeError(f"native low-latency kernels: {msg}")
 
     def proxy_stats(self) -> Optional[dict]:
         """The LL proxies' counters (None with one node: nothing goes through proxies)."""
@@ -309,8 +285,6 @@ class NativeLowLatencyBackend(Backend):
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank, hidden, num_experts):
         """Collective: after every rank stopped using the buffer, zero every signal, counter and area."""
-        from .native import quiesce
-
         quiesce(self.device, self.group)
         self._buf.clean()
         self._half = [0, 0]

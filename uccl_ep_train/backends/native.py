@@ -190,6 +190,31 @@ class SharesMemoryWithPeers:
             self.release()
 
 
+class RaisesRecordedErrors:
+    """Mixin for the native backends: the first error their kernels or proxies recorded (timeout, capacity,
+    ring full, rejected command) makes the backend unusable, every later call raising it (peers may have
+    moved on: nothing it holds can be trusted). Uses `_buf` (None once destroyed), `_proxy` (None: no
+    proxies) and `_failed`; `error_prefix` names the backend in the messages."""
+
+    error_prefix = "native backend"
+    _proxy = None
+    _failed: Optional[str] = None
+
+    def _check(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError(f"{self.error_prefix}: unusable after an earlier error: {self._failed}")
+        if self._buf is None:
+            raise RuntimeError(f"{self.error_prefix}: destroyed")
+        msg = recorded_errors(self._buf, self._proxy)
+        if msg:
+            self._failed = msg
+            raise RuntimeError(f"{self.error_prefix}: {msg}")
+
+    def check_errors(self) -> None:
+        """Raise if a kernel or a proxy thread recorded an error; cheap (reads host memory)."""
+        self._check()
+
+
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
@@ -205,7 +230,7 @@ class NativeHandleState:
     worst: bool
 
 
-class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
+class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLatency, Backend):
     name = "native"
     # Capture-safe: the kernels read their signal base from the buffer (OpSeq in device_utils.cuh), not from
     # arguments, so replays stay in step with the peers; only growing the buffer (host + collective) is refused.
@@ -281,20 +306,6 @@ class NativeBackend(SharesMemoryWithPeers, WithoutLowLatency, Backend):
                                    "collective); make the Buffer with num_nvl_bytes >= that, or run the call once "
                                    "before capturing")
             self._grow(need)
-
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"native backend: unusable after an earlier error: {self._failed}")
-        if self._buf is None:
-            raise RuntimeError("native backend: destroyed")
-        msg = self._buf.error()
-        if msg:
-            self._failed = msg
-            raise RuntimeError(f"native backend: {msg}")
-
-    def check_errors(self) -> None:
-        """Raise if a kernel recorded an error (timeout, capacity); cheap (reads host memory)."""
-        self._check()
 
     def release(self) -> None:
         if self._buf is None:
