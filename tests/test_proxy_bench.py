@@ -18,11 +18,12 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
     monkeypatch.setenv("FI_TCP_IFACE", "lo")
     out = tmp_path / "proxy.json"
     rc = main(["bench", "proxy", "--mode", "cpu", "--threads", "1", "--chunk-bytes", "4096",
-               "--total-bytes", str(1 << 20), "--latency-iters", "50", "--provider", "tcp", "--json", str(out)])
+               "--total-bytes", str(1 << 20), "--latency-iters", "50", "--provider", "tcp", "--json", str(out),
+               "--num-tokens", "16", "--hidden", "256", "--num-experts", "16", "--num-topk", "4"])
     assert rc == 0
     recs = json.loads(out.read_text())
     ops = {r["op"] for r in recs}
-    assert {"pickup_rtt", "fabric_cmds", "fabric_write"} <= ops
+    assert {"pickup_rtt", "fabric_cmds", "fabric_write", "batching"} <= ops
     assert_complete(recs)  # what tests/test_records.py asks of committed records
     assert all(r["timing"] == "api" and (r["device"], r["gpus"]) == ("cpu", 0) for r in recs)  # host clocks
     for r in recs:
@@ -31,3 +32,37 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
         assert r["bench"] == "proxy" and r["us"] > 0
     writes = [r for r in recs if r["op"] == "fabric_write"]
     assert all(r["chunk_bytes"] == 4096 and r["commands"] == 256 for r in writes)
+    batching = {r["pattern"]: r for r in recs if r["op"] == "batching"}
+    assert sorted(batching) == ["per-expert", "per-rank", "signal"]
+    assert batching["signal"]["writes"] == 0 and batching["per-rank"]["writes"] == 1
+    assert batching["per-expert"]["writes"] == batching["per-expert"]["experts_with_rows"] > 1
+    assert batching["per-expert"]["block_bytes"] == batching["per-rank"]["block_bytes"] > 0
+    assert all(r["transport"] == "fabric" and r["iters"] > 0 for r in batching.values())
+
+
+def test_batching_patterns_write_the_same_block_in_expert_pieces():
+    """`bench proxy`'s batching op: per-expert writes tile the per-rank write exactly (header with the first
+    expert, then each expert's rows where the kernels' block layout puts them), one atomic last."""
+    import argparse
+
+    from uccl_ep_train.apps.bench.proxy import BATCHING_SHAPE, batching_commands
+    from uccl_ep_train.backends.low_latency import low_latency_layout
+    args = argparse.Namespace(**BATCHING_SHAPE)
+    lay = low_latency_layout(args.num_tokens, args.hidden, 2, args.num_experts)
+    whole, shape = batching_commands(args, "per-rank", peer=1)
+    pieces, pshape = batching_commands(args, "per-expert", peer=1)
+    assert shape["rows"] == pshape["rows"] and 0 < shape["rows"] <= args.num_tokens * args.num_topk
+    assert shape["block_bytes"] == lay.hdr_bytes + shape["rows"] * lay.msg_bytes
+    for cmds in (whole, pieces):
+        assert cmds[-1]["op"] == P.OP_ATOMIC_ADD and cmds[-1]["remote_off"] == 8 and cmds[-1]["region"] == 1
+        writes = cmds[:-1]
+        assert (writes["op"] == P.OP_WRITE).all() and (writes["dst"] == 1).all() and (writes["channel"] == 0).all()
+        # contiguous, in block order, from the peer's receive block for rank 0 on
+        assert writes["remote_off"][0] == lay.areas[0][1]
+        assert (writes["remote_off"][1:] == writes["remote_off"][:-1] + writes["length"][:-1]).all()
+        local, remote = writes["local_off"].astype(int), writes["remote_off"].astype(int)
+        assert (local - remote == local[0] - remote[0]).all()
+        assert int(writes["length"].sum()) == shape["block_bytes"]
+    assert writes["local_off"][0] == lay.areas[0][0] + lay.block_bytes  # this rank's send block for rank 1
+    assert len(pieces) - 1 == pshape["experts_with_rows"] > 100  # 256 experts, top-8 of 128 tokens
+    assert (pieces["length"][1:-1] % lay.msg_bytes == 0).all()

@@ -13,6 +13,11 @@ us, device, sms, plus the shape of each measurement):
   ipc_write    GB/s per GPU of chunked writes into the peer GPU through the ipc transport (two ranks,
                both directions busy), commands pushed by a GPU kernel, ended by OP_FLUSH per ring
   fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
+  batching     the proxy commands of one low-latency dispatch block to a rank of another node, as the kernels
+               batch them (one write of the whole block, `per-rank`) against one write per local expert
+               (`per-expert`), each followed by the signalling atomic on the same channel; the receiver
+               answers with an atomic and the sender times the round trip (`signal`: the atomics alone).
+               Two processes: ipc on one GPU (--mode gpu), fabric (--mode cpu); CPU producers push.
 
 Modes: `--mode gpu` (needs CUDA and the native module with ipc), `--mode cpu` (fabric only), `auto`.
 Every record also carries the run's command, date, commit, "gpus" (GPUs the measurement ran on, 0 for CPU
@@ -37,6 +42,10 @@ from . import int_list, run_context
 from ..launch import launched_world, spawn
 
 
+BATCHING_SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}
+BATCHING_SEED = 4321
+
+
 def _parse(argv):
     p = argparse.ArgumentParser(prog="uccl-ep-train bench proxy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -50,18 +59,23 @@ def _parse(argv):
     p.add_argument("--chunk-bytes", type=int_list, nargs="+", default=[f"65536,{1 << 20},{4 << 20}"],
                    help="comma-separated write sizes")
     p.add_argument("--total-bytes", type=int, default=1 << 30, help="bytes per rank per ipc/fabric measurement")
-    p.add_argument("--ops", nargs="+", default=["single,ipc"],
-                   help="gpu mode, comma-separated: single = NOP flood + latencies on one GPU, ipc = two-GPU write "
-                        "bandwidth")
+    p.add_argument("--ops", nargs="+", default=["single,ipc,batching"],
+                   help="comma-separated: single = NOP flood + latencies on one GPU, ipc = two-GPU write "
+                        "bandwidth (gpu mode); batching = per-rank vs per-expert writes of a low-latency block "
+                        "(both modes)")
+    # the low-latency block `batching` sends: DeepEP's LL test shape, as `bench low-latency`
+    for name, default in BATCHING_SHAPE.items():
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default,
+                       help="batching: " + name.replace("_", " "))
     p.add_argument("--provider", default="shm", help="fabric provider for --mode cpu (shm, tcp, sockets)")
     p.add_argument("--json", default=None, help="write the records here")
     args = p.parse_args(argv)
     args.threads = [v for vs in args.threads for v in (vs if isinstance(vs, list) else int_list(vs))]
     args.chunk_bytes = [v for vs in args.chunk_bytes for v in (vs if isinstance(vs, list) else int_list(vs))]
     args.ops = [op for ops in args.ops for op in ops.split(",") if op]
-    bad = sorted(set(args.ops) - {"single", "ipc"})
+    bad = sorted(set(args.ops) - {"single", "ipc", "batching"})
     if bad:
-        p.error(f"--ops: unknown {', '.join(bad)} (choose from single, ipc)")
+        p.error(f"--ops: unknown {', '.join(bad)} (choose from single, ipc, batching)")
     return args
 
 
@@ -281,6 +295,108 @@ def _gpu_ipc(args):
     return recs
 
 
+def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
+    """The proxy commands the low-latency dispatch kernel would push for its block to `peer` (the second of
+    two ranks, one per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the
+    whole block (what the kernels do), `per-expert` one write per local expert with rows (the first one
+    carries the counts header), `signal` none; then the atomic that raises the peer's signal. The block
+    layout is the kernels' own (backends.low_latency.low_latency_layout)."""
+    from uccl_ep_train import proxy as P
+    from uccl_ep_train.backends.low_latency import low_latency_layout
+    lay = low_latency_layout(args.num_tokens, args.hidden, 2, args.num_experts)
+    rng = np.random.default_rng(BATCHING_SEED)
+    experts = np.stack([rng.choice(args.num_experts, args.num_topk, replace=False) for _ in range(args.num_tokens)])
+    mine = experts.ravel()[experts.ravel() // lay.num_local == peer] % lay.num_local
+    counts = np.bincount(mine, minlength=lay.num_local)
+    rows = int(counts.sum())
+    send, recv = lay.areas[0][0], lay.areas[0][1]  # this rank's send block for `peer`, the peer's receive block
+    pieces = []
+    if pattern == "per-rank":
+        pieces = [(0, lay.hdr_bytes + rows * lay.msg_bytes)]
+    elif pattern == "per-expert":
+        at = lay.hdr_bytes
+        for n in counts[counts > 0]:
+            start = 0 if not pieces else at  # the first write also carries the header
+            pieces.append((start, at + int(n) * lay.msg_bytes - start))
+            at += int(n) * lay.msg_bytes
+    me = 1 - peer
+    cmds = [(P.OP_WRITE, peer, 0, 0, length, send + peer * lay.block_bytes + off, recv + me * lay.block_bytes + off)
+            for off, length in pieces]
+    cmds.append((P.OP_ATOMIC_ADD, peer, 0, 1, 1, 0, 8 * peer))
+    shape = dict(pattern=pattern, writes=len(pieces), rows=rows, block_bytes=sum(n for _, n in pieces),
+                 local_experts=lay.num_local, experts_with_rows=int((counts > 0).sum()), **{
+                     k: getattr(args, k) for k in BATCHING_SHAPE})
+    return P.make_commands(cmds), shape
+
+
+def _batching_rank(rank, world, args, transport):
+    """One of the two ranks of `batching`: rank 0 pushes a pattern's commands to rank 1 and spins on its own
+    signal word; rank 1 spins on its word and answers with one atomic. Returns rank 0's records."""
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    import torch
+    import torch.distributed as dist
+    from uccl_ep_train import proxy as P
+    from uccl_ep_train.backends.low_latency import low_latency_layout
+    dist.init_process_group("gloo")
+    peer = 1 - rank
+    lay = low_latency_layout(args.num_tokens, args.hidden, 2, args.num_experts)
+    size = lay.areas[0][2]  # the dispatch send and receive areas of the first half
+    flags = np.zeros(2, np.int64)  # word r: the signal rank r's peer raises (host memory: atomic target)
+    if transport == "ipc":
+        gpu = rank % torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
+        data = torch.zeros(size, dtype=torch.uint8, device="cuda")
+        opts = dict(gpu=gpu)
+    else:
+        data, gpu = np.zeros(size, np.uint8), -1
+        opts = dict(provider=args.provider, pin_threads=False)
+    recs = []
+    with P.ProxyGroup(rank, world, {0: data, 1: flags}, transport=transport, num_threads=1, timeout_s=120,
+                      adaptive_sleep=False, low_latency=True, **opts) as g:
+        answer = P.make_commands([(P.OP_ATOMIC_ADD, peer, 0, 1, 1, 0, 8 * peer)])
+        signals = 0
+        for pattern in ("signal", "per-rank", "per-expert"):
+            cmds, shape = batching_commands(args, pattern, peer)
+            times = []
+            dist.barrier()
+            for _ in range(args.latency_iters):
+                signals += 1
+                deadline = time.monotonic() + 60
+                t0 = time.perf_counter()
+                if rank == 0:
+                    g.push(0, cmds)
+                while flags[rank] < signals:
+                    os.sched_yield()  # the proxy threads may share this core
+                    if time.monotonic() > deadline:
+                        g.check()
+                        raise TimeoutError(f"bench proxy batching: rank {rank} waited 60 s for signal {signals} "
+                                           f"({pattern})")
+                if rank == 1:
+                    g.push(0, answer)
+                times.append((time.perf_counter() - t0) * 1e6)
+            if rank == 0:
+                rtt = times[min(10, len(times) // 2):]
+                med = statistics.median(rtt)
+                recs.append(dict(bench="proxy", op="batching", ranks=world, us=med, median_us=med,
+                                 p99_us=_pct(rtt, 0.99), min_us=min(rtt), iters=len(rtt),
+                                 gbps=shape["block_bytes"] / med / 1e3, device=_device_name() if gpu >= 0 else "cpu",
+                                 gpus=1 if gpu >= 0 else 0, timing="api", sms=0, threads=1, transport=transport,
+                                 producer="cpu", **({"provider": args.provider} if gpu < 0 else {}), **shape))
+        dist.barrier()
+        g.check()
+    return recs
+
+
+def _batching(args, transport):
+    recs = spawn(_batching_rank, 2, args, transport, timeout=600)[0]
+    for r in recs:
+        print(f"[batching] {transport}{'/' + r['provider'] if 'provider' in r else ''} {r['pattern']}: "
+              f"{r['writes']} write(s) of {r['block_bytes'] / 1e6:.2f} MB + 1 atomic, round trip median "
+              f"{r['median_us']:.1f} us p99 {r['p99_us']:.1f} us", flush=True)
+    return recs
+
+
 # ---------------------------------------------------------------------------------------------- cpu
 def _fabric_rank(rank, world, args, threads):
     """One of the two ranks of fabric_cmds / fabric_write (CPU producers): its records, one per chunk size."""
@@ -387,9 +503,13 @@ def main(argv=None) -> int:
             records += _gpu_ipc(args)
         else:
             print("[ipc_write] skipped: needs 2 GPUs", flush=True)
+        if "batching" in args.ops:
+            records += _batching(args, "ipc")
     else:
         records += _cpu_latency(args)
         records += _cpu(args)
+        if "batching" in args.ops:
+            records += _batching(args, "fabric")
     records = [{**r, **context} for r in records]
     if args.json:
         os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
