@@ -17,7 +17,8 @@ us, device, sms, plus the shape of each measurement):
                batch them (one write of the whole block, `per-rank`) against one write per local expert
                (`per-expert`), each followed by the signalling atomic on the same channel; the receiver
                answers with an atomic and the sender times the round trip (`signal`: the atomics alone).
-               Two processes: ipc on one GPU (--mode gpu), fabric (--mode cpu); CPU producers push.
+               Two processes: ipc on one GPU (--mode gpu; a one-warp kernel pushes each batch), fabric
+               (--mode cpu; the host pushes).
 
 Modes: `--mode gpu` (needs CUDA and the native module with ipc), `--mode cpu` (fabric only), `auto`.
 Every record also carries the run's command, date, commit, "gpus" (GPUs the measurement ran on, 0 for CPU
@@ -354,10 +355,26 @@ def _batching_rank(rank, world, args, transport):
     recs = []
     with P.ProxyGroup(rank, world, {0: data, 1: flags}, transport=transport, num_threads=1, timeout_s=120,
                       adaptive_sleep=False, low_latency=True, **opts) as g:
-        answer = P.make_commands([(P.OP_ATOMIC_ADD, peer, 0, 1, 1, 0, 8 * peer)])
+        if gpu >= 0:  # the rings of a GPU proxy take GPU producers: a one-warp kernel pushes each batch
+            from uccl_ep_train import _native
+            stream = torch.cuda.current_stream().cuda_stream
+
+            def on_gpu(c):
+                return torch.from_numpy(c.view(np.uint8).copy()).cuda(), [0, len(c)]
+
+            def push(c):
+                _native.gpu_push_commands(g._native, c[0].data_ptr(), c[1], 1, stream)
+        else:
+            def on_gpu(c):
+                return c
+
+            def push(c):
+                g.push(0, c)
+        answer = on_gpu(P.make_commands([(P.OP_ATOMIC_ADD, peer, 0, 1, 1, 0, 8 * peer)]))
         signals = 0
         for pattern in ("signal", "per-rank", "per-expert"):
             cmds, shape = batching_commands(args, pattern, peer)
+            cmds = on_gpu(cmds)
             times = []
             dist.barrier()
             for _ in range(args.latency_iters):
@@ -365,7 +382,7 @@ def _batching_rank(rank, world, args, transport):
                 deadline = time.monotonic() + 60
                 t0 = time.perf_counter()
                 if rank == 0:
-                    g.push(0, cmds)
+                    push(cmds)
                 while flags[rank] < signals:
                     os.sched_yield()  # the proxy threads may share this core
                     if time.monotonic() > deadline:
@@ -373,7 +390,7 @@ def _batching_rank(rank, world, args, transport):
                         raise TimeoutError(f"bench proxy batching: rank {rank} waited 60 s for signal {signals} "
                                            f"({pattern})")
                 if rank == 1:
-                    g.push(0, answer)
+                    push(answer)
                 times.append((time.perf_counter() - t0) * 1e6)
             if rank == 0:
                 rtt = times[min(10, len(times) // 2):]
@@ -382,7 +399,7 @@ def _batching_rank(rank, world, args, transport):
                                  p99_us=_pct(rtt, 0.99), min_us=min(rtt), iters=len(rtt),
                                  gbps=shape["block_bytes"] / med / 1e3, device=_device_name() if gpu >= 0 else "cpu",
                                  gpus=1 if gpu >= 0 else 0, timing="api", sms=0, threads=1, transport=transport,
-                                 producer="cpu", **({"provider": args.provider} if gpu < 0 else {}), **shape))
+                                 producer="gpu" if gpu >= 0 else "cpu", **({"provider": args.provider} if gpu < 0 else {}), **shape))
         dist.barrier()
         g.check()
     return recs
