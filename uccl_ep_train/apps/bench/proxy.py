@@ -357,7 +357,8 @@ def _batching_rank(rank, world, args, transport):
                       adaptive_sleep=False, low_latency=True, **opts) as g:
         if gpu >= 0:  # the rings of a GPU proxy take GPU producers: a one-warp kernel pushes each batch
             from uccl_ep_train import _native
-            stream = torch.cuda.current_stream().cuda_stream
+            side = torch.cuda.Stream()  # not the legacy default stream, which would wait for other work
+            stream = side.cuda_stream
 
             def on_gpu(c):
                 return torch.from_numpy(c.view(np.uint8).copy()).cuda(), [0, len(c)]
@@ -375,7 +376,7 @@ def _batching_rank(rank, world, args, transport):
         for pattern in ("signal", "per-rank", "per-expert"):
             cmds, shape = batching_commands(args, pattern, peer)
             cmds = on_gpu(cmds)
-            times = []
+            times, pushes = [], []
             dist.barrier()
             for _ in range(args.latency_iters):
                 signals += 1
@@ -383,6 +384,7 @@ def _batching_rank(rank, world, args, transport):
                 t0 = time.perf_counter()
                 if rank == 0:
                     push(cmds)
+                    pushes.append((time.perf_counter() - t0) * 1e6)
                 while flags[rank] < signals:
                     os.sched_yield()  # the proxy threads may share this core
                     if time.monotonic() > deadline:
@@ -390,16 +392,25 @@ def _batching_rank(rank, world, args, transport):
                         raise TimeoutError(f"bench proxy batching: rank {rank} waited 60 s for signal {signals} "
                                            f"({pattern})")
                 if rank == 1:
+                    t1 = time.perf_counter()
                     push(answer)
+                    pushes.append((time.perf_counter() - t1) * 1e6)
                 times.append((time.perf_counter() - t0) * 1e6)
+            skip = min(10, len(times) // 2)
+            # the host time of each push call (a kernel launch and its sync on a GPU proxy): rank 0's batch,
+            # rank 1's answer; the rest of the round trip is the proxies, the transport and the waits
+            push_us = [None, None]
+            dist.all_gather_object(push_us, statistics.median(pushes[skip:]))
             if rank == 0:
-                rtt = times[min(10, len(times) // 2):]
+                rtt = times[skip:]
                 med = statistics.median(rtt)
                 recs.append(dict(bench="proxy", op="batching", ranks=world, us=med, median_us=med,
                                  p99_us=_pct(rtt, 0.99), min_us=min(rtt), iters=len(rtt),
+                                 push_median_us=push_us[0], answer_push_median_us=push_us[1],
                                  gbps=shape["block_bytes"] / med / 1e3, device=_device_name() if gpu >= 0 else "cpu",
                                  gpus=1 if gpu >= 0 else 0, timing="api", sms=0, threads=1, transport=transport,
-                                 producer="gpu" if gpu >= 0 else "cpu", **({"provider": args.provider} if gpu < 0 else {}), **shape))
+                                 producer="gpu" if gpu >= 0 else "cpu",
+                                 **({"provider": args.provider} if gpu < 0 else {}), **shape))
         dist.barrier()
         g.check()
     return recs
@@ -410,7 +421,8 @@ def _batching(args, transport):
     for r in recs:
         print(f"[batching] {transport}{'/' + r['provider'] if 'provider' in r else ''} {r['pattern']}: "
               f"{r['writes']} write(s) of {r['block_bytes'] / 1e6:.2f} MB + 1 atomic, round trip median "
-              f"{r['median_us']:.1f} us p99 {r['p99_us']:.1f} us", flush=True)
+              f"{r['median_us']:.1f} us p99 {r['p99_us']:.1f} us (pushes {r['push_median_us']:.1f} + "
+              f"{r['answer_push_median_us']:.1f} us)", flush=True)
     return recs
 
 
