@@ -348,7 +348,9 @@ def _batching_rank(rank, world, args, transport):
         gpu = rank % torch.cuda.device_count()
         torch.cuda.set_device(gpu)
         data = torch.zeros(size, dtype=torch.uint8, device="cuda")
-        opts = dict(gpu=gpu)
+        # two ranks on one GPU would pin their spinning proxy threads to the same core, where they time-slice
+        # at ~4 ms per hop (the emulated-node rule of backends.internode._shared_gpu_proxy_options)
+        opts = dict(gpu=gpu, pin_threads=torch.cuda.device_count() >= 2)
     else:
         data, gpu = np.zeros(size, np.uint8), -1
         opts = dict(provider=args.provider, pin_threads=False)
