@@ -24,6 +24,8 @@ Two routes to UCCL-EP:
 - Primus-Turbo's DeepEP dispatcher (`enable_primus_turbo: true`, `use_turbo_deepep: true`) on our Buffer:
   importing this module registers our EP backend with Primus-Turbo as UCCL_EP when Primus-Turbo is
   importable (uccl_ep_train.compat.primus_turbo); PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=UCCL_EP selects it.
+  DEEP_EP (what primus-cli's USING_UEP=1 exports) runs on ours when `import deep_ep` gives ours
+  (`uccl-ep-train install-deep-ep`); when it does not, importing this module says so on stderr, and what to do.
 
 Patches of the first route (conditioned on uccl being selected, so they are inert otherwise):
 - `uccl_ep.build_args` (phase build_args, the first): refuses settings that contradict uccl, then
@@ -341,3 +343,4 @@ if __name__ == "__main__":
 else:
     register()
     primus_turbo.register()
+    primus_turbo.warn_deep_ep_route()  # DEEP_EP (USING_UEP=1) on a deep_ep that is not ours: what to do

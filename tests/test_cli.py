@@ -29,7 +29,7 @@ def test_bench_help_lists_every_benchmark(capsys):
 def test_unknown_command_names_the_valid_ones(capsys):
     assert main(["frobnicate"]) == 2
     err = capsys.readouterr().err
-    assert "unknown command 'frobnicate' (commands: bench, train, doctor, plan, pretrain-gpt, deep-ep-path)" in err
+    assert "unknown command 'frobnicate' (commands: bench, train, doctor, plan, pretrain-gpt, deep-ep-path, install-deep-ep)" in err
 
 
 def test_one_spelling_across_benchmarks():

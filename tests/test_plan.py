@@ -344,3 +344,63 @@ def test_activation_estimate_matches_what_megatron_saves_for_backward():
     assert res.returncode == 0, res.stderr[-3000:]
     ratio = float(res.stdout.split("RATIO")[-1])
     assert 0.75 < ratio < 1.25, ratio
+
+
+def test_ep_group_beyond_the_native_limits_is_refused_naming_the_limit(capsys, tmp_path):
+    """The native kernels take at most MAX_NODES (32) nodes and MAX_RANKS_PER_NODE (8) ranks of one EP group
+    per node (uccl_ep_train.topology): EP 512 over 64 nodes of 8 and EP 16 inside a node of 16 GPUs are
+    refused, naming the limit; EP 256 over 32 nodes of 8 is the largest group on nodes of 8."""
+    from uccl_ep_train.topology import MAX_NODES, MAX_RANKS_PER_NODE
+    assert (MAX_NODES, MAX_RANKS_PER_NODE) == (32, 8)
+    v3 = load_recipe("deepseek-v3").with_args(num_experts=512)
+    wide = check_layout(plan.with_layout(v3, 1, 1, 512), 64, 8)
+    assert wide.ep_nodes == 64
+    assert [e for e in wide.errors if "nodes per EP group" in e] == [
+        "each EP group spans 64 nodes (EP 512 x ETP 1 / 8 GPUs per node); UCCL-EP's internode kernels take at "
+        "most 32 nodes per EP group (MAX_NODES): EP x ETP <= 256"]
+    assert check_layout(plan.with_layout(v3, 1, 1, 256), 64, 8).errors == []
+    assert check_layout(plan.with_layout(v3, 1, 2, 256), 64, 8).errors == []
+    dense = check_layout(plan.with_layout(load_recipe("deepseek-v3"), 1, 8, 16), 16, 16)
+    assert any("puts 16 of its ranks on one node" in e and "at most 8 ranks of a group per node" in e
+               for e in dense.errors), dense.errors
+    assert check_layout(plan.with_layout(load_recipe("deepseek-v3"), 1, 8, 8), 16, 16).errors == []
+    # the command line says so too (a recipe file with 512 experts)
+    recipe_file = tmp_path / "v3_512.json"
+    recipe_file.write_text(json.dumps({"name": "v3-512", "args": dict(v3.args), "cluster": {"nodes": 64,
+                                                                                             "gpus_per_node": 8}}))
+    rc, out, err = run(capsys, "--recipe", str(recipe_file), "--nodes", "64", "--gpus-per-node", "8",
+                       "--pp", "1", "--ep", "512", "--gpu-mem-gib", "141")
+    assert rc == 2 and out == "" and "most 32 nodes per EP group (MAX_NODES)" in err
+
+
+def test_layouts_proposed_for_a_big_cluster_stay_inside_the_native_limits():
+    """On 128 nodes of 8, no valid or suggested layout has an EP group over more than 32 nodes or more than
+    8 of its ranks on a node, though the recipe's 512 experts would allow EP 512 and 1024 ranks EP 1024."""
+    v3 = load_recipe("deepseek-v3").with_args(num_experts=512)
+    found = plan.valid_layouts(v3, 128, 8)
+    assert found and max(lay.ep for _, lay, _ in found) == 256
+    for _, lay, _ in found:
+        assert lay.ep * lay.etp <= 32 * 8
+    assert all(lay.ep * lay.etp <= 256 for _, lay, _ in plan.suggest_layouts(v3, 128, 8, 1e6, 100))
+    # nodes of 16 GPUs: an EP group never holds more than 8 ranks of one node
+    for _, lay, _ in plan.valid_layouts(load_recipe("deepseek-v3"), 32, 16):
+        assert min(lay.ep * lay.etp, 16) // lay.etp <= 8 and lay.ep * lay.etp <= 32 * 16
+
+
+def test_backends_check_the_built_module_against_the_shared_limits():
+    """The backends read a limit from the native module through topology.native_limit, which refuses a module
+    whose limit differs from the constant plan checks with; the built module (when present) agrees."""
+    from types import SimpleNamespace
+
+    from uccl_ep_train.topology import MAX_NODES, MAX_RANKS_PER_NODE, native_limit
+    assert native_limit(SimpleNamespace(INTERNODE_MAX_NODES=32), "INTERNODE_MAX_NODES", MAX_NODES) == 32
+    with pytest.raises(RuntimeError, match="INTERNODE_MAX_NODES = 64 but uccl_ep_train.topology says 32"):
+        native_limit(SimpleNamespace(INTERNODE_MAX_NODES=64), "INTERNODE_MAX_NODES", MAX_NODES)
+    try:
+        from uccl_ep_train import _native
+    except ImportError:
+        pytest.skip("native module not built")
+    for name, shared in (("INTERNODE_MAX_NODES", MAX_NODES), ("INTERNODE_MAX_LOCAL", MAX_RANKS_PER_NODE),
+                         ("INTRANODE_MAX_RANKS", MAX_RANKS_PER_NODE), ("LL_MAX_LOCAL", MAX_RANKS_PER_NODE)):
+        if hasattr(_native, name):
+            assert native_limit(_native, name, shared) == shared

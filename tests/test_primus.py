@@ -411,3 +411,154 @@ def test_primus_turbo_dispatch_and_combine_on_our_buffer(name, backend):
     on `deep_ep`, which our deep_ep serves (what USING_UEP=1 selects)."""
     for got in run_ranks(_turbo_route, 2, name):
         assert got == {"backend": backend, "buffer": "uccl_ep_train.buffer"}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# primus-cli's USING_UEP=1 route: its hook's checks, our deep_ep installed as the `deep_ep` distribution
+# ---------------------------------------------------------------------------------------------------------
+# What runner/helpers/hooks/05_using_uep.sh of AMD-AGI/Primus (at fd1eeab, v26.5.1) checks and exports under
+# USING_UEP=1, verbatim; the test runs the real script instead when PRIMUS_PATH holds a Primus checkout.
+HOOK_EXCERPT = r'''set -euo pipefail
+if [[ "${USING_UEP:-0}" == "1" ]]; then
+    if ! python3 -m pip show uccl &>/dev/null || ! python3 -m pip show deep_ep &>/dev/null; then
+        LOG_ERROR "uccl is not installed! Please use pre-installed primus image or set REBUILD_UEP=1."
+        exit 1
+    fi
+    LOG_INFO "uccl package is installed: $(python3 -m pip show uccl | grep Version)"
+    LOG_INFO "deep_ep package is installed: $(python3 -m pip show deep_ep | grep Version)"
+
+    echo "env.PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP"
+fi
+'''
+
+
+def _real_using_uep_hook():
+    real = Path(os.environ.get("PRIMUS_PATH") or os.devnull) / "runner/helpers/hooks/05_using_uep.sh"
+    return real if real.is_file() else None
+
+
+def _run_using_uep_hook(venv_bin: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    """The hook as primus-cli's execute_hooks runs it (`bash <hook>`, python3 = the environment's), with
+    its logging functions stood in for."""
+    script = _real_using_uep_hook()
+    if script is None:
+        script = tmp_path / "05_using_uep.sh"
+        script.write_text(HOOK_EXCERPT)
+    logs = "".join(f'{f}() {{ echo "[{f}] $*"; }}; export -f {f}; ' for f in ("LOG_INFO", "LOG_ERROR", "LOG_WARN",
+                                                                                "LOG_INFO_RANK0"))
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PIP_REQUIRE_VIRTUALENV")}
+    env.update(PATH=f"{venv_bin}{os.pathsep}{env.get('PATH', '')}", USING_UEP="1")
+    return subprocess.run(["bash", "-c", logs + 'bash "$0"', str(script)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+def _venv_site(python: Path) -> str:
+    return subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_using_uep_hook_passes_with_our_deep_ep_installed_and_deep_ep_is_ours(tmp_path):
+    """A fresh environment like Primus's image (UCCL's `deep_ep` wrapper installed; UCCL's `uccl` added later;
+    both stood in for by small wheels): `uccl-ep-train install-deep-ep` replaces the wrapper with ours, says
+    that the hook also needs UCCL's `uccl`; with `uccl` present the hook's checks pass and it exports
+    DEEP_EP, and `import deep_ep` with site-packages ahead of PYTHONPATH (base_env.sh) gives our Buffer.
+    --uninstall removes ours only. No network: every wheel is built here, pip runs with --no-index."""
+    import sysconfig
+
+    from uccl_ep_train.compat.deep_ep_dist import VERSION, write_wheel
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    py, site = venv / "bin" / "python", None
+    site = _venv_site(py)
+    # uccl-ep-train and torch importable there, as if installed (an editable-style .pth)
+    paths = dict.fromkeys([str(ROOT), sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]])
+    Path(site, "zz_uccl_ep_train_test.pth").write_text("".join(p + "\n" for p in paths))
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    uccl_wrapper = write_wheel(str(wheels), "deep_ep", "0.1.0", {"deep_ep/__init__.py": "raise ImportError('UCCL')\n"},
+                               "stand-in for UCCL's deep_ep wrapper", ("uccl",))
+    uccl = write_wheel(str(wheels), "uccl", "0.0.1", {"uccl/__init__.py": ""}, "stand-in for UCCL's package", ())
+
+    def pip(*args):
+        subprocess.run([str(py), "-m", "pip", *args, "--no-index", "--no-deps", "--disable-pip-version-check", "-q"],
+                       check=True, timeout=120)
+
+    def ours(*args):
+        return subprocess.run([sys.executable, "-m", "uccl_ep_train.apps.cli", "install-deep-ep", "--python",
+                               str(py), *args], capture_output=True, text=True, timeout=300,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+    pip("install", uccl_wrapper)
+    res = ours()
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "replaced deep_ep 0.1.0 (stand-in for UCCL's deep_ep wrapper)" in res.stdout
+    assert f"installed deep_ep {VERSION} for {py}: `import deep_ep` is uccl-ep-train" in res.stdout
+    assert "also requires UCCL's own `uccl` distribution" in res.stderr
+    assert "--env PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=UCCL_EP" in res.stderr
+    hook_run = _run_using_uep_hook(venv / "bin", tmp_path)
+    assert hook_run.returncode == 1 and "uccl is not installed!" in hook_run.stdout + hook_run.stderr
+
+    pip("install", uccl)
+    hook_run = _run_using_uep_hook(venv / "bin", tmp_path)
+    assert hook_run.returncode == 0, hook_run.stdout + hook_run.stderr
+    assert "env.PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP" in hook_run.stdout.splitlines()
+    assert f"deep_ep package is installed: Version: {VERSION}" in hook_run.stdout
+    if _real_using_uep_hook():  # the real script goes on with UCCL's network settings
+        assert "env.UCCL_IB_GID_INDEX=" in hook_run.stdout.splitlines(), hook_run.stdout
+    # Primus-Turbo's DEEP_EP backend imports deep_ep with site-packages first on PYTHONPATH (base_env.sh)
+    code = ("import os\n"
+            "from uccl_ep_train.compat.primus_turbo import deep_ep_route_advice\n"
+            "assert deep_ep_route_advice() is None, deep_ep_route_advice()\n"
+            "import deep_ep, uccl_ep_train\n"
+            "from deep_ep.buffer import Buffer\n"
+            "from deep_ep.utils import EventOverlap\n"
+            "assert deep_ep.Buffer is Buffer is uccl_ep_train.Buffer\n"
+            "print(os.path.dirname(deep_ep.__file__))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join((site, str(ROOT))), "USING_UEP": "1",
+           "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND": "DEEP_EP"}
+    got = subprocess.run([str(py), "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=300)
+    assert got.returncode == 0, got.stderr[-3000:]
+    assert got.stdout.strip().endswith(os.path.join("uccl_ep_train", "compat", "deep_ep"))
+    assert "deep_ep: provided by uccl-ep-train" in got.stderr
+
+    res = ours("--uninstall")
+    assert res.returncode == 0 and subprocess.run([str(py), "-m", "pip", "show", "deep_ep"],
+                                                  capture_output=True).returncode == 1
+    pip("install", uccl_wrapper)
+    res = ours("--uninstall")
+    assert res.returncode == 1 and "the installed deep_ep 0.1.0 is not ours" in res.stderr
+
+
+def test_deep_ep_route_advice_names_the_deep_ep_in_use_and_what_to_do(tmp_path, monkeypatch, capsys):
+    """Under DEEP_EP (USING_UEP=1) with another deep_ep first, importing the hook says which deep_ep runs and
+    how to get ours (install-deep-ep, or UCCL_EP by name); nothing with ours or another backend."""
+    from uccl_ep_train.compat import deep_ep_path
+    other = tmp_path / "other"
+    (other / "deep_ep").mkdir(parents=True)
+    (other / "deep_ep" / "__init__.py").write_text("")
+    monkeypatch.delitem(sys.modules, "deep_ep", raising=False)
+    monkeypatch.syspath_prepend(str(other))
+    env = {"USING_UEP": "1", "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND": "DEEP_EP"}
+    advice = turbo_backend.deep_ep_route_advice(env)
+    assert advice.startswith("PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP, set by USING_UEP=1")
+    assert f"runs on the deep_ep at {other / 'deep_ep' / '__init__.py'}, not on uccl-ep-train" in advice
+    assert "`uccl-ep-train install-deep-ep`" in advice and "UCCL's own `uccl` package" in advice
+    assert "--env PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=UCCL_EP" in advice
+    assert turbo_backend.deep_ep_route_advice({**env, "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND": "UCCL_EP"}) is None
+    assert turbo_backend.warn_deep_ep_route({**env, "RANK": "1"}) == advice and capsys.readouterr().err == ""
+    assert turbo_backend.warn_deep_ep_route(env) == advice
+    assert capsys.readouterr().err == f"uccl-ep-train: warning: {advice}\n"
+    monkeypatch.syspath_prepend(deep_ep_path())
+    assert turbo_backend.deep_ep_route_advice(env) is None
+    # the module install-deep-ep installs counts as ours
+    from uccl_ep_train.compat.deep_ep_dist import SHIM
+    (other / "deep_ep" / "__init__.py").write_text(SHIM)
+    monkeypatch.syspath_prepend(str(other))
+    assert turbo_backend.deep_ep_route_advice(env) is None
+    # importing the hook prints it (every launch in this doc goes through it)
+    (other / "deep_ep" / "__init__.py").write_text("")
+    res = subprocess.run([sys.executable, "-c", "import megatron_patch.primus"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(
+                             (str(other), str(ROOT)))})
+    assert res.returncode == 0 and f"uccl-ep-train: warning: PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP" \
+        in res.stderr, res.stderr[-2000:]

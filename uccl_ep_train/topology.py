@@ -15,7 +15,23 @@ import socket
 from dataclasses import dataclass
 from typing import Any, Optional
 
-MAX_RANKS_PER_NODE = 8  # one NVLink / xGMI domain (the native kernels' per-node peer table)
+# The native kernels' limits on a group's shape, in one place: the backends check a built module's values
+# against these (native_limit), and `uccl-ep-train plan` checks layouts against them without the module.
+MAX_RANKS_PER_NODE = 8  # one NVLink / xGMI domain (the native kernels' per-node peer table): native
+#                         INTRANODE_MAX_RANKS, INTERNODE_MAX_LOCAL, LL_MAX_LOCAL
+MAX_NODES = 32  # nodes of one group on the internode path (its per-node tables travel as kernel arguments):
+#                 native INTERNODE_MAX_NODES
+
+
+def native_limit(native: Any, name: str, shared: int) -> int:
+    """The native module's limit `name`, which must be the shared constant the Python side plans with (a
+    module built from other sources would otherwise pass layouts its kernels cannot take, or refuse good ones)."""
+    value = int(getattr(native, name))
+    if value != shared:
+        raise RuntimeError(f"the native module has {name} = {value} but uccl_ep_train.topology says {shared}: "
+                           f"{getattr(native, '__file__', 'it')} was built from other sources; rebuild it from this "
+                           "version's csrc")
+    return value
 
 
 @dataclass(frozen=True)

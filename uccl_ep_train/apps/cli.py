@@ -12,12 +12,13 @@ USAGE = """usage: uccl-ep-train COMMAND [args]   (COMMAND --help for its options
 
 Expert-parallel dispatch/combine for MoE training (DeepEP's API; Megatron's `uccl` dispatcher).
 
-    train          the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
-    bench NAME     benchmarks (uccl_ep_train.apps.bench.NAME; `bench --help` lists them)
-    doctor         RDMA NICs, GPUs, native module, transports on this machine
-    plan           validate a recipe against a cluster shape, print launch command and memory estimate
-    pretrain-gpt   Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
-    deep-ep-path   print the directory to put on PYTHONPATH so `import deep_ep` resolves to ours
+    train            the main job: tiny DeepSeek-V3-shaped MoE trained with the uccl dispatcher
+    bench NAME       benchmarks (uccl_ep_train.apps.bench.NAME; `bench --help` lists them)
+    doctor           RDMA NICs, GPUs, native module, transports on this machine
+    plan             validate a recipe against a cluster shape, print launch command and memory estimate
+    pretrain-gpt     Megatron-LM's pretrain_gpt with `--moe-token-dispatcher-type uccl` registered
+    deep-ep-path     print the directory to put on PYTHONPATH so `import deep_ep` resolves to ours
+    install-deep-ep  install ours as the `deep_ep` distribution (primus-cli's USING_UEP=1 route)
 """
 
 COMMANDS = {
@@ -26,6 +27,7 @@ COMMANDS = {
     "plan": "uccl_ep_train.apps.plan",
     "pretrain-gpt": "megatron_patch.pretrain_gpt",
     "deep-ep-path": "uccl_ep_train.compat",
+    "install-deep-ep": "uccl_ep_train.compat.deep_ep_dist",
 }
 
 # `uccl-ep-train bench NAME` runs uccl_ep_train.apps.bench.NAME (dashes as underscores); listed by `bench --help`

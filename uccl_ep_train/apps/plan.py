@@ -8,7 +8,9 @@
 Checks (all reported at once, exit status 2 if any fails): world size divisible by TP*PP*CP and by
 ETP*EP*PP, experts divisible by EP, heads by TP, FFN widths by TP / ETP, layers per pipeline stage
 (even split, or the recipe's first/last-stage counts with the rest even), global batch divisible by
-micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP.
+micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP, and the native
+kernels' limits on one EP group (EP x ETP consecutive ranks): at most MAX_NODES nodes and MAX_RANKS_PER_NODE
+of its ranks on a node (uccl_ep_train.topology, which the backends hold the built module to).
 `--check-megatron` adds Megatron-LM's own validate_args; `--suggest` lists layouts that fit, and a layout
 that is refused or does not fit in memory gets the same list (when none fits: the valid layouts needing the
 least memory and the fewest nodes that hold one), all from these checks and this estimate.
@@ -32,6 +34,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from uccl_ep_train.apps.recipes import NIC_PROFILES, Recipe, load_recipe, nic_env
+from uccl_ep_train.topology import MAX_NODES, MAX_RANKS_PER_NODE
 
 GiB = 1024 ** 3
 
@@ -283,6 +286,18 @@ def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
     # Megatron's expert grid is ETP x EP x expert-DP x PP (TP does not enter it): an EP group is EP ranks
     # ETP apart, EP x ETP consecutive ranks
     lay.ep_nodes = lay.ep * lay.etp / gpus_per_node if experts else 0.0
+    if experts and lay.ep > 1:
+        # the native kernels' limits on one EP group (uccl_ep_train.topology, which the backends check too)
+        per_node = max(1, min(lay.ep * lay.etp, gpus_per_node) // lay.etp)
+        if per_node > MAX_RANKS_PER_NODE:
+            err.append(f"each EP group puts {per_node} of its ranks on one node (EP {lay.ep} x ETP {lay.etp} over "
+                       f"{gpus_per_node} GPUs per node); UCCL-EP's kernels take at most {MAX_RANKS_PER_NODE} ranks "
+                       f"of a group per node (MAX_RANKS_PER_NODE: one NVLink/xGMI domain; on larger nodes, plan with "
+                       f"--gpus-per-node {MAX_RANKS_PER_NODE} and set UCCL_EP_RANKS_PER_NODE={MAX_RANKS_PER_NODE})")
+        if math.ceil(lay.ep_nodes) > MAX_NODES:
+            err.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes (EP {lay.ep} x ETP {lay.etp} / "
+                       f"{gpus_per_node} GPUs per node); UCCL-EP's internode kernels take at most {MAX_NODES} "
+                       f"nodes per EP group (MAX_NODES): EP x ETP <= {MAX_NODES * gpus_per_node}")
     if experts and lay.ep * lay.etp > gpus_per_node:
         lay.notes.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes: dispatch/combine move tokens inside "
                          "a node over NVLink/xGMI and between nodes through the CPU proxies (RDMA writes: verbs "

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..config import Config, env_number, timeout_s
 from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
-from ..topology import Topology
+from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend, WithoutLowLatency
 from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce,
                      shape_header)
@@ -83,10 +83,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self.device = device
         self.L, self.N = topology.ranks_per_node, topology.num_nodes
         self.node, self.local = topology.node_of(rank), topology.local_of(rank)
-        max_local = int(self._native.INTERNODE_MAX_LOCAL)
-        if self.L > max_local or self.N > int(self._native.INTERNODE_MAX_NODES):
+        max_local = native_limit(self._native, "INTERNODE_MAX_LOCAL", MAX_RANKS_PER_NODE)
+        max_nodes = native_limit(self._native, "INTERNODE_MAX_NODES", MAX_NODES)
+        if self.L > max_local or self.N > max_nodes:
             raise ValueError(f"native internode backend: {self.L} ranks per node x {self.N} nodes; at most "
-                             f"{max_local} per node and {self._native.INTERNODE_MAX_NODES} nodes")
+                             f"{max_local} per node and {max_nodes} nodes")
         from ..gpu_sharing import check_gpu_sharing
 
         per_gpu = check_gpu_sharing(group, device, "the native internode backend")

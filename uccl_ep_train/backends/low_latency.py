@@ -22,7 +22,7 @@ from ..config import timeout_s
 from ..events import current_raw_stream
 from ..fp8 import FP8_BLOCK, fp8_dtype_for
 from ..handles import LowLatencyHandle
-from ..topology import Topology
+from ..topology import MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend
 from .native import RaisesRecordedErrors, SharesMemoryWithPeers, _module, module_serves, quiesce
 
@@ -143,9 +143,10 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         self._native = _module()
         self.device = device
         self.L = topology.ranks_per_node
-        if self.L > int(self._native.LL_MAX_LOCAL) or num_ranks > int(self._native.LL_MAX_RANKS):
+        max_local = native_limit(self._native, "LL_MAX_LOCAL", MAX_RANKS_PER_NODE)
+        if self.L > max_local or num_ranks > int(self._native.LL_MAX_RANKS):
             raise ValueError(f"native low-latency kernels: {self.L} ranks per node x {topology.num_nodes} nodes; at "
-                             f"most {self._native.LL_MAX_LOCAL} per node and {self._native.LL_MAX_RANKS} ranks")
+                             f"most {max_local} per node and {self._native.LL_MAX_RANKS} ranks")
         per_gpu = check_gpu_sharing(group, device, "the native low-latency kernels")
         sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._blocks = max(1, min(_MAX_BLOCKS, sms // per_gpu))  # every rank's blocks stay resident

@@ -37,6 +37,7 @@ from .. import permute
 from ..config import Config, timeout_s
 from ..events import capturing, current_raw_stream
 from ..handles import IntranodeHandle, rows_per_source
+from ..topology import MAX_RANKS_PER_NODE, native_limit
 from .base import Backend, WithoutLowLatency
 
 log = logging.getLogger("uccl_ep_train")
@@ -241,7 +242,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes)
         self._native = _module()
         self.device = device if device is not None else torch.device("cuda", torch.cuda.current_device())
-        max_ranks = int(getattr(self._native, "INTRANODE_MAX_RANKS", 8))
+        max_ranks = native_limit(self._native, "INTRANODE_MAX_RANKS", MAX_RANKS_PER_NODE)
         if num_ranks > max_ranks:
             raise ValueError(f"native intranode backend: at most {max_ranks} ranks on one node, got {num_ranks}; "
                              "set UCCL_EP_RANKS_PER_NODE to the ranks of one NVLink domain")

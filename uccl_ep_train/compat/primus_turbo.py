@@ -13,7 +13,9 @@ tokens_per_expert, handle), `combine(...)` -> (combined_x, combined_topk_weights
 """
 from __future__ import annotations
 
-from typing import Any, Optional, Tuple, Union
+import os
+import sys
+from typing import Any, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from uccl_ep_train.config import Config
 from uccl_ep_train.events import EventOverlap
 
 BACKEND_NAME = "UCCL_EP"
+BACKEND_ENV = "PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND"
+DEEP_EP_BACKEND = "DEEP_EP"  # Primus-Turbo's backend on `import deep_ep`; primus-cli's USING_UEP=1 selects it
 
 XType = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]
 
@@ -124,6 +128,36 @@ def _join(done: EventOverlap, async_finish: bool) -> None:
     Buffer already made it wait)."""
     if async_finish:
         done.current_stream_wait()
+
+
+def deep_ep_route_advice(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """When the environment selects Primus-Turbo's DEEP_EP backend (primus-cli's USING_UEP=1 exports it) but
+    `import deep_ep` does not give ours: which deep_ep runs instead and how to get ours. None otherwise."""
+    from . import deep_ep_origin, serves_deep_ep
+    environ = os.environ if environ is None else environ
+    if environ.get(BACKEND_ENV) != DEEP_EP_BACKEND:
+        return None
+    origin = deep_ep_origin()
+    if serves_deep_ep(origin):
+        return None
+    why = "USING_UEP=1 (primus-cli's hook exports it)" if environ.get("USING_UEP") == "1" else "the environment"
+    found = f"runs on the deep_ep at {origin}, not on uccl-ep-train" if origin else \
+        "finds no importable deep_ep (Primus-Turbo's DEEP_EP backend will fail)"
+    return (f"{BACKEND_ENV}={DEEP_EP_BACKEND}, set by {why}: Primus-Turbo's DeepEP dispatch/combine {found}. "
+            "To run them on uccl-ep-train: `uccl-ep-train install-deep-ep` with the python that primus-cli runs "
+            "(installs ours as the `deep_ep` distribution, in place of the one installed; the USING_UEP=1 hook "
+            "also needs UCCL's own `uccl` package, and REBUILD_UEP=1 would reinstall UCCL's deep_ep over ours), "
+            f"or select ours by name: `primus-cli direct --env {BACKEND_ENV}={BACKEND_NAME} ...` "
+            "(docs/recipes.md)")
+
+
+def warn_deep_ep_route(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """deep_ep_route_advice, printed on stderr by the first rank (RANK unset or 0); returns it."""
+    environ = os.environ if environ is None else environ
+    advice = deep_ep_route_advice(environ)
+    if advice and environ.get("RANK", "0") == "0":
+        print(f"uccl-ep-train: warning: {advice}", file=sys.stderr, flush=True)
+    return advice
 
 
 def register() -> bool:
