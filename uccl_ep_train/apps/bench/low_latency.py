@@ -10,7 +10,8 @@ group with CUDA tensors). The reference backend (torch.distributed, a host sync 
 in the same ranks (op prefix "reference"), unless `--no-reference`.
 
 `--json PATH` writes one record per (backend, op, mode), means over ranks (and the slowest rank), with the
-run's command, date, commit, device and GPU count.
+run's command, date, commit, device and GPU count; `host_us` is the median host time of the call (the events
+measure the host instead of the GPU when the host is slower).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from typing import Optional
 
 import torch
@@ -45,8 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _time(pieces: dict, iters: int, warmup: int, group) -> dict:
-    """Median µs of each piece of a round (run in order, every iteration: sends and receives must pair up),
-    from CUDA events recorded between the pieces."""
+    """Per piece of a round (run in order, every iteration: sends and receives must pair up): the median µs
+    between the CUDA events recorded around it, and the median host µs of its call (`<piece>_host`): when
+    the host takes longer than the GPU, the events measure the host."""
     names = list(pieces)
     for _ in range(warmup):
         for fn in pieces.values():
@@ -54,14 +57,19 @@ def _time(pieces: dict, iters: int, warmup: int, group) -> dict:
     torch.cuda.synchronize()
     dist.barrier(group=group)
     marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)] for _ in range(iters)]
-    for ev in marks:
+    host = [[0.0] * len(names) for _ in range(iters)]
+    for ev, spent in zip(marks, host):
         ev[0].record()
         for i, name in enumerate(names):
+            t0 = time.perf_counter()
             pieces[name]()
+            spent[i] = (time.perf_counter() - t0) * 1e6
             ev[i + 1].record()
     torch.cuda.synchronize()
-    return {name: statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in marks)
-            for i, name in enumerate(names)}
+    out = {name: statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in marks)
+           for i, name in enumerate(names)}
+    out.update({f"{name}_host": statistics.median(spent[i] for spent in host) for i, name in enumerate(names)})
+    return out
 
 
 def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
@@ -107,11 +115,11 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
             for hook in (False, True):
                 timed = _time(_round(buf, x, idx, w, shape, use_fp8, hook), args.iters, args.warmup, group)
                 for op, us in timed.items():
-                    if op.startswith("combine") and use_fp8:
+                    if op.startswith("combine") and use_fp8 or op.endswith("_host"):
                         continue  # combine is BF16 either way: recorded once, after the BF16 dispatch
                     records.append({"rank": rank, "backend": backend, "served_by": served,
                                     "op": op if op.startswith("combine") else f"{op}_{'fp8' if use_fp8 else 'bf16'}",
-                                    "hook": hook, "us": us, "ranks": world,
+                                    "hook": hook, "us": us, "host_us": timed[f"{op}_host"], "ranks": world,
                                     "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
                                     "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group),
                                     "timing": "api", **shape})
@@ -133,7 +141,8 @@ def summarise(records: list[dict]) -> list[dict]:
     out = []
     for _, rs in groups.items():
         base = {k: v for k, v in rs[0].items() if k != "rank"}
-        base.update(us=sum(r["us"] for r in rs) / len(rs), us_max=max(r["us"] for r in rs))
+        base.update(us=sum(r["us"] for r in rs) / len(rs), us_max=max(r["us"] for r in rs),
+                    host_us=sum(r["host_us"] for r in rs) / len(rs))
         out.append(base)
     return out
 
@@ -144,10 +153,10 @@ def _print(summary: list[dict]) -> None:
     s = summary[0]
     print(f"[low-latency] {s['ranks']} ranks, {s['ranks_per_node']} per node, {s['gpus']} GPUs ({s['device']}), "
           f"{s['num_tokens']} tokens x hidden {s['hidden']}, top-{s['num_topk']} of {s['num_experts']} experts; "
-          f"µs per call, mean over ranks (slowest rank)")
+          f"µs per call, mean over ranks (slowest rank), host µs of the call")
     for r in summary:
-        print(f"{r['backend']:<10}{r['op']:<20}{'hook' if r['hook'] else '':<6}{r['us']:>10.1f} ({r['us_max']:.1f})",
-              flush=True)
+        print(f"{r['backend']:<10}{r['op']:<20}{'hook' if r['hook'] else '':<6}{r['us']:>10.1f} ({r['us_max']:.1f})"
+              f"{r['host_us']:>10.1f}", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
