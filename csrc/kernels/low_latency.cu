@@ -61,12 +61,6 @@ __device__ __forceinline__ char* out_block(const Args& a, int r, int64_t send_ar
   return a.buf + send_area + r * block_bytes;
 }
 
-// The signal word rank s raises for this rank: in this rank's region (node peers) or its host flags (proxies).
-__device__ __forceinline__ const uint64_t* in_signal(const Args& a, int s, int64_t gpu_sig, int64_t host_sig) {
-  if (same_node(a, s)) return reinterpret_cast<const uint64_t*>(a.buf + gpu_sig) + s;
-  return a.host_flags + host_sig + s;
-}
-
 // One cumulative grid barrier: every block of the launch is resident (the launch takes at most its SMs).
 __device__ bool grid_barrier(const Args& a, int phase) {
   __shared__ int ok;
@@ -95,15 +89,24 @@ __device__ void finish_launch(const Args& a, int word, unsigned long long* seq, 
 }
 
 // Every block waits until each rank's signal passed the calls received so far; false on deadline.
+// A node peer's signal is in this rank's GPU memory, where every block polls it. Another node's is in host
+// memory (the proxy raises it): only block 0 polls it, over PCIe, and mirrors the value it saw into the
+// rank's unused GPU signal word, which the other blocks poll (a spinning receive kernel polling host memory
+// from every block slowed the transfers it waited for; the mirror is release-stored after the acquire that
+// saw the flag, so the proxy's bytes are visible to whoever sees the mirror). Both only grow.
 __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int ring = a.rings.n > 0 ? s % a.rings.n : 0;
-    if (!wait_geq(in_signal(a, s, gpu_sig, host_sig), target, a.timeout_cycles, a.err, a.claim, a.rank, s, phase,
-                  same_node(a, s) ? -1 : ring))
+    const bool remote = !same_node(a, s);
+    uint64_t* mirror = reinterpret_cast<uint64_t*>(a.buf + gpu_sig) + s;
+    const uint64_t* polled = remote && blockIdx.x == 0 ? a.host_flags + host_sig + s : mirror;
+    if (!wait_geq(polled, target, a.timeout_cycles, a.err, a.claim, a.rank, s, phase, remote ? ring : -1))
       failed = 1;
+    else if (remote && blockIdx.x == 0)
+      intranode::st_release_sys_u64(mirror, intranode::ld_acquire_sys(polled));
   }
   __syncthreads();
   return failed == 0;
