@@ -11,6 +11,7 @@ This module is also the one home of the LL memory layout (`low_latency_layout`):
 """
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -79,6 +80,7 @@ class LowLatencyLayout:
         return self.areas[half][5], (self.num_local, self.num_ranks * self.max_tokens, self.hidden)
 
 
+@functools.lru_cache(maxsize=64)  # every call of a shape asks for it, up to three times: computed once
 def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                        num_experts: int) -> LowLatencyLayout:
     M, H, R = num_max_dispatch_tokens_per_rank, hidden, num_ranks
