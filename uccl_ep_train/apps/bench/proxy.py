@@ -297,7 +297,7 @@ def _gpu_ipc(args):
 
 
 def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
-    """The proxy commands the low-latency dispatch kernel would push for its block to `peer` (the second of
+    """The proxy commands the low-latency dispatch kernel would push for its block to `peer` (the other of
     two ranks, one per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the
     whole block (what the kernels do), `per-expert` one write per local expert with rows (the first one
     carries the counts header), `signal` none; then the atomic that raises the peer's signal. The block
