@@ -373,6 +373,24 @@ def test_ep_group_beyond_the_native_limits_is_refused_naming_the_limit(capsys, t
     assert rc == 2 and out == "" and "most 32 nodes per EP group (MAX_NODES)" in err
 
 
+def test_ep_group_with_uneven_ranks_per_node_is_refused():
+    """An EP group of 12 consecutive ranks on nodes of 8 holds 8 ranks on one node and 4 on the next: the
+    native backends refuse such a group at Buffer creation (ranks per node must be equal), so plan does too;
+    12 on nodes of 6, and 4 or 16 on nodes of 8, are fine."""
+    v3 = load_recipe("deepseek-v3").with_args(num_experts=384)
+    uneven = check_layout(plan.with_layout(v3, 1, 2, 12), 3, 8)
+    assert [e for e in uneven.errors if "as many on every node" in e] == [
+        "each EP group (EP 12 x ETP 1 = 12 consecutive ranks) holds different numbers of its ranks on the nodes "
+        "it spans (8 GPUs per node); UCCL-EP needs as many on every node (ranks per node of a group): make EP x "
+        "ETP a divisor or a multiple of 8"], uneven.errors
+    assert not any("as many on every node" in e for e in check_layout(plan.with_layout(v3, 1, 2, 12), 4, 6).errors)
+    for ep, nodes in ((4, 1), (16, 4)):
+        assert not any("as many on every node" in e
+                       for e in check_layout(plan.with_layout(v3, 1, 2, ep), nodes, 8).errors), ep
+    layouts = [lay for _, lay, _ in plan.valid_layouts(v3, 3, 8)]
+    assert layouts and all(lay.ep * lay.etp % 8 == 0 or 8 % (lay.ep * lay.etp) == 0 for lay in layouts)
+
+
 def test_layouts_proposed_for_a_big_cluster_stay_inside_the_native_limits():
     """On 128 nodes of 8, no valid or suggested layout has an EP group over more than 32 nodes or more than
     8 of its ranks on a node, though the recipe's 512 experts would allow EP 512 and 1024 ranks EP 1024."""

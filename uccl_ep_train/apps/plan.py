@@ -10,7 +10,8 @@ ETP*EP*PP, experts divisible by EP, heads by TP, FFN widths by TP / ETP, layers 
 (even split, or the recipe's first/last-stage counts with the rest even), global batch divisible by
 micro batch * DP, router groups, sequence parallel with TP*EP, sequence length vs CP/TP, and the native
 kernels' limits on one EP group (EP x ETP consecutive ranks): at most MAX_NODES nodes and MAX_RANKS_PER_NODE
-of its ranks on a node (uccl_ep_train.topology, which the backends hold the built module to).
+of its ranks on a node (uccl_ep_train.topology, which the backends hold the built module to), as many of its
+ranks on every node it spans.
 `--check-megatron` adds Megatron-LM's own validate_args; `--suggest` lists layouts that fit, and a layout
 that is refused or does not fit in memory gets the same list (when none fits: the valid layouts needing the
 least memory and the fewest nodes that hold one), all from these checks and this estimate.
@@ -294,6 +295,12 @@ def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
                        f"{gpus_per_node} GPUs per node); UCCL-EP's kernels take at most {MAX_RANKS_PER_NODE} ranks "
                        f"of a group per node (MAX_RANKS_PER_NODE: one NVLink/xGMI domain; on larger nodes, plan with "
                        f"--gpus-per-node {MAX_RANKS_PER_NODE} and set UCCL_EP_RANKS_PER_NODE={MAX_RANKS_PER_NODE})")
+        span = lay.ep * lay.etp  # consecutive ranks of one EP group
+        if not (gpus_per_node % span == 0 or (span % gpus_per_node == 0 and gpus_per_node % lay.etp == 0)):
+            err.append(f"each EP group (EP {lay.ep} x ETP {lay.etp} = {span} consecutive ranks) holds different "
+                       f"numbers of its ranks on the nodes it spans ({gpus_per_node} GPUs per node); UCCL-EP needs "
+                       f"as many on every node (ranks per node of a group): make EP x ETP a divisor or a multiple "
+                       f"of {gpus_per_node}")
         if math.ceil(lay.ep_nodes) > MAX_NODES:
             err.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes (EP {lay.ep} x ETP {lay.etp} / "
                        f"{gpus_per_node} GPUs per node); UCCL-EP's internode kernels take at most {MAX_NODES} "
