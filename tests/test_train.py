@@ -45,7 +45,7 @@ def test_two_emulated_nodes_match_one_node():
 
 @pytest.mark.parametrize("ranks,per_node", [(4, 3), (4, 0), (16, 16)])
 def test_ranks_per_node_is_checked(ranks, per_node):
-    from uccl_ep_train.apps.train import check_ranks_per_node
+    from uccl_ep_train.apps.launch import check_ranks_per_node
 
     with pytest.raises(SystemExit, match="--ranks-per-node must be in 1..8 and divide the number of ranks"):
         check_ranks_per_node(per_node, ranks)

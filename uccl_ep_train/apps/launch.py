@@ -26,6 +26,8 @@ import time
 import traceback
 from typing import Any, Callable, Mapping, Optional
 
+from uccl_ep_train.topology import MAX_RANKS_PER_NODE
+
 _FALLBACK_EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts here
 _LOWEST_PORT = 10000  # candidates start here (well above the well-known and registered services we might meet)
 _MORE_ERRORS_S = 5.0  # after a rank fails, how long the others may take to report theirs (often the cause)
@@ -70,6 +72,16 @@ def _unbound(port: int) -> bool:
                 return False
             # no (dual-stack) IPv6 here: the IPv4 wildcard decides
     return False
+
+
+def check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
+    """--ranks-per-node (ranks of one emulated node, every command that takes it) must be 1..MAX_RANKS_PER_NODE
+    and divide the number of ranks (SystemExit otherwise)."""
+    if ranks_per_node is None:
+        return
+    if not 1 <= ranks_per_node <= MAX_RANKS_PER_NODE or world % ranks_per_node:
+        raise SystemExit(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
+                         f"({world}), got {ranks_per_node}")
 
 
 def launched_world() -> Optional[int]:

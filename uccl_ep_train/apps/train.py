@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from .launch import launched_world, run
+from .launch import check_ranks_per_node, launched_world, run
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 RUNS_DIR = os.path.join("runs", "train")  # the default home of the JSON log and the loss plot
@@ -266,15 +266,6 @@ def _device_for(local_rank: int) -> torch.device:
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
-
-
-def check_ranks_per_node(ranks_per_node: Optional[int], world: int) -> None:
-    """--ranks-per-node must be 1..MAX_RANKS_PER_NODE and divide the number of ranks (SystemExit otherwise)."""
-    if ranks_per_node is None:
-        return
-    if not 1 <= ranks_per_node <= MAX_RANKS_PER_NODE or world % ranks_per_node:
-        raise SystemExit(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
-                         f"({world}), got {ranks_per_node}")
 
 
 def use_ranks_per_node(ranks_per_node: Optional[int]) -> None:

@@ -39,8 +39,7 @@ import torch.distributed as dist
 
 from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records,
                run_context, warn_without_mps, write_records)
-from ..launch import launched_world
-from uccl_ep_train.topology import MAX_RANKS_PER_NODE
+from ..launch import check_ranks_per_node, launched_world
 
 FP8_BLOCK = 128
 CPU_LAYER_SHAPE = {"num_tokens": 128, "hidden": 512, "num_experts": 32, "num_topk": 4}  # gloo ranks on CPU
@@ -307,10 +306,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"--num-tokens >= 1; got {shape}")
     if args.ranks_per_node is None and not launched:  # launched: nodes from LOCAL_WORLD_SIZE
         args.ranks_per_node = max(world // 2, 1)
-    if args.ranks_per_node is not None and (not 1 <= args.ranks_per_node <= MAX_RANKS_PER_NODE
-                                            or world % args.ranks_per_node):
-        parser.error(f"--ranks-per-node must be in 1..{MAX_RANKS_PER_NODE} and divide the number of ranks "
-                     f"({world}), got {args.ranks_per_node}")
+    check_ranks_per_node(args.ranks_per_node, world)
     context = run_context("bench internode", argv)
     if cuda:
         warn_without_mps(world, "internode")

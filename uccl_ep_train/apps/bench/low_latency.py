@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import add_ranks_arg, gpus_used, init_rank_group, rank_records, run_context, warn_without_mps, write_records
-from ..launch import launched_world
+from ..launch import check_ranks_per_node, launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
 SEED = 4321
@@ -171,8 +171,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.hidden % 512 or args.iters < 1 or args.warmup < 0:
         parser.error("--hidden must be a multiple of 512, --iters >= 1, --warmup >= 0")
     args.ranks_per_node = args.ranks_per_node or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if world % args.ranks_per_node:
-        parser.error(f"--ranks-per-node ({args.ranks_per_node}) must divide --ranks ({world})")
+    check_ranks_per_node(args.ranks_per_node, world)
     context = run_context("bench low-latency", argv)
     warn_without_mps(world, "low-latency")
     records = rank_records(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)})
