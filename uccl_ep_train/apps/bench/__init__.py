@@ -117,6 +117,17 @@ def write_records(records: list[dict], path: str, tag: str) -> None:
     print(f"[{tag}] wrote {len(records)} records to {path}", flush=True)
 
 
+def publish(summary: list[dict], context: dict, show: Callable[[list[dict]], None], path: Optional[str],
+            tag: str) -> list[dict]:
+    """A run's summary records with its context (command, date, commit) in each: shown, written to
+    `--json PATH` when given, and returned."""
+    summary = [{**r, **context} for r in summary]
+    show(summary)
+    if path:
+        write_records(summary, path, tag)
+    return summary
+
+
 def init_rank_group():
     """The process group of a bench rank, from torchrun's environment (apps.launch sets it for the ranks it
     spawns) -> its device. One rank per GPU: NCCL. More ranks on a host than GPUs: local rank r on GPU

@@ -37,8 +37,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records,
-               run_context, warn_without_mps, write_records)
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, publish,
+               rank_records, run_context, warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 FP8_BLOCK = 128
@@ -314,10 +314,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     records = rank_records(_rank, world, args, shape, env=env)
     if records is None:  # a launched rank other than 0
         return 0
-    summary = [{**r, **context} for r in summarise(records)]
-    _print(summary)
-    if args.json:
-        write_records(summary, args.json, "internode")
+    publish(summarise(records), context, _print, args.json, "internode")
     return 0
 
 

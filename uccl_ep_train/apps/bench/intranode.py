@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import (add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, rank_records, run_context,
-               warn_without_mps, write_records)
+from . import (add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, publish, rank_records,
+               run_context, warn_without_mps)
 from ..launch import launched_world
 
 FP8_BLOCK = 128
@@ -264,10 +264,7 @@ def main(argv=None) -> int:
     records = rank_records(_rank, world, args)
     if records is None:  # a launched rank other than 0
         return 0
-    summary = [{**r, **context} for r in _summarise(records)]
-    _print(summary)
-    if args.json:
-        write_records(summary, args.json, "intranode")
+    summary = publish(_summarise(records), context, _print, args.json, "intranode")
     if args.plot:
         _plot(summary, args.plot)
     return 0

@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_ranks_arg, gpus_used, init_rank_group, rank_records, run_context, warn_without_mps, write_records
+from . import add_ranks_arg, gpus_used, init_rank_group, publish, rank_records, run_context, warn_without_mps
 from ..launch import check_ranks_per_node, launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
@@ -177,10 +177,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     records = rank_records(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)})
     if records is None:  # a launched rank other than 0
         return 0
-    summary = [{**r, **context} for r in summarise(records)]
-    _print(summary)
-    if args.json:
-        write_records(summary, args.json, "low-latency")
+    publish(summarise(records), context, _print, args.json, "low-latency")
     return 0
 
 
