@@ -193,22 +193,33 @@ __device__ void arrivals_init(Arrivals& s) {
 }
 
 // The watcher (call with the whole block; only thread 0 works): flag_of(n, j) is the flag word of chunk j
-// from node n, nchunks[n] the chunks coming from node n.
+// from node n, nchunks[n] the chunks coming from node n, `kind` 0 for dispatch chunks, 1 for combine chunks.
+// The flags are host memory (the proxies raise them): block 0's watcher alone polls them over PCIe and
+// mirrors each landing into this rank's NVL header as the op number; the other blocks' watchers poll the
+// mirror in GPU memory (every block polling host memory slowed the transfers they waited for).
 template <typename FlagOf>
-__device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks, FlagOf flag_of, int phase) {
+__device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks, FlagOf flag_of, int kind,
+                               int phase) {
   if (threadIdx.x != 0) return;
+  uint64_t* mirror = reinterpret_cast<uint64_t*>(c.nvl[c.local] + kArrivalMirrorOffset) +
+                     int64_t(kind) * kMaxNodes * kMaxChunks;
   int most = 0;
   for (int n = 0; n < c.N; ++n)
     if (n != c.node && nchunks[n] > most) most = nchunks[n];
   for (int j = 0; j < most; ++j)
     for (int n = 0; n < c.N; ++n) {
       if (n == c.node || j >= nchunks[n]) continue;
-      if (!wait_geq(c.flags + flag_of(n, j), 1, c.timeout_cycles, c.err, c.claim, c.rank, n * c.L + c.local, phase,
-                    1 + j % c.data_channels)) {
+      uint64_t* mine = mirror + int64_t(n) * kMaxChunks + j;
+      const bool ok = blockIdx.x == 0 ? wait_geq(c.flags + flag_of(n, j), 1, c.timeout_cycles, c.err, c.claim,
+                                                 c.rank, n * c.L + c.local, phase, 1 + j % c.data_channels)
+                                      : wait_geq(mine, c.ops, c.timeout_cycles, c.err, c.claim, c.rank,
+                                                 n * c.L + c.local, phase, 1 + j % c.data_channels);
+      if (!ok) {
         *reinterpret_cast<volatile int*>(&s.failed) = 1;
         return;
       }
-      __threadfence_system();  // acquire side of the proxy's write-then-flag
+      __threadfence_system();  // acquire side of the proxy's write-then-flag (or of block 0's mirror)
+      if (blockIdx.x == 0) intranode::st_release_sys_u64(mine, c.ops);
       *reinterpret_cast<volatile int*>(&s.ready[n]) = j + 1;
     }
 }
@@ -494,7 +505,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   const int warp = threadIdx.x / kWarpSize;
   __shared__ char* s_dst[kWarps][kMaxLocal];
   if (warp == 0) {
-    watch_arrivals(c, s, a.t.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); },
+    watch_arrivals(c, s, a.t.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); }, 0,
                    kPhaseDispatchForward);
   } else {
     int64_t total = 0;  // remote rows (the pack kernel placed this node's own)
@@ -646,7 +657,7 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   const int warp = threadIdx.x / kWarpSize;
   if (warp == 0) {
     watch_arrivals(c, s, a.t.nchunks_send,
-                   [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, kPhaseCombineReduce);
+                   [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, 1, kPhaseCombineReduce);
     return;
   }
   const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
