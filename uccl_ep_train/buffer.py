@@ -364,7 +364,7 @@ class Buffer:
                     return self._run(fn, inputs, None, False, allocate_on_comm_stream, checks)
             if self._sync_stream is None:
                 self._sync_stream = torch.cuda.current_stream()  # once per Buffer
-            if current_raw_stream() == self._sync_stream.cuda_stream:
+            if current_raw_stream(self.device.index) == self._sync_stream.cuda_stream:
                 if checks is not None:
                     checks()
                 return fn(), EventOverlap(None, None)

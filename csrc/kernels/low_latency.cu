@@ -296,24 +296,24 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   }
   __syncthreads();
 
-  // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block
-  for (int t = gw; t < a.num_tokens; t += nw) {
-    const char* msg = a.buf + lay.d_stage + int64_t(t) * lay.msg_bytes;  // staged by this warp (step 1)
-    for (int k = 0; k < K; ++k) {
-      const int64_t e = a.topk_idx[int64_t(t) * K + k];
-      if (e < 0 || e >= E) continue;
-      const int pos = smem[E + e] + a.pair_pos[int64_t(t) * K + k];
-      intranode::warp_sync();
-      if (lane == 0) a.pair_pos[int64_t(t) * K + k] = pos;
-      const int r = int(e / L);
-      if (pos >= lay.slots) {
-        if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
-                                    int(lay.slots));
-        continue;
-      }
-      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
-      intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
+  // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
+  //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 32 blocks) a warp per token
+  //    left half of them idle and the other half copying top-k rows one after another.
+  for (int p = gw; p < pairs; p += nw) {
+    const int64_t e = a.topk_idx[p];
+    if (e < 0 || e >= E) continue;
+    const char* msg = a.buf + lay.d_stage + int64_t(p / K) * lay.msg_bytes;  // staged in step 1
+    const int pos = smem[E + e] + a.pair_pos[p];
+    intranode::warp_sync();
+    if (lane == 0) a.pair_pos[p] = pos;
+    const int r = int(e / L);
+    if (pos >= lay.slots) {
+      if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
+                                  int(lay.slots));
+      continue;
     }
+    char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
+    intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
   }
 
   // 4. per destination: the warp that completes it writes the counts header and raises the signal

@@ -65,15 +65,19 @@ class LowLatencyLayout:
     proxied_end: int  # the end of the last proxied area (must stay below 4 GiB when proxies are used)
     total_bytes: int
 
-    def kernel_args(self, half: int) -> list[int]:
-        """The 16 int64 of the native `Layout` for a call on `half`, in its field order."""
+    @functools.cached_property
+    def kernel_args(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """Per half, the 16 int64 of the native `Layout` in its field order (built once per shape: every
+        call passes them)."""
         R = self.num_ranks
-        d_send, d_recv, c_send, c_recv, d_stage, c_zero = self.areas[half]
-        return [self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.slots,
-                d_send, d_recv, c_send, c_recv,
-                _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # signals node peers raise (bytes)
-                R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
-                d_stage, c_zero, _ERROR_WORDS]
+        per_half = []
+        for half, (d_send, d_recv, c_send, c_recv, d_stage, c_zero) in enumerate(self.areas):
+            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.slots,
+                             d_send, d_recv, c_send, c_recv,
+                             _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # node peers' signals (bytes)
+                             R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
+                             d_stage, c_zero, _ERROR_WORDS))
+        return per_half[0], per_half[1]
 
     def combine_input(self, half: int) -> tuple[int, tuple[int, int, int]]:
         """(byte offset, shape) of the zero-copy combine input of `half`: [L, R * M, hidden] BF16."""
@@ -223,13 +227,12 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
             raise ValueError(f"topk_idx: {K} experts per token; the low-latency kernels take at most {MAX_TOPK}")
         if H % FP8_BLOCK:
             raise ValueError(f"x: hidden ({H}) must be a multiple of {FP8_BLOCK} for the low-latency kernels")
-        lay = self._layout(M, H, num_experts)
-        L = num_experts // R
         half = self._next(0)
+        args = self._layout(M, H, num_experts).kernel_args[half]
+        L = num_experts // R
         dev = x.device
         x = x.contiguous()
         topk_idx = topk_idx.contiguous()
-        pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
         rows = R * M
         recv_scales = None
         if use_fp8:
@@ -239,18 +242,22 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
                                       device=dev).transpose(1, 2)
         else:
             recv_x = torch.empty((L, rows, H), dtype=torch.bfloat16, device=dev)
-        src_info = torch.empty((L, rows), dtype=torch.int32, device=dev)
-        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
-        recv_count = torch.empty((L,), dtype=torch.int32, device=dev)
+        # the four small int outputs in one allocation (host time: each torch.empty costs about a launch)
+        small = torch.empty(2 * L * R + L * rows + L + T * K, dtype=torch.int32, device=dev)
+        layout_range, src_info, recv_count, pair_pos = small.split((2 * L * R, L * rows, L, T * K))
+        layout_range = layout_range.view(torch.int64).view(L, R)  # first: 8-byte aligned
+        src_info = src_info.view(L, rows)
+        pair_pos = pair_pos.view(T, K)
         stats = cumulative_local_expert_recv_stats
-        self._buf.dispatch_send(lay.kernel_args(half), x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, H,
-                                use_fp8, round_scale, self._fnuz, half, pair_pos.data_ptr(), current_raw_stream())
+        stream = current_raw_stream(self.device.index)
+        self._buf.dispatch_send(args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, H, use_fp8, round_scale,
+                                self._fnuz, half, pair_pos.data_ptr(), stream)
 
         def receive() -> None:
-            self._buf.dispatch_recv(lay.kernel_args(half), num_experts, M, H, use_fp8, use_ue8m0, half,
-                                    recv_x.data_ptr(), 0 if recv_scales is None else recv_scales.data_ptr(),
-                                    src_info.data_ptr(), layout_range.data_ptr(), recv_count.data_ptr(),
-                                    0 if stats is None else stats.data_ptr(), current_raw_stream())
+            self._buf.dispatch_recv(args, num_experts, M, H, use_fp8, use_ue8m0, half, recv_x.data_ptr(),
+                                    0 if recv_scales is None else recv_scales.data_ptr(), src_info.data_ptr(),
+                                    layout_range.data_ptr(), recv_count.data_ptr(),
+                                    0 if stats is None else stats.data_ptr(), current_raw_stream(self.device.index))
 
         handle = LowLatencyHandle(src_info, layout_range, M, H, num_experts, owner=self.owner,
                                   private=LowLatencyState(pair_pos, T, K))
@@ -265,18 +272,18 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
             raise ValueError(f"topk_idx: expected [{state.num_tokens}, {state.num_topk}] as in the dispatch, got "
                              f"{list(topk_idx.shape)}")
         M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
-        lay = self._layout(M, H, E)
         half = self._next(1)
+        args = self._layout(M, H, E).kernel_args[half]
         x = x.contiguous()
         topk_idx = topk_idx.to(torch.int64).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
-        self._buf.combine_send(lay.kernel_args(half), x.data_ptr(), handle.layout_range.data_ptr(), E, M, H, half,
-                               current_raw_stream())
+        self._buf.combine_send(args, x.data_ptr(), handle.layout_range.data_ptr(), E, M, H, half,
+                               current_raw_stream(self.device.index))
 
         def receive() -> None:
-            self._buf.combine_recv(lay.kernel_args(half), topk_idx.data_ptr(), topk_weights.data_ptr(),
-                                   state.pair_pos.data_ptr(), state.num_tokens, state.num_topk, E, H, half,
-                                   out.data_ptr(), current_raw_stream())
+            self._buf.combine_recv(args, topk_idx.data_ptr(), topk_weights.data_ptr(), state.pair_pos.data_ptr(),
+                                   state.num_tokens, state.num_topk, E, H, half, out.data_ptr(),
+                                   current_raw_stream(self.device.index))
 
         return receive
 
