@@ -191,19 +191,20 @@ __device__ __forceinline__ float fp8_scale(float amax, bool fnuz, bool round_sca
   return s;
 }
 
-// One warp stages token t's payload at `out`: x as is (BF16), or FP8 (hidden bytes) then float scales.
-// FP8: 16 lanes per 128-channel block, 8 channels per lane.
-__device__ void stage_token(const Args& a, int t, char* out, int lane) {
+// One warp stages part `part` of `parts` of token t's payload at `out`: x as is (BF16), or FP8 (hidden
+// bytes) then float scales. A part is every parts-th pass of 256 channels (a pass: 8 channels per lane; FP8:
+// 16 lanes per 128-channel block), so several warps share a token when there are fewer tokens than warps.
+__device__ void stage_token(const Args& a, int t, char* out, int lane, int part, int parts) {
   const int H = a.hidden;
   const int4* src = reinterpret_cast<const int4*>(a.x + int64_t(t) * H * 2);
   if (!a.use_fp8) {
     int4* dst = reinterpret_cast<int4*>(out);
-    for (int i = lane; i < H / 8; i += kWarpSize) dst[i] = intranode::ld_nc_v4(src + i);
+    for (int i = part * kWarpSize + lane; i < H / 8; i += parts * kWarpSize) dst[i] = intranode::ld_nc_v4(src + i);
     return;
   }
   const float fmax = a.fnuz ? 240.f : 448.f;
   float* scales = reinterpret_cast<float*>(out + H);
-  for (int base = 0; base < H / 8; base += kWarpSize) {
+  for (int base = part * kWarpSize; base < H / 8; base += parts * kWarpSize) {
     const int i = base + lane;
     const bool live = i < H / 8;  // H is a multiple of 128: a 16-lane group is all live or all not
     float v[8];
@@ -243,6 +244,9 @@ __device__ void stage_token(const Args& a, int t, char* out, int lane) {
 }
 
 // ---- kernels --------------------------------------------------------------------------------------------
+constexpr int kCombineVectors = 7;  // 16-byte vectors per lane a combine_recv warp sums at once: 7 x 32 x 8 channels
+                                    // is a quarter of hidden 7168 (DeepSeek-V3), no register spills
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   extern __shared__ int smem[];  // count[E], then base[E]: the expert's first row in its destination block
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
@@ -251,12 +255,16 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   const Layout& lay = a.lay;
   const Counters ctr = counters(a);
 
-  // 1. stage every token once (warps over tokens); rows of each expert in (token, slot) order (warps over
+  // 1. stage every token once (warps over (token, part): up to one pass of 256 channels per part, so a
+  //    few tokens still keep every warp busy); rows of each expert in (token, slot) order (warps over
   //    experts: a scan of topk_idx, so the receiver gets every source's rows in its token order)
-  for (int t = gw; t < a.num_tokens; t += nw) {
+  const int parts = max(1, min(nw / max(a.num_tokens, 1), a.hidden / (8 * kWarpSize)));
+  for (int j = gw; j < a.num_tokens * parts; j += nw) {
+    const int t = j / parts, part = j % parts;
     char* msg = a.buf + lay.d_stage + int64_t(t) * lay.msg_bytes;
+    stage_token(a, t, msg + kMsgHeaderBytes, lane, part, parts);
+    if (part != 0) continue;
     if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-    stage_token(a, t, msg + kMsgHeaderBytes, lane);
     for (int k = lane; k < K; k += kWarpSize) {
       const int64_t e = a.topk_idx[int64_t(t) * K + k];
       if (e < -1 || e >= E)  // checked here, not on the host (no sync): the call moves it nowhere and raises
@@ -470,6 +478,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
 }
 
 __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
+  constexpr int U = kCombineVectors;
   const int L = a.num_local, H = a.hidden, K = a.num_topk;
   const Layout& lay = a.lay;
   unsigned long long* seq = seq_word(a, 1);
@@ -479,27 +488,47 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const char* recv = a.buf + lay.c_recv;
   const int64_t row_bytes = int64_t(H) * 2;
-  for (int t = gw; t < a.num_tokens; t += nw) {
-    for (int v = lane; v < H / 8; v += kWarpSize) {
-      float acc[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      for (int k = 0; k < K; ++k) {
-        const int64_t e = a.topk_idx[int64_t(t) * K + k];
-        if (e < 0 || e >= a.num_experts) continue;
-        const float w = a.topk_w[int64_t(t) * K + k];
-        const int pos = a.pair_pos[int64_t(t) * K + k];
-        const int4 raw = intranode::ld_global_v4(
-            reinterpret_cast<const int4*>(recv + (e / L) * lay.cblock_bytes + pos * row_bytes) + v);
-        const uint32_t wd[4] = {uint32_t(raw.x), uint32_t(raw.y), uint32_t(raw.z), uint32_t(raw.w)};
+  const int vecs = H / 8;                                   // 16-byte vectors of a row
+  const int chunks = (vecs + U * kWarpSize - 1) / (U * kWarpSize);
+  // Warps over (token, chunk of U vectors per lane): with 128 tokens every warp of the grid has one. Per
+  // top-k slot a lane has its U loads in flight before it adds them; the sum runs in top-k order.
+  for (int j = gw; j < a.num_tokens * chunks; j += nw) {
+    const int t = j / chunks;
+    const int v0 = (j % chunks) * U * kWarpSize + lane;
+    float acc[U][8];
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          acc[2 * j] += w * __uint_as_float(wd[j] << 16);
-          acc[2 * j + 1] += w * __uint_as_float(wd[j] & 0xffff0000u);
+    for (int u = 0; u < U; ++u)
+#pragma unroll
+      for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
+    for (int k = 0; k < K; ++k) {
+      const int64_t e = a.topk_idx[int64_t(t) * K + k];
+      if (e < 0 || e >= a.num_experts) continue;
+      const float w = a.topk_w[int64_t(t) * K + k];
+      const int4* row = reinterpret_cast<const int4*>(recv + (e / L) * lay.cblock_bytes +
+                                                      int64_t(a.pair_pos[int64_t(t) * K + k]) * row_bytes);
+      int4 raw[U];
+#pragma unroll
+      for (int u = 0; u < U; ++u)
+        if (v0 + u * kWarpSize < vecs) raw[u] = intranode::ld_global_v4(row + v0 + u * kWarpSize);
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const uint32_t wd[4] = {uint32_t(raw[u].x), uint32_t(raw[u].y), uint32_t(raw[u].z), uint32_t(raw[u].w)};
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          acc[u][2 * c] += w * __uint_as_float(wd[c] << 16);
+          acc[u][2 * c + 1] += w * __uint_as_float(wd[c] & 0xffff0000u);
         }
       }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int v = v0 + u * kWarpSize;
+      if (v >= vecs) continue;
       uint32_t o[4];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
-        o[j] = uint32_t(intranode::float_to_bf16(acc[2 * j])) | (uint32_t(intranode::float_to_bf16(acc[2 * j + 1])) << 16);
+      for (int c = 0; c < 4; ++c)
+        o[c] = uint32_t(intranode::float_to_bf16(acc[u][2 * c])) |
+               (uint32_t(intranode::float_to_bf16(acc[u][2 * c + 1])) << 16);
       reinterpret_cast<int4*>(a.out + int64_t(t) * row_bytes)[v] = make_int4(int(o[0]), int(o[1]), int(o[2]), int(o[3]));
     }
   }
