@@ -242,12 +242,11 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
                                       device=dev).transpose(1, 2)
         else:
             recv_x = torch.empty((L, rows, H), dtype=torch.bfloat16, device=dev)
-        # the four small int outputs in one allocation (host time: each torch.empty costs about a launch)
-        small = torch.empty(2 * L * R + L * rows + L + T * K, dtype=torch.int32, device=dev)
-        layout_range, src_info, recv_count, pair_pos = small.split((2 * L * R, L * rows, L, T * K))
-        layout_range = layout_range.view(torch.int64).view(L, R)  # first: 8-byte aligned
-        src_info = src_info.view(L, rows)
-        pair_pos = pair_pos.view(T, K)
+        # one torch.empty each: on the lent H100's host, splitting one allocation into views cost more
+        pair_pos = torch.empty((T, K), dtype=torch.int32, device=dev)
+        src_info = torch.empty((L, rows), dtype=torch.int32, device=dev)
+        layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
+        recv_count = torch.empty((L,), dtype=torch.int32, device=dev)
         stats = cumulative_local_expert_recv_stats
         stream = current_raw_stream(self.device.index)
         self._buf.dispatch_send(args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, H, use_fp8, round_scale,

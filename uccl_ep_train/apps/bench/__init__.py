@@ -128,6 +128,25 @@ def publish(summary: list[dict], context: dict, show: Callable[[list[dict]], Non
     return summary
 
 
+def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], iters: int) -> dict[str, float]:
+    """Run fn `iters` times under the profiler: per key of `kernels`, the mean device µs per run of the
+    kernels whose names contain one of its substrings (DeepEP's bench_kineto: the "kernel" timing)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    totals = dict.fromkeys(kernels, 0.0)
+    for evt in prof.events():
+        for key, names in kernels.items():
+            if any(n in evt.name for n in names):
+                dt = getattr(evt, "device_time", None)
+                totals[key] += float(getattr(evt, "cuda_time", 0.0) if dt is None else dt)
+    return {key: total / iters for key, total in totals.items()}
+
+
 def init_rank_group():
     """The process group of a bench rank, from torchrun's environment (apps.launch sets it for the ranks it
     spawns) -> its device. One rank per GPU: NCCL. More ranks on a host than GPUs: local rank r on GPU

@@ -31,8 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import (add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, publish, rank_records,
-               run_context, warn_without_mps)
+from . import (add_layer_shape_args, add_ranks_arg, device_us, gpus_used, init_rank_group, int_list, publish,
+               rank_records, run_context, warn_without_mps)
 from ..launch import launched_world
 
 FP8_BLOCK = 128
@@ -71,23 +71,10 @@ def _align(group):
 
 def _kernel_us(fn, names, iters, warmup, group):
     """Mean device time per call of kernels whose name contains one of `names` (µs)."""
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(warmup):
         fn()
     _align(group)
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    total = 0.0
-    for evt in prof.events():
-        if any(n in evt.name for n in names):
-            dt = getattr(evt, "device_time", None)
-            if dt is None:
-                dt = getattr(evt, "cuda_time", 0.0)
-            total += float(dt)
-    return total / iters
+    return device_us(fn, {"call": names}, iters)["call"]
 
 
 def _api_us(fn, iters, warmup, group):

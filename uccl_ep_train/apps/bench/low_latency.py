@@ -3,7 +3,10 @@
 Per rank, as DeepEP's test_low_latency times them: `--num-tokens` tokens (default 128) of hidden 7168, top-8
 of 256 experts; BF16 and FP8 dispatch, BF16 combine. µs per call = median over `--iters` (after `--warmup`)
 of CUDA events around the call (timing "api": host work included); with the recv hook, the send call and the
-hook are timed apart ("send" / "recv"). Ranks form nodes of `--ranks-per-node` consecutive ranks
+hook are timed apart ("send" / "recv"). The native kernels are also timed as DeepEP's test_low_latency.py
+times them for its published figures (timing "kernel": the mean device time of the call's kernels from the
+profiler, every round started on all ranks' GPUs together; with the hook, a GPU wait stands for the GEMM
+DeepEP runs before calling it, so the receive kernel finds its data there). Ranks form nodes of `--ranks-per-node` consecutive ranks
 (UCCL_EP_RANKS_PER_NODE): ranks of other nodes are reached through the CPU proxies (the ipc transport when
 one host plays several nodes), node peers over NVLink/IPC. More ranks than GPUs share them under MPS (gloo
 group with CUDA tensors). The reference backend (torch.distributed, a host sync per call) runs the same calls
@@ -58,18 +61,46 @@ def _time(pieces: dict, iters: int, warmup: int, group) -> dict:
     dist.barrier(group=group)
     marks = [[torch.cuda.Event(enable_timing=True) for _ in range(len(names) + 1)] for _ in range(iters)]
     host = [[0.0] * len(names) for _ in range(iters)]
+    stream = torch.cuda.current_stream()  # named once: looking it up costs several µs of host time per record
     for ev, spent in zip(marks, host):
-        ev[0].record()
+        ev[0].record(stream)
         for i, name in enumerate(names):
             t0 = time.perf_counter()
             pieces[name]()
             spent[i] = (time.perf_counter() - t0) * 1e6
-            ev[i + 1].record()
+            ev[i + 1].record(stream)
     torch.cuda.synchronize()
     out = {name: statistics.median(ev[i].elapsed_time(ev[i + 1]) * 1e3 for ev in marks)
            for i, name in enumerate(names)}
     out.update({f"{name}_host": statistics.median(spent[i] for spent in host) for i, name in enumerate(names)})
     return out
+
+
+_ALIGN_CYCLES = 2_000_000  # ~1 ms of GPU wait before a kernel-timed round: every rank's host enqueues it meanwhile
+_GEMM_CYCLES = 500_000  # ~0.25 ms of GPU wait before a recv hook: the transfer lands first, as behind DeepEP's GEMM
+
+
+def _kernel_time(pieces: dict, iters: int, warmup: int, group) -> dict:
+    """Per piece, the mean device µs of its native kernels (`dispatch` -> dispatch_send_kernel +
+    dispatch_recv_kernel, `dispatch_send` -> dispatch_send_kernel, ...), over `iters` rounds that each start
+    on every rank's GPU at once: a host barrier, then a GPU wait long enough for every host to enqueue the
+    round behind it (DeepEP syncs its GPUs with an all-reduce; ranks sharing a GPU have no NCCL)."""
+    from . import device_us
+
+    def aligned_round() -> None:
+        torch.cuda.synchronize()
+        dist.barrier(group=group)
+        torch.cuda._sleep(_ALIGN_CYCLES)
+        for name, fn in pieces.items():
+            if name.endswith("_recv"):
+                torch.cuda._sleep(_GEMM_CYCLES)
+            fn()
+
+    for _ in range(warmup):
+        aligned_round()
+    kernels = {name: (f"{name}_kernel",) if name.endswith(("_send", "_recv")) else
+               (f"{name}_send_kernel", f"{name}_recv_kernel") for name in pieces}
+    return device_us(aligned_round, kernels, iters)
 
 
 def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
@@ -111,18 +142,23 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
         os.environ["UCCL_EP_BACKEND"] = "auto" if backend == "native" else "reference"
         buf = Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world)
         served = type(buf.low_latency_backend).__name__
+        common = {"rank": rank, "backend": backend, "served_by": served, "ranks": world,
+                  "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
+                  "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group), **shape}
         for use_fp8 in (False, True):
             for hook in (False, True):
-                timed = _time(_round(buf, x, idx, w, shape, use_fp8, hook), args.iters, args.warmup, group)
-                for op, us in timed.items():
-                    if op.startswith("combine") and use_fp8 or op.endswith("_host"):
+                pieces = _round(buf, x, idx, w, shape, use_fp8, hook)
+                timed = _time(pieces, args.iters, args.warmup, group)
+                native = served == "NativeLowLatencyBackend"
+                kernel = _kernel_time(pieces, args.iters, args.warmup, group) if native else {}
+                for op in pieces:
+                    if op.startswith("combine") and use_fp8:
                         continue  # combine is BF16 either way: recorded once, after the BF16 dispatch
-                    records.append({"rank": rank, "backend": backend, "served_by": served,
-                                    "op": op if op.startswith("combine") else f"{op}_{'fp8' if use_fp8 else 'bf16'}",
-                                    "hook": hook, "us": us, "host_us": timed[f"{op}_host"], "ranks": world,
-                                    "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
-                                    "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group),
-                                    "timing": "api", **shape})
+                    name = op if op.startswith("combine") else f"{op}_{'fp8' if use_fp8 else 'bf16'}"
+                    records.append({**common, "op": name, "hook": hook, "timing": "api", "us": timed[op],
+                                    "host_us": timed[f"{op}_host"]})
+                    if op in kernel:
+                        records.append({**common, "op": name, "hook": hook, "timing": "kernel", "us": kernel[op]})
         torch.cuda.synchronize()
         dist.barrier(group=group)
         buf.destroy()
@@ -137,12 +173,13 @@ def _rank(rank: int, world: int, args) -> list[dict]:
 def summarise(records: list[dict]) -> list[dict]:
     groups: dict = {}
     for r in records:
-        groups.setdefault((r["backend"], r["op"], r["hook"]), []).append(r)
+        groups.setdefault((r["backend"], r["op"], r["hook"], r["timing"]), []).append(r)
     out = []
     for _, rs in groups.items():
         base = {k: v for k, v in rs[0].items() if k != "rank"}
-        base.update(us=sum(r["us"] for r in rs) / len(rs), us_max=max(r["us"] for r in rs),
-                    host_us=sum(r["host_us"] for r in rs) / len(rs))
+        base.update(us=sum(r["us"] for r in rs) / len(rs), us_max=max(r["us"] for r in rs))
+        if "host_us" in base:
+            base["host_us"] = sum(r["host_us"] for r in rs) / len(rs)
         out.append(base)
     return out
 
@@ -153,10 +190,11 @@ def _print(summary: list[dict]) -> None:
     s = summary[0]
     print(f"[low-latency] {s['ranks']} ranks, {s['ranks_per_node']} per node, {s['gpus']} GPUs ({s['device']}), "
           f"{s['num_tokens']} tokens x hidden {s['hidden']}, top-{s['num_topk']} of {s['num_experts']} experts; "
-          f"µs per call, mean over ranks (slowest rank), host µs of the call")
+          f"µs per call, mean over ranks (slowest rank), host µs of the call (api timing)")
     for r in summary:
-        print(f"{r['backend']:<10}{r['op']:<20}{'hook' if r['hook'] else '':<6}{r['us']:>10.1f} ({r['us_max']:.1f})"
-              f"{r['host_us']:>10.1f}", flush=True)
+        host = f"{r['host_us']:>10.1f}" if "host_us" in r else ""
+        print(f"{r['backend']:<10}{r['op']:<20}{'hook' if r['hook'] else '':<6}{r['timing']:<8}"
+              f"{r['us']:>10.1f} ({r['us_max']:.1f}){host}", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
