@@ -306,39 +306,44 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
 
   // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
   //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 32 blocks) a warp per token
-  //    left half of them idle and the other half copying top-k rows one after another.
-  for (int p = gw; p < pairs; p += nw) {
-    const int64_t e = a.topk_idx[p];
-    if (e < 0 || e >= E) continue;
-    const char* msg = a.buf + lay.d_stage + int64_t(p / K) * lay.msg_bytes;  // staged in step 1
-    const int pos = smem[E + e] + a.pair_pos[p];
-    intranode::warp_sync();
-    if (lane == 0) a.pair_pos[p] = pos;
-    const int r = int(e / L);
-    if (pos >= lay.slots) {
-      if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
-                                  int(lay.slots));
-      continue;
+  //    left half of them idle and the other half copying top-k rows one after another. Rows for other nodes
+  //    first (pass 0), then the node's (pass 1), so the proxies carry the remote blocks while the node's rows
+  //    are still being copied.
+  for (int pass = 0; pass < 2; ++pass) {
+    for (int p = gw; p < pairs; p += nw) {
+      const int64_t e = a.topk_idx[p];
+      if (e < 0 || e >= E) continue;
+      const int r = int(e / L);
+      if (same_node(a, r) != (pass == 1)) continue;
+      const char* msg = a.buf + lay.d_stage + int64_t(p / K) * lay.msg_bytes;  // staged in step 1
+      const int pos = smem[E + e] + a.pair_pos[p];
+      intranode::warp_sync();
+      if (lane == 0) a.pair_pos[p] = pos;
+      if (pos >= lay.slots) {
+        if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
+                                    int(lay.slots));
+        continue;
+      }
+      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
+      intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
     }
-    char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
-    intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
-  }
 
-  // 4. per destination: the warp that completes it writes the counts header and raises the signal
-  __threadfence_system();
-  intranode::warp_sync();
-  for (int r = lane; r < R; r += kWarpSize) {
-    if (atomicAdd(ctr.d_done + r, 1u) != unsigned(nw - 1)) continue;
+    // 4. per destination of the pass: the warp that completes it writes the counts header and raises the signal
     __threadfence_system();
-    ctr.d_done[r] = 0;
-    int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
-    int total = 0;
-    for (int le = 0; le < L; ++le) {
-      hdr[le] = smem[r * L + le];
-      total += smem[r * L + le];
+    intranode::warp_sync();
+    for (int r = lane; r < R; r += kWarpSize) {
+      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != unsigned(nw - 1)) continue;
+      __threadfence_system();
+      ctr.d_done[r] = 0;
+      int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
+      int total = 0;
+      for (int le = 0; le < L; ++le) {
+        hdr[le] = smem[r * L + le];
+        total += smem[r * L + le];
+      }
+      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes,
+                  lay.hdr_bytes + int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
     }
-    signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes,
-                lay.hdr_bytes + int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
   }
 }
 
@@ -458,22 +463,25 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int64_t rows = int64_t(R) * M, row_bytes = int64_t(H) * 2;
-  for (int j = gw; j < dst_base[R]; j += nw) {
-    int r, le, i;
-    locate(dst_base, in_off, R, L, j, r, le, i);
-    const char* src = a.x + (le * rows + out_off[le * R + r] + i) * row_bytes;
-    char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) + int64_t(in_off[r * L + le] + i) * row_bytes;
-    intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
-  }
   const Counters ctr = counters(a);
-  __threadfence_system();
-  intranode::warp_sync();
-  for (int r = lane; r < R; r += kWarpSize) {
-    if (atomicAdd(ctr.c_done + r, 1u) != unsigned(nw - 1)) continue;
+  for (int pass = 0; pass < 2; ++pass) {  // rows for other nodes first, as in dispatch_send
+    for (int j = gw; j < dst_base[R]; j += nw) {
+      int r, le, i;
+      locate(dst_base, in_off, R, L, j, r, le, i);
+      if (same_node(a, r) != (pass == 1)) continue;
+      const char* src = a.x + (le * rows + out_off[le * R + r] + i) * row_bytes;
+      char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) + int64_t(in_off[r * L + le] + i) * row_bytes;
+      intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
+    }
     __threadfence_system();
-    ctr.c_done[r] = 0;
-    signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes,
-                int64_t(dst_base[r + 1] - dst_base[r]) * row_bytes, kPhaseCombineSend);
+    intranode::warp_sync();
+    for (int r = lane; r < R; r += kWarpSize) {
+      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.c_done + r, 1u) != unsigned(nw - 1)) continue;
+      __threadfence_system();
+      ctr.c_done[r] = 0;
+      signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes,
+                  int64_t(dst_base[r + 1] - dst_base[r]) * row_bytes, kPhaseCombineSend);
+    }
   }
 }
 

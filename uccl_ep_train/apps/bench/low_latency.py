@@ -87,8 +87,11 @@ def _kernel_time(pieces: dict, iters: int, warmup: int, group) -> dict:
     round behind it (DeepEP syncs its GPUs with an all-reduce; ranks sharing a GPU have no NCCL)."""
     from . import device_us
 
+    stream, done = torch.cuda.current_stream(), torch.cuda.Event(blocking=True)
+
     def aligned_round() -> None:
-        torch.cuda.synchronize()
+        done.record(stream)
+        done.synchronize()  # sleeping, not spinning: ranks sharing a host need the cores for their proxies
         dist.barrier(group=group)
         torch.cuda._sleep(_ALIGN_CYCLES)
         for name, fn in pieces.items():
