@@ -307,9 +307,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
   //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 32 blocks) a warp per token
   //    left half of them idle and the other half copying top-k rows one after another. Rows for other nodes
-  //    first (pass 0), then the node's (pass 1), so the proxies carry the remote blocks while the node's rows
-  //    are still being copied.
-  for (int pass = 0; pass < 2; ++pass) {
+  //    first (pass 0, when there are other nodes), then the node's (pass 1), so the proxies carry the remote
+  //    blocks while the node's rows are still being copied.
+  for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
     for (int p = gw; p < pairs; p += nw) {
       const int64_t e = a.topk_idx[p];
       if (e < 0 || e >= E) continue;
@@ -464,11 +464,16 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int64_t rows = int64_t(R) * M, row_bytes = int64_t(H) * 2;
   const Counters ctr = counters(a);
-  for (int pass = 0; pass < 2; ++pass) {  // rows for other nodes first, as in dispatch_send
-    for (int j = gw; j < dst_base[R]; j += nw) {
+  // Rows for other nodes first, as in dispatch_send. The node's ranks are consecutive, so its rows are one
+  // range of the flat order, [near0, near0 + near); the other nodes' rows are the rest.
+  const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
+  const int near0 = dst_base[node0], near = dst_base[node0 + a.ranks_per_node] - near0;
+  for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
+    const int count = pass == 0 ? dst_base[R] - near : near;
+    for (int q = gw; q < count; q += nw) {
+      const int j = pass == 1 ? near0 + q : q < near0 ? q : q + near;
       int r, le, i;
       locate(dst_base, in_off, R, L, j, r, le, i);
-      if (same_node(a, r) != (pass == 1)) continue;
       const char* src = a.x + (le * rows + out_off[le * R + r] + i) * row_bytes;
       char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) + int64_t(in_off[r * L + le] + i) * row_bytes;
       intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
