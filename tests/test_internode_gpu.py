@@ -62,6 +62,13 @@ def _buffers(world):
     native = Buffer(group, num_nvl_bytes=0, num_rdma_bytes=0)
     assert native.backend_name == "native" and type(native.backend).__name__ == "NativeInternodeBackend", \
         type(native.backend).__name__
+    return native, reference_buffer(group)
+
+
+def reference_buffer(group):
+    """A reference-backend Buffer on CPU over `group` (the oracle the native calls are compared with)."""
+    from uccl_ep_train import Buffer
+
     old = {k: os.environ.get(k) for k in ("UCCL_EP_DEVICE", "UCCL_EP_BACKEND")}
     os.environ.update(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference")
     try:
@@ -73,7 +80,7 @@ def _buffers(world):
             else:
                 os.environ[k] = v
     assert ref.device.type == "cpu"
-    return native, ref
+    return ref
 
 
 def _dispatch(buf, x, idx, w, num_experts, dev, **kw):

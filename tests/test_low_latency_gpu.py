@@ -100,3 +100,50 @@ def test_dispatch_combine_graph_replays_exactly(mps, per_node):
     got = run_ranks(_graph_replays, 2, 100, env={"UCCL_EP_RANKS_PER_NODE": str(per_node)}, timeout=300,
                     **gpu_ranks(2))
     assert got == [100, 100]
+
+
+def _ht_after_ll(rank: int, world: int, device: str) -> tuple:
+    """LL calls first (the HT backend stays unopened: no second proxy group), then an HT dispatch + combine
+    (opened in that dispatch) against the reference backend, then LL calls again."""
+    from test_internode_gpu import EXPERTS, _dispatch, _routing, _same, reference_buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(list(range(world)))
+    buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, world, E), low_latency_mode=True)
+    assert type(buf.backend).__name__ == "NativeInternodeBackend"
+    local = E // world
+    factor = (torch.arange(local, device=dev) + rank * local + 1).float().view(local, 1, 1)
+
+    def ll_round(step: int) -> None:
+        x, idx, w = _inputs(rank, step, dev)
+        recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+        out, _, _ = buf.low_latency_combine((recv.float() * factor).to(torch.bfloat16), idx, w, handle)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out.float(), _expected(x, idx, w), atol=0.08, rtol=0.03)
+
+    ll_round(0)
+    unopened = buf.backend.proxy_stats() is None
+    ref = reference_buffer(group)
+    x, idx, w = _routing(rank, 40 + 3 * rank, "random", world, 1, seed=3)
+    (rx, _, rw, counts, h, _), _ = _dispatch(buf, x, idx, w, EXPERTS, dev)
+    (ex, _, ew, ecounts, eh, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
+    torch.cuda.synchronize()
+    _same(rx, ex, f"rank {rank}: HT recv_x after LL calls")
+    assert counts == ecounts
+    out, _, _ = buf.combine(rx, h, topk_weights=rw)
+    eout, _, _ = ref.combine(ex, eh, topk_weights=ew)
+    torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2)
+    opened = buf.backend.proxy_stats() is not None
+    ll_round(1)
+    buf.destroy()
+    return unopened, opened
+
+
+def test_ht_proxies_open_at_the_first_ht_dispatch(mps):
+    """A low-latency Buffer across emulated nodes runs only the LL proxies until an HT dispatch needs the HT
+    backend's (decoding ranks that make LL calls only leave no second proxy group spinning); the HT calls
+    then match the reference backend and LL calls go on."""
+    if _ready():
+        pytest.skip(_ready())
+    got = run_ranks(_ht_after_ll, 2, env={"UCCL_EP_RANKS_PER_NODE": "1"}, timeout=300, **gpu_ranks(2))
+    assert got == [(True, True)] * 2

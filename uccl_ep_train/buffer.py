@@ -90,7 +90,8 @@ def _make_backend(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, 
                 internode, why = _native_internode_backend()
                 if internode is not None:
                     return internode(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device,
-                                     topology=topology, proxy_groups=PROXY_GROUPS if low_latency_mode else 1)
+                                     topology=topology, proxy_groups=PROXY_GROUPS if low_latency_mode else 1,
+                                     open_at_first_dispatch=low_latency_mode)
                 if choice == "native":
                     raise RuntimeError(f"UCCL_EP_BACKEND=native but the ranks span {topology.num_nodes} nodes "
                                        f"({topology.ranks_per_node} ranks each) and {why}; use "

@@ -75,7 +75,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                        "(capture-safe calls: the native backend on one node)")
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology,
-                 proxy_groups: int = 1):
+                 proxy_groups: int = 1, open_at_first_dispatch: bool = False):
+        """open_at_first_dispatch: build the buffers and start the proxies in the first dispatch (collective, as
+        every dispatch) instead of here; a low-latency Buffer's HT backend, so that ranks making LL calls only
+        (decoding) do not run a second proxy group that waits for HT calls."""
         super().__init__(group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, topology=topology)
         if not topology.internode:
             raise ValueError("NativeInternodeBackend: the topology has one node; use the intranode backend")
@@ -106,7 +109,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._proxy = None
         self._failed: Optional[str] = None
         self._pinned: Optional[torch.Tensor] = None
-        self._open(max(max(s[0] for s in sizes), _MIN_BYTES), max(max(s[1] for s in sizes), _MIN_BYTES))
+        first = (max(max(s[0] for s in sizes), _MIN_BYTES), max(max(s[1] for s in sizes), _MIN_BYTES))
+        self._unopened: Optional[tuple[int, int]] = first if open_at_first_dispatch else None  # (nvl, rdma)
+        if not open_at_first_dispatch:
+            self._open(*first)
 
     # ---- lifetime ------------------------------------------------------------------------------------
     def _open(self, nvl_bytes: int, rdma_bytes: int) -> None:
@@ -141,10 +147,19 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 buf.destroy()
 
     def release(self) -> None:
+        self._unopened = None  # (never opened: nothing to release, and nothing opens any more)
         if self._buf is None:
             return
         torch.cuda.synchronize(self.device)  # this rank's kernels still using the buffers and rings
         self._close()
+
+    def destroy(self) -> None:
+        self._unopened = None
+        super().destroy()
+
+    def _check(self) -> None:
+        if self._unopened is None:  # an unopened backend has recorded nothing
+            super()._check()
 
     def _ensure(self, rdma_need: int, nvl_need: int) -> None:
         """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""
@@ -159,9 +174,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._close()
         self._open(nvl, rdma)
 
-    def proxy_stats(self) -> dict:
-        """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals."""
-        return self._proxy.stats()
+    def proxy_stats(self) -> Optional[dict]:
+        """The proxies' counters (cumulative): bytes_to / commands_to per destination rank, and totals; None
+        before the first dispatch opened them (open_at_first_dispatch)."""
+        return None if self._proxy is None else self._proxy.stats()
 
     def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)
@@ -230,6 +246,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts)
+        if self._unopened is not None:
+            self._open(*self._unopened)  # collective: every rank is in this dispatch
+            self._unopened = None
         rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
         h = int(self._native.INTERNODE_HEADER_INTS)
         counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
