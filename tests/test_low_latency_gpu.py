@@ -54,13 +54,18 @@ def _expected(x, idx, w) -> torch.Tensor:
     return (rows * (w * (idx >= 0)).unsqueeze(2)).sum(1)
 
 
-def _graph_replays(rank: int, world: int, device: str, replays: int) -> int:
+def _ll_buffer(rank: int, world: int) -> tuple:
+    """(device, a low-latency Buffer on the native LL kernels, the per-local-expert factor of _expected)."""
     dev = torch.device("cuda", torch.cuda.current_device())
-    group = dist.new_group(list(range(world)))
-    buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, world, E), low_latency_mode=True)
+    buf = Buffer(dist.new_group(list(range(world))), 0, Buffer.get_low_latency_rdma_size_hint(M, H, world, E),
+                 low_latency_mode=True)
     assert type(buf.low_latency_backend).__name__ == "NativeLowLatencyBackend"
     local = E // world
-    factor = (torch.arange(local, device=dev) + rank * local + 1).float().view(local, 1, 1)
+    return dev, buf, (torch.arange(local, device=dev) + rank * local + 1).float().view(local, 1, 1)
+
+
+def _graph_replays(rank: int, world: int, device: str, replays: int) -> int:
+    dev, buf, factor = _ll_buffer(rank, world)
     x, idx, w = (t.clone() for t in _inputs(rank, 0, dev))
     out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
 
@@ -107,12 +112,8 @@ def _ht_after_ll(rank: int, world: int, device: str) -> tuple:
     (opened in that dispatch) against the reference backend, then LL calls again."""
     from test_internode_gpu import EXPERTS, _dispatch, _routing, _same, reference_buffer
 
-    dev = torch.device("cuda", torch.cuda.current_device())
-    group = dist.new_group(list(range(world)))
-    buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(M, H, world, E), low_latency_mode=True)
+    dev, buf, factor = _ll_buffer(rank, world)
     assert type(buf.backend).__name__ == "NativeInternodeBackend"
-    local = E // world
-    factor = (torch.arange(local, device=dev) + rank * local + 1).float().view(local, 1, 1)
 
     def ll_round(step: int) -> None:
         x, idx, w = _inputs(rank, step, dev)
@@ -123,7 +124,7 @@ def _ht_after_ll(rank: int, world: int, device: str) -> tuple:
 
     ll_round(0)
     unopened = buf.backend.proxy_stats() is None
-    ref = reference_buffer(group)
+    ref = reference_buffer(buf.group)
     x, idx, w = _routing(rank, 40 + 3 * rank, "random", world, 1, seed=3)
     (rx, _, rw, counts, h, _), _ = _dispatch(buf, x, idx, w, EXPERTS, dev)
     (ex, _, ew, ecounts, eh, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
