@@ -475,7 +475,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
       int r, le, i;
       locate(dst_base, in_off, R, L, j, r, le, i);
       const char* src = a.x + (le * rows + out_off[le * R + r] + i) * row_bytes;
-      char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) + int64_t(in_off[r * L + le] + i) * row_bytes;
+      char* dst = out_block(a, r, lay.c_send, lay.c_recv, lay.cblock_bytes) +
+                  int64_t(in_off[r * L + le] + i) * row_bytes;
       intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
     }
     __threadfence_system();
@@ -542,7 +543,8 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
       for (int c = 0; c < 4; ++c)
         o[c] = uint32_t(intranode::float_to_bf16(acc[u][2 * c])) |
                (uint32_t(intranode::float_to_bf16(acc[u][2 * c + 1])) << 16);
-      reinterpret_cast<int4*>(a.out + int64_t(t) * row_bytes)[v] = make_int4(int(o[0]), int(o[1]), int(o[2]), int(o[3]));
+      reinterpret_cast<int4*>(a.out + int64_t(t) * row_bytes)[v] =
+          make_int4(int(o[0]), int(o[1]), int(o[2]), int(o[3]));
     }
   }
   finish_launch(a, kBlocksDoneWord + 1, seq, target);
