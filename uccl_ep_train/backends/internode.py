@@ -246,9 +246,13 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts)
-        if self._unopened is not None:
-            self._open(*self._unopened)  # collective: every rank is in this dispatch
-            self._unopened = None
+        if self._unopened is not None:  # collective: every rank is in this dispatch
+            sizes, self._unopened = self._unopened, None
+            try:
+                self._open(*sizes)
+            except Exception as exc:  # the ranks that got further wait on this one: no second try
+                self._failed = f"opening the buffers and proxies in the first dispatch failed: {exc}"
+                raise
         rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
         h = int(self._native.INTERNODE_HEADER_INTS)
         counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
