@@ -358,3 +358,25 @@ def test_a_recorded_error_makes_a_native_backend_unusable(module, cls, prefix):
     b._failed, b._buf = None, None
     with pytest.raises(RuntimeError, match=f"^{prefix}: destroyed$"):
         b.check_errors()
+
+
+def test_buffer_check_errors_covers_the_low_latency_calls():
+    """Buffer.check_errors raises what the LL calls' backend recorded too, not only the HT backend's (a
+    low-latency Buffer across nodes opens its HT backend only in its first HT dispatch)."""
+    from uccl_ep_train import Buffer
+
+    class Quiet:
+        def check_errors(self) -> None:
+            pass
+
+    class Failed:
+        def check_errors(self) -> None:
+            raise RuntimeError("native low-latency kernels: timeout on rank 0 waiting for rank 1 (dispatch recv)")
+
+    buf = object.__new__(Buffer)
+    buf._backend, buf._ll_backend = Quiet(), None
+    buf.check_errors()
+    buf._ll_backend = Failed()
+    with pytest.raises(RuntimeError, match="^native low-latency kernels: timeout on rank 0"):
+        buf.check_errors()
+    buf._backend = buf._ll_backend = None  # (nothing for __del__ to release)

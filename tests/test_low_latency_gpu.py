@@ -144,7 +144,9 @@ def test_ht_proxies_open_at_the_first_ht_dispatch(mps):
     """A low-latency Buffer across emulated nodes runs only the LL proxies until an HT dispatch needs the HT
     backend's (decoding ranks that make LL calls only leave no second proxy group spinning); the HT calls
     then match the reference backend and LL calls go on."""
-    if _ready():
-        pytest.skip(_ready())
+    from test_internode_gpu import _ready as internode_missing
+
+    if _ready() or internode_missing():
+        pytest.skip(_ready() or internode_missing())
     got = run_ranks(_ht_after_ll, 2, env={"UCCL_EP_RANKS_PER_NODE": "1"}, timeout=300, **gpu_ranks(2))
     assert got == [(True, True)] * 2

@@ -751,8 +751,11 @@ class Buffer:
         """Raise RuntimeError if a kernel of this Buffer recorded an error: a wait that timed out or a buffer
         too small, on this rank or on a peer that told it (native intranode: a failing rank writes its
         report into every peer's buffer, whose kernels then stop waiting). Reads host memory, no GPU sync:
-        after synchronizing, it tells whether the calls so far succeeded; the next call raises it anyway."""
+        after synchronizing, it tells whether the calls so far succeeded; the next call raises it anyway.
+        A low-latency Buffer checks its LL calls' kernels and proxies too."""
         self.backend.check_errors()
+        if self._ll_backend is not None and self._ll_backend is not self.backend:
+            self._ll_backend.check_errors()
 
     def occupied_sms(self, config: Optional[Config] = None, expert_major: bool = False) -> Optional[dict]:
         """SMs a high-throughput call with `config` (default: the dispatch default) occupies on this rank while

@@ -175,12 +175,13 @@ __device__ void clear_chunk_counts(const Common& c, const int* nchunks) {
       c.chunk_count[n * kMaxChunks + j] = 0;
 }
 
-// Chunk arrivals as one block sees them. Lane 0 of warp 0, the block's watcher, polls the host flags of the
-// chunks the kernel consumes, chunk-major over the remote nodes (the order their senders complete them), and
-// publishes per node how many leading chunks landed; the other warps take a row as soon as its chunk is
-// published, spinning on shared memory only. One host poller per block: a poller per warp (hundreds of
-// uncached reads over PCIe at once) slowed the whole host link, the proxies' rings included; and a block
-// that waited at a barrier per unit of rows while one thread polled left every warp idle meanwhile.
+// Chunk arrivals as one block sees them. Lane 0 of warp 0, the block's watcher, follows the chunks the kernel
+// consumes, chunk-major over the remote nodes (the order their senders complete them), and publishes per node
+// how many leading chunks landed; the other warps take a row as soon as its chunk is published, spinning on
+// shared memory only. Block 0's watcher polls the chunk flags in host memory and mirrors each landing into
+// GPU memory; the other blocks' watchers poll the mirror. Pollers of host memory slow the whole host link,
+// the proxies' rings and copies included (a poller per warp, then one per block, both measured slower); and a
+// block that waited at a barrier per unit of rows while one thread polled left every warp idle meanwhile.
 struct Arrivals {
   int ready[kMaxNodes];  // chunks [0, ready[n]) from node n landed
   int failed;            // the watcher's wait failed (the error record says why): stop

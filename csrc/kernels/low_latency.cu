@@ -523,7 +523,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
       int4 raw[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)
-        if (v0 + u * kWarpSize < vecs) raw[u] = intranode::ld_global_v4(row + v0 + u * kWarpSize);
+        raw[u] = v0 + u * kWarpSize < vecs ? intranode::ld_global_v4(row + v0 + u * kWarpSize) : make_int4(0, 0, 0, 0);
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const uint32_t wd[4] = {uint32_t(raw[u].x), uint32_t(raw[u].y), uint32_t(raw[u].z), uint32_t(raw[u].w)};

@@ -73,6 +73,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
     error_prefix = "native internode backend"
     capture_refusal = ("its kernels take per-call op numbers from the host and its proxies are driven call by call "
                        "(capture-safe calls: the native backend on one node)")
+    _unopened: Optional[tuple[int, int]] = None  # (nvl, rdma) bytes of the open the first dispatch still owes
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology,
                  proxy_groups: int = 1, open_at_first_dispatch: bool = False):
@@ -110,7 +111,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._failed: Optional[str] = None
         self._pinned: Optional[torch.Tensor] = None
         first = (max(max(s[0] for s in sizes), _MIN_BYTES), max(max(s[1] for s in sizes), _MIN_BYTES))
-        self._unopened: Optional[tuple[int, int]] = first if open_at_first_dispatch else None  # (nvl, rdma)
+        self._unopened = first if open_at_first_dispatch else None
         if not open_at_first_dispatch:
             self._open(*first)
 

@@ -227,8 +227,9 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
             raise ValueError(f"topk_idx: {K} experts per token; the low-latency kernels take at most {MAX_TOPK}")
         if H % FP8_BLOCK:
             raise ValueError(f"x: hidden ({H}) must be a multiple of {FP8_BLOCK} for the low-latency kernels")
+        lay = self._layout(M, H, num_experts)  # (raises before the halves move)
         half = self._next(0)
-        args = self._layout(M, H, num_experts).kernel_args[half]
+        args = lay.kernel_args[half]
         L = num_experts // R
         dev = x.device
         x = x.contiguous()
@@ -271,8 +272,9 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
             raise ValueError(f"topk_idx: expected [{state.num_tokens}, {state.num_topk}] as in the dispatch, got "
                              f"{list(topk_idx.shape)}")
         M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
+        lay = self._layout(M, H, E)
         half = self._next(1)
-        args = self._layout(M, H, E).kernel_args[half]
+        args = lay.kernel_args[half]
         x = x.contiguous()
         topk_idx = topk_idx.to(torch.int64).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
