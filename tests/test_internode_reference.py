@@ -268,8 +268,9 @@ def test_backend_choice_across_nodes(monkeypatch):
     from uccl_ep_train.buffer import _make_backend
 
     class FakeInternode:
-        def __init__(self, *args, topology, proxy_groups):
+        def __init__(self, *args, topology, proxy_groups, open_at_first_dispatch):
             self.args, self.topology, self.proxy_groups = args, topology, proxy_groups
+            self.open_at_first_dispatch = open_at_first_dispatch
 
     fake = types.ModuleType("uccl_ep_train.backends.internode")
     fake.NativeInternodeBackend, fake.internode_available = FakeInternode, lambda: False
@@ -287,9 +288,11 @@ def test_backend_choice_across_nodes(monkeypatch):
         monkeypatch.setenv("UCCL_EP_BACKEND", choice)
         chosen = _make_backend(*args)
         assert isinstance(chosen, FakeInternode) and chosen.topology is topo and chosen.args[-1] == device
-        assert chosen.proxy_groups == 1
-    # a low-latency Buffer's ranks also run the LL calls' proxies: the HT backend counts them
-    assert _make_backend(*args[:-1], True).proxy_groups == 2
+        assert chosen.proxy_groups == 1 and not chosen.open_at_first_dispatch
+    # a low-latency Buffer's ranks also run the LL calls' proxies: the HT backend counts them, and opens its
+    # own only in the first HT dispatch (ranks making LL calls only run one proxy group)
+    chosen = _make_backend(*args[:-1], True)
+    assert chosen.proxy_groups == 2 and chosen.open_at_first_dispatch
 
 
 def test_proxy_threads_of_ranks_sharing_a_gpu(monkeypatch):
