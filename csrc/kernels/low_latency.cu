@@ -305,8 +305,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   __syncthreads();
 
   // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
-  //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 32 blocks) a warp per token
-  //    left half of them idle and the other half copying top-k rows one after another. Rows for other nodes
+  //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 512 warps) a warp per token
+  //    left three quarters of them idle while the others copied top-k rows one after another. Rows for other nodes
   //    first (pass 0, when there are other nodes), then the node's (pass 1), so the proxies carry the remote
   //    blocks while the node's rows are still being copied.
   for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
