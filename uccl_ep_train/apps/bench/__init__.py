@@ -130,7 +130,8 @@ def publish(summary: list[dict], context: dict, show: Callable[[list[dict]], Non
 
 def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], iters: int) -> dict[str, float]:
     """Run fn `iters` times under the profiler: per key of `kernels`, the mean device µs per run of the
-    kernels whose names contain one of its substrings (DeepEP's bench_kineto: the "kernel" timing)."""
+    kernels whose names contain one of its substrings (DeepEP's bench_kineto: the "kernel" timing). A key no
+    kernel matched raises (a renamed kernel must not record 0 µs)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -139,11 +140,16 @@ def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], ite
             fn()
         torch.cuda.synchronize()
     totals = dict.fromkeys(kernels, 0.0)
+    seen = dict.fromkeys(kernels, 0)
     for evt in prof.events():
         for key, names in kernels.items():
             if any(n in evt.name for n in names):
                 dt = getattr(evt, "device_time", None)
                 totals[key] += float(getattr(evt, "cuda_time", 0.0) if dt is None else dt)
+                seen[key] += 1
+    missing = [f"{key} ({', '.join(kernels[key])})" for key, n in seen.items() if n == 0]
+    if missing:
+        raise RuntimeError(f"kernel timing: the profiler saw no kernel for {'; '.join(missing)}")
     return {key: total / iters for key, total in totals.items()}
 
 
