@@ -560,5 +560,5 @@ def test_deep_ep_route_advice_names_the_deep_ep_in_use_and_what_to_do(tmp_path, 
     res = subprocess.run([sys.executable, "-c", "import megatron_patch.primus"], cwd=ROOT, capture_output=True,
                          text=True, timeout=120, env={**os.environ, **env, "PYTHONPATH": os.pathsep.join(
                              (str(other), str(ROOT)))})
-    assert res.returncode == 0 and f"uccl-ep-train: warning: PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP" \
+    assert res.returncode == 0 and "uccl-ep-train: warning: PRIMUS_TURBO_MOE_DISPATCH_COMBINE_BACKEND=DEEP_EP" \
         in res.stderr, res.stderr[-2000:]

@@ -145,6 +145,7 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
         os.environ["UCCL_EP_BACKEND"] = "auto" if backend == "native" else "reference"
         buf = Buffer(group, 0, hint, low_latency_mode=True, num_qps_per_rank=E // world)
         served = type(buf.low_latency_backend).__name__
+        native = served == "NativeLowLatencyBackend"  # (the kernel timing names its kernels)
         common = {"rank": rank, "backend": backend, "served_by": served, "ranks": world,
                   "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
                   "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group), **shape}
@@ -152,7 +153,6 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
             for hook in (False, True):
                 pieces = _round(buf, x, idx, w, shape, use_fp8, hook)
                 timed = _time(pieces, args.iters, args.warmup, group)
-                native = served == "NativeLowLatencyBackend"
                 kernel = _kernel_time(pieces, args.iters, args.warmup, group) if native else {}
                 for op in pieces:
                     if op.startswith("combine") and use_fp8:
