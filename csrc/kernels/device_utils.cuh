@@ -180,6 +180,13 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int
   return true;
 }
 
+// Deadline of a wait on a mirror, a GPU word that one block copies from a host flag it polls: twice the
+// flag's, so that block times out first and its record names the flag (target and value as the proxy writes
+// them); the mirror waiters then adopt that record instead of racing it with the mirror's op numbers.
+__device__ __forceinline__ int64_t mirror_timeout(int64_t timeout_cycles) {
+  return timeout_cycles > INT64_MAX / 2 ? timeout_cycles : 2 * timeout_cycles;
+}
+
 __device__ __forceinline__ uint32_t ld_acquire_sys_u32(const uint32_t* p) {
 #if defined(UCCL_EP_WITH_HIP)
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);

@@ -197,7 +197,8 @@ __device__ void arrivals_init(Arrivals& s) {
 // from node n, nchunks[n] the chunks coming from node n, `kind` 0 for dispatch chunks, 1 for combine chunks.
 // The flags are host memory (the proxies raise them): block 0's watcher alone polls them over PCIe and
 // mirrors each landing into this rank's NVL header as the op number; the other blocks' watchers poll the
-// mirror in GPU memory (every block polling host memory slowed the transfers they waited for).
+// mirror in GPU memory (every block polling host memory slowed the transfers they waited for), with twice
+// the deadline, so that a lost chunk is reported by block 0, naming its flag.
 template <typename FlagOf>
 __device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks, FlagOf flag_of, int kind,
                                int phase) {
@@ -213,8 +214,8 @@ __device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks,
       uint64_t* mine = mirror + int64_t(n) * kMaxChunks + j;
       const bool ok = blockIdx.x == 0 ? wait_geq(c.flags + flag_of(n, j), 1, c.timeout_cycles, c.err, c.claim,
                                                  c.rank, n * c.L + c.local, phase, 1 + j % c.data_channels)
-                                      : wait_geq(mine, c.ops, c.timeout_cycles, c.err, c.claim, c.rank,
-                                                 n * c.L + c.local, phase, 1 + j % c.data_channels);
+                                      : wait_geq(mine, c.ops, intranode::mirror_timeout(c.timeout_cycles), c.err,
+                                                 c.claim, c.rank, n * c.L + c.local, phase, 1 + j % c.data_channels);
       if (!ok) {
         *reinterpret_cast<volatile int*>(&s.failed) = 1;
         return;

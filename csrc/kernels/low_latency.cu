@@ -93,7 +93,8 @@ __device__ void finish_launch(const Args& a, int word, unsigned long long* seq, 
 // memory (the proxy raises it): only block 0 polls it, over PCIe, and mirrors the value it saw into the
 // rank's unused GPU signal word, which the other blocks poll (a spinning receive kernel polling host memory
 // from every block slowed the transfers it waited for; the mirror is release-stored after the acquire that
-// saw the flag, so the proxy's bytes are visible to whoever sees the mirror). Both only grow.
+// saw the flag, so the proxy's bytes are visible to whoever sees the mirror; its waiters have twice the
+// deadline, so that block 0 reports a lost signal). Both only grow.
 __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
@@ -102,10 +103,12 @@ __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsig
     const int ring = a.rings.n > 0 ? s % a.rings.n : 0;
     const bool remote = !same_node(a, s);
     uint64_t* mirror = reinterpret_cast<uint64_t*>(a.buf + gpu_sig) + s;
-    const uint64_t* polled = remote && blockIdx.x == 0 ? a.host_flags + host_sig + s : mirror;
-    if (!wait_geq(polled, target, a.timeout_cycles, a.err, a.claim, a.rank, s, phase, remote ? ring : -1))
+    const bool on_host = remote && blockIdx.x == 0;
+    const uint64_t* polled = on_host ? a.host_flags + host_sig + s : mirror;
+    const int64_t deadline = remote && !on_host ? intranode::mirror_timeout(a.timeout_cycles) : a.timeout_cycles;
+    if (!wait_geq(polled, target, deadline, a.err, a.claim, a.rank, s, phase, remote ? ring : -1))
       failed = 1;
-    else if (remote && blockIdx.x == 0)
+    else if (on_host)
       intranode::st_release_sys_u64(mirror, intranode::ld_acquire_sys(polled));
   }
   __syncthreads();
