@@ -2,18 +2,20 @@
 //
 // Four kernels, each launched on `Args::half` (the call's half of the double-buffered areas):
 //   dispatch_send  stage each token once (BF16 copy or FP8 cast with per-128 scales), give every
-//                  (token, top-k slot) a row in its destination's block, write it there (node peers: NVLink
-//                  stores into their receive block; other nodes: this rank's send block, then one proxy
-//                  write), then one signal per destination rank.
-//   dispatch_recv  wait for every rank's signal, unpack the blocks into DeepEP's packed layout
+//                  (token, top-k slot) a row in its destination's block; send each destination its counts
+//                  header at once (one signal), then the rows (node peers: NVLink stores into their receive
+//                  block; other nodes: this rank's send block, then one proxy write), then a second signal.
+//   dispatch_recv  wait for every rank's counts, then unpack the blocks into DeepEP's packed layout
 //                  [local expert][rank * max tokens][hidden], grouped by source rank, in the order the source
-//                  sent them (its token order).
+//                  sent them (its token order): the node's blocks first, while the other nodes' rows are still
+//                  on their way through the proxies, then those.
 //   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //
-// Signals only grow. A destination's signal goes up by one per call; the receiver waits until it passes the
-// count of calls it has received on that half (`seq`, a device word the last block of the receiving kernel
-// advances), so a graph replay waits for the next call, never for a value frozen at capture. The counters a
+// Signals only grow. A destination's combine signal goes up by one per call, its dispatch signal by two (the
+// counts header landed, then the rows); the receiver waits until it passes what the calls it has received on
+// that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
+// replay waits for the next call, never for a value frozen at capture. The counters a
 // call uses as scratch (per-destination completions) are returned to zero by the warp that finishes with them,
 // inside the same call; the per-expert counts are plain stores of each call.
 #include <cstdio>
@@ -88,20 +90,25 @@ __device__ void finish_launch(const Args& a, int word, unsigned long long* seq, 
   }
 }
 
-// Every block waits until each rank's signal passed the calls received so far; false on deadline.
+// Which ranks a wait_all covers.
+enum Senders : int { kAllRanks = 0, kNodeRanks = 1, kOtherNodes = 2 };
+
+// Every block waits until the signal of each rank in `who` reached `target`; false on deadline.
 // A node peer's signal is in this rank's GPU memory, where every block polls it. Another node's is in host
 // memory (the proxy raises it): only block 0 polls it, over PCIe, and mirrors the value it saw into the
 // rank's unused GPU signal word, which the other blocks poll (a spinning receive kernel polling host memory
 // from every block slowed the transfers it waited for; the mirror is release-stored after the acquire that
 // saw the flag, so the proxy's bytes are visible to whoever sees the mirror; its waiters have twice the
 // deadline, so that block 0 reports a lost signal). Both only grow.
-__device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase) {
+__device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase,
+                         Senders who = kAllRanks) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int ring = a.rings.n > 0 ? s % a.rings.n : 0;
     const bool remote = !same_node(a, s);
+    if ((who == kNodeRanks && remote) || (who == kOtherNodes && !remote)) continue;
     uint64_t* mirror = reinterpret_cast<uint64_t*>(a.buf + gpu_sig) + s;
     const bool on_host = remote && blockIdx.x == 0;
     const uint64_t* polled = on_host ? a.host_flags + host_sig + s : mirror;
@@ -115,11 +122,11 @@ __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsig
   return failed == 0;
 }
 
-// Raises rank r's signal for this call after everything this rank wrote for it: NVLink peers by a system-scope
-// atomic after a fence; other nodes by the proxy, one write of the block's first `bytes` and the atomic
-// behind it on the same channel (applied in order, so the signal means the bytes landed).
+// Raises rank r's signal by one after everything this rank wrote for it: NVLink peers by a system-scope
+// atomic after a fence; other nodes by the proxy, one write of the block's `bytes` from byte `from` and the
+// atomic behind it on the same channel (applied in order, so the signal means the bytes landed).
 __device__ bool signal_rank(const Args& a, int r, int64_t gpu_sig, int64_t host_sig, int64_t send_area,
-                            int64_t recv_area, int64_t block_bytes, int64_t bytes, int phase) {
+                            int64_t recv_area, int64_t block_bytes, int64_t from, int64_t bytes, int phase) {
   if (same_node(a, r)) {
     __threadfence_system();
     uint64_t* sig = reinterpret_cast<uint64_t*>(a.peers[r % a.ranks_per_node] + gpu_sig) + a.rank;
@@ -135,8 +142,8 @@ __device__ bool signal_rank(const Args& a, int r, int64_t gpu_sig, int64_t host_
     cmds[n].channel = uint8_t(ring);
     cmds[n].region = 0;
     cmds[n].length = uint32_t(bytes);
-    cmds[n].local_off = uint32_t(send_area + r * block_bytes);
-    cmds[n].remote_off = uint32_t(recv_area + a.rank * block_bytes);
+    cmds[n].local_off = uint32_t(send_area + r * block_bytes + from);
+    cmds[n].remote_off = uint32_t(recv_area + a.rank * block_bytes + from);
     ++n;
   }
   cmds[n].op = uccl::OP_ATOMIC_ADD;
@@ -297,7 +304,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   }
   if (!grid_barrier(a, kPhaseDispatchSend)) return;
 
-  // 2. every count is final: each block derives the bases
+  // 2. every count is final: each block derives the bases; block 0 sends every destination its counts header
+  //    now (a thread per destination; the first signal of the call), so the receivers know where every
+  //    source's rows go before they arrive and can unpack the node's blocks while the others travel
   for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = *reinterpret_cast<volatile int*>(ctr.slot + e);
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
@@ -306,6 +315,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     smem[E + e] = s;
   }
   __syncthreads();
+  if (blockIdx.x == 0) {
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
+      for (int le = 0; le < L; ++le) hdr[le] = smem[r * L + le];
+      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, 0, lay.hdr_bytes,
+                  kPhaseDispatchSend);
+    }
+  }
 
   // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
   //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 512 warps) a warp per token
@@ -331,21 +348,17 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
     }
 
-    // 4. per destination of the pass: the warp that completes it writes the counts header and raises the signal
+    // 4. per destination of the pass: the warp that completes it raises the second signal (the rows)
     __threadfence_system();
     intranode::warp_sync();
     for (int r = lane; r < R; r += kWarpSize) {
       if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != unsigned(nw - 1)) continue;
       __threadfence_system();
       ctr.d_done[r] = 0;
-      int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
       int total = 0;
-      for (int le = 0; le < L; ++le) {
-        hdr[le] = smem[r * L + le];
-        total += smem[r * L + le];
-      }
-      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes,
-                  lay.hdr_bytes + int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
+      for (int le = 0; le < L; ++le) total += smem[r * L + le];
+      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
+                  int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
     }
   }
 }
@@ -388,17 +401,41 @@ __device__ void prefix_tables(const int* cnt, int* in_off, int* out_off, int* sr
   __syncthreads();
 }
 
+// One warp: message `msg` to row `row` of local expert le in the packed outputs (x, source token, FP8 scales).
+__device__ __forceinline__ void unpack_message(const Args& a, const char* msg, int le, int64_t row, int64_t rows,
+                                               int lane) {
+  const int H = a.hidden, S = H / 128;                     // FP8 scales per row
+  const int64_t x_bytes = a.use_fp8 ? H : int64_t(H) * 2;  // payload bytes of a row
+  char* dst = a.recv_x + (le * rows + row) * x_bytes;
+  intranode::warp_push_row<int4, 4, false>(msg + kMsgHeaderBytes, x_bytes, &dst, 1, lane);
+  if (lane == 0) a.src_info[le * rows + row] = *reinterpret_cast<const volatile int*>(msg);
+  if (!a.use_fp8) return;
+  // scales: [L][S][rows] float, or [L][S/4][rows] packed UE8M0 exponents
+  const float* sc = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + H);
+  if (!a.use_ue8m0) {
+    float* out = reinterpret_cast<float*>(a.recv_scales);
+    for (int q = lane; q < S; q += kWarpSize) out[(int64_t(le) * S + q) * rows + row] = sc[q];
+  } else {
+    int* out = reinterpret_cast<int*>(a.recv_scales);
+    for (int q = lane; q < S / 4; q += kWarpSize) {
+      uint32_t packed = 0;
+      for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(sc[4 * q + b]) >> 23) & 0xffu) << (8 * b);
+      out[(int64_t(le) * (S / 4) + q) * rows + row] = int(packed);
+    }
+  }
+}
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   extern __shared__ int smem[];  // cnt[R*L], in_off[R*L], out_off[L*R], src_base[R+1]
-  const int R = a.num_ranks, L = a.num_local, M = a.max_tokens, H = a.hidden;
+  const int R = a.num_ranks, L = a.num_local, M = a.max_tokens;
   const Layout& lay = a.lay;
   int* cnt = smem;
   int* in_off = smem + R * L;
   int* out_off = in_off + R * L;
   int* src_base = out_off + R * L;
   unsigned long long* seq = seq_word(a, 0);
-  const unsigned long long target = *reinterpret_cast<volatile unsigned long long*>(seq) + 1;
-  if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, target, kPhaseDispatchRecv)) return;
+  const unsigned long long calls = *reinterpret_cast<volatile unsigned long long*>(seq);
+  if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 1, kPhaseDispatchRecv)) return;  // every header
   const char* recv = a.buf + lay.d_recv;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
     cnt[i] = reinterpret_cast<const volatile int*>(recv + (i / L) * lay.block_bytes)[i % L];
@@ -407,30 +444,21 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
 
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
-  const int64_t rows = int64_t(R) * M;                       // rows per local expert in the outputs
-  const int64_t x_bytes = a.use_fp8 ? H : int64_t(H) * 2;   // payload bytes of a row
-  const int S = H / 128;                                     // FP8 scales per row
-  for (int j = gw; j < src_base[R]; j += nw) {
-    int s, le, i;
-    locate(src_base, in_off, R, L, j, s, le, i);
-    const char* msg = recv + s * lay.block_bytes + lay.hdr_bytes + int64_t(in_off[s * L + le] + i) * lay.msg_bytes;
-    const int64_t row = int64_t(out_off[le * R + s]) + i;
-    char* dst = a.recv_x + (le * rows + row) * x_bytes;
-    intranode::warp_push_row<int4, 4, false>(msg + kMsgHeaderBytes, x_bytes, &dst, 1, lane);
-    if (lane == 0) a.src_info[le * rows + row] = *reinterpret_cast<const volatile int*>(msg);
-    if (a.use_fp8) {  // scales: [L][S][rows] float, or [L][S/4][rows] packed UE8M0 exponents
-      const float* sc = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + H);
-      if (!a.use_ue8m0) {
-        float* out = reinterpret_cast<float*>(a.recv_scales);
-        for (int q = lane; q < S; q += kWarpSize) out[(int64_t(le) * S + q) * rows + row] = sc[q];
-      } else {
-        int* out = reinterpret_cast<int*>(a.recv_scales);
-        for (int q = lane; q < S / 4; q += kWarpSize) {
-          uint32_t packed = 0;
-          for (int b = 0; b < 4; ++b) packed |= ((__float_as_uint(sc[4 * q + b]) >> 23) & 0xffu) << (8 * b);
-          out[(int64_t(le) * (S / 4) + q) * rows + row] = int(packed);
-        }
-      }
+  const int64_t rows = int64_t(R) * M;  // rows per local expert in the outputs
+  // The node's blocks first (its ranks are consecutive: one range of the flat order), then, once their rows
+  // landed, the other nodes' blocks (the rest of the order): the node's unpacking overlaps their trip.
+  const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
+  const int near0 = src_base[node0], near = src_base[node0 + a.ranks_per_node] - near0;
+  for (int pass = 0; pass < (R > a.ranks_per_node ? 2 : 1); ++pass) {
+    if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 2, kPhaseDispatchRecv,
+                  pass == 0 ? kNodeRanks : kOtherNodes))
+      return;
+    const int count = pass == 0 ? near : src_base[R] - near;
+    for (int f = gw; f < count; f += nw) {
+      int s, le, i;
+      locate(src_base, in_off, R, L, pass == 0 ? near0 + f : f < near0 ? f : f + near, s, le, i);
+      const char* msg = recv + s * lay.block_bytes + lay.hdr_bytes + int64_t(in_off[s * L + le] + i) * lay.msg_bytes;
+      unpack_message(a, msg, le, int64_t(out_off[le * R + s]) + i, rows, lane);
     }
   }
   if (blockIdx.x == 0) {
@@ -445,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
       if (a.stats != nullptr) a.stats[le] += total;
     }
   }
-  finish_launch(a, kBlocksDoneWord + 0, seq, target);
+  finish_launch(a, kBlocksDoneWord + 0, seq, calls + 1);
 }
 
 // Combine: the counts of every (local expert, source) pair come from the handle's layout_range.
@@ -488,7 +516,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
       if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.c_done + r, 1u) != unsigned(nw - 1)) continue;
       __threadfence_system();
       ctr.c_done[r] = 0;
-      signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes,
+      signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes, 0,
                   int64_t(dst_base[r + 1] - dst_base[r]) * row_bytes, kPhaseCombineSend);
     }
   }

@@ -1,8 +1,9 @@
 // Low-latency (LL) dispatch / combine: host API of csrc/kernels/low_latency{,_buffer}.cu.
 //
 // Every token goes straight to the rank of each of its experts (no per-node aggregation): node peers are
-// written over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU proxies (one write plus
-// one ordered atomic per destination rank and call). Sizes are fixed by (max tokens, hidden, ranks,
+// written over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU proxies (per destination rank
+// and call: a dispatch writes the counts header, then the rows, each followed by an ordered atomic; a combine
+// one write and one atomic). Sizes are fixed by (max tokens, hidden, ranks,
 // experts), so there is no host synchronisation and the four kernels replay exactly in a CUDA graph: every
 // signal is a counter that only grows, and the value a receiver waits for lives in device memory and
 // advances with each call (never in the captured arguments). docs/low_latency.md has the design.
