@@ -90,25 +90,24 @@ __device__ void finish_launch(const Args& a, int word, unsigned long long* seq, 
   }
 }
 
-// Which ranks a wait_all covers.
-enum Senders : int { kAllRanks = 0, kNodeRanks = 1, kOtherNodes = 2 };
-
-// Every block waits until the signal of each rank in `who` reached `target`; false on deadline.
+// Every block waits until the signal of each node peer (this rank included) reached `near` and that of each
+// rank of another node reached `far` (0: not waited for); false on deadline.
 // A node peer's signal is in this rank's GPU memory, where every block polls it. Another node's is in host
 // memory (the proxy raises it): only block 0 polls it, over PCIe, and mirrors the value it saw into the
 // rank's unused GPU signal word, which the other blocks poll (a spinning receive kernel polling host memory
 // from every block slowed the transfers it waited for; the mirror is release-stored after the acquire that
 // saw the flag, so the proxy's bytes are visible to whoever sees the mirror; its waiters have twice the
 // deadline, so that block 0 reports a lost signal). Both only grow.
-__device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long target, int phase,
-                         Senders who = kAllRanks) {
+__device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long near,
+                         unsigned long long far, int phase) {
   __shared__ int failed;
   if (threadIdx.x == 0) failed = 0;
   __syncthreads();
   for (int s = threadIdx.x; s < a.num_ranks; s += blockDim.x) {
     const int ring = a.rings.n > 0 ? s % a.rings.n : 0;
     const bool remote = !same_node(a, s);
-    if ((who == kNodeRanks && remote) || (who == kOtherNodes && !remote)) continue;
+    const unsigned long long target = remote ? far : near;
+    if (target == 0) continue;
     uint64_t* mirror = reinterpret_cast<uint64_t*>(a.buf + gpu_sig) + s;
     const bool on_host = remote && blockIdx.x == 0;
     const uint64_t* polled = on_host ? a.host_flags + host_sig + s : mirror;
@@ -316,11 +315,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   }
   __syncthreads();
   if (blockIdx.x == 0) {
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    for (int r = warp; r < R; r += kWarps) {  // a warp per destination: lanes write the counts, lane 0 signals
       int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
-      for (int le = 0; le < L; ++le) hdr[le] = smem[r * L + le];
-      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, 0, lay.hdr_bytes,
-                  kPhaseDispatchSend);
+      for (int le = lane; le < L; le += kWarpSize) hdr[le] = smem[r * L + le];
+      __threadfence_system();
+      intranode::warp_sync();
+      if (lane == 0)
+        signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, 0, lay.hdr_bytes,
+                    kPhaseDispatchSend);
     }
   }
 
@@ -435,7 +437,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   int* src_base = out_off + R * L;
   unsigned long long* seq = seq_word(a, 0);
   const unsigned long long calls = *reinterpret_cast<volatile unsigned long long*>(seq);
-  if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 1, kPhaseDispatchRecv)) return;  // every header
+  // the node's blocks whole (rows too), the other nodes' headers: where every row goes
+  if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 2, 2 * calls + 1, kPhaseDispatchRecv)) return;
   const char* recv = a.buf + lay.d_recv;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
     cnt[i] = reinterpret_cast<const volatile int*>(recv + (i / L) * lay.block_bytes)[i % L];
@@ -450,9 +453,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
   const int near0 = src_base[node0], near = src_base[node0 + a.ranks_per_node] - near0;
   for (int pass = 0; pass < (R > a.ranks_per_node ? 2 : 1); ++pass) {
-    if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 2, kPhaseDispatchRecv,
-                  pass == 0 ? kNodeRanks : kOtherNodes))
-      return;
+    if (pass == 1 && !wait_all(a, lay.gpu_dsig, lay.host_dsig, 0, 2 * calls + 2, kPhaseDispatchRecv)) return;
     const int count = pass == 0 ? near : src_base[R] - near;
     for (int f = gw; f < count; f += nw) {
       int s, le, i;
@@ -528,7 +529,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
   const Layout& lay = a.lay;
   unsigned long long* seq = seq_word(a, 1);
   const unsigned long long target = *reinterpret_cast<volatile unsigned long long*>(seq) + 1;
-  if (!wait_all(a, lay.gpu_csig, lay.host_csig, target, kPhaseCombineRecv)) return;
+  if (!wait_all(a, lay.gpu_csig, lay.host_csig, target, target, kPhaseCombineRecv)) return;
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const char* recv = a.buf + lay.c_recv;

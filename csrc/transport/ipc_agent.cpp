@@ -154,12 +154,12 @@ class Agent {
         continue;
       }
       if (getppid() != parent_) return false;
-      // spin for 5 ms after the last request, then nap: ranks sharing a host must leave the cores to each
-      // other once the copies stop, but the low-latency calls of one step come about a millisecond apart (one
-      // per layer), and a copy that found the agent napping waited for its wake-up (measured, 2 x 1 emulated
-      // nodes on one H100, 50 us of spinning against 500 ms: kernel timing BF16 dispatch 106 -> 94 us, combine
-      // 103 -> 77 us). The thread budget (backends/internode.py) counts every agent as a spinning thread.
-      if (std::chrono::steady_clock::now() - last_work > std::chrono::milliseconds(5)) nap_us(5);
+      // spin for 100 ms after the last request, then nap: a NIC does not sleep between the calls of a job,
+      // and a copy that found the agent napping waited for its wake-up (measured, 2 x 1 emulated nodes on one
+      // H100, 50 us of spinning against 500 ms: kernel timing BF16 dispatch 106 -> 94 us, combine 103 -> 77
+      // us; 5 ms did not cover the benchmark's rounds). Once a job has gone quiet the agents leave their cores
+      // to others; while it runs, the thread budget (backends/internode.py) counts every agent as spinning.
+      if (std::chrono::steady_clock::now() - last_work > std::chrono::milliseconds(100)) nap_us(5);
     }
   }
 
