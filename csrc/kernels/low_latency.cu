@@ -304,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   if (!grid_barrier(a, kPhaseDispatchSend)) return;
 
   // 2. every count is final: each block derives the bases; block 0 sends every destination its counts header
-  //    now (a thread per destination; the first signal of the call), so the receivers know where every
+  //    now (a warp per destination; the first signal of the call), so the receivers know where every
   //    source's rows go before they arrive and can unpack the node's blocks while the others travel
   for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = *reinterpret_cast<volatile int*>(ctr.slot + e);
   __syncthreads();
