@@ -5,10 +5,10 @@
 //                  (token, top-k slot) a row in its destination's block; send each destination its counts
 //                  header at once (one signal), then the rows (node peers: NVLink stores into their receive
 //                  block; other nodes: this rank's send block, then one proxy write), then a second signal.
-//   dispatch_recv  wait for every rank's counts, then unpack the blocks into DeepEP's packed layout
-//                  [local expert][rank * max tokens][hidden], grouped by source rank, in the order the source
-//                  sent them (its token order): the node's blocks first, while the other nodes' rows are still
-//                  on their way through the proxies, then those.
+//   dispatch_recv  wait for the node's blocks and the other nodes' counts headers, then unpack the blocks
+//                  into DeepEP's packed layout [local expert][rank * max tokens][hidden], grouped by source rank,
+//                  in the order the source sent them (its token order): the node's blocks first, while the other
+//                  nodes' rows are still on their way through the proxies, then those.
 //   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //

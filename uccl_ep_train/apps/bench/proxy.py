@@ -14,7 +14,8 @@ us, device, sms, plus the shape of each measurement):
                both directions busy), commands pushed by a GPU kernel, ended by OP_FLUSH per ring
   fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
   batching     the proxy commands of one low-latency dispatch block to a rank of another node, as the kernels
-               batch them (one write of the whole block, `per-rank`) against one write per local expert
+               batch the rows (one write of the whole block, `per-rank`; the kernels send the counts header
+               ahead in a write + atomic of its own, not modelled here) against one write per local expert
                (`per-expert`), each followed by the signalling atomic on the same channel; the receiver
                answers with an atomic and the sender times the round trip (`signal`: the atomics alone).
                Two processes: ipc on one GPU (--mode gpu; a one-warp kernel pushes each batch), fabric
@@ -299,7 +300,7 @@ def _gpu_ipc(args):
 def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
     """The proxy commands the low-latency dispatch kernel would push for its block to `peer` (the other of
     two ranks, one per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the
-    whole block (what the kernels do), `per-expert` one write per local expert with rows (the first one
+    whole block (what the kernels do for the rows), `per-expert` one write per local expert with rows (the first one
     carries the counts header), `signal` none; then the atomic that raises the peer's signal. The block
     layout is the kernels' own (backends.low_latency.low_latency_layout)."""
     from uccl_ep_train import proxy as P
