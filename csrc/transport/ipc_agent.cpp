@@ -157,8 +157,9 @@ class Agent {
       // spin for 100 ms after the last request, then nap: a NIC does not sleep between the calls of a job,
       // and a copy that found the agent napping waited for its wake-up (measured, 2 x 1 emulated nodes on one
       // H100, 50 us of spinning against 500 ms: kernel timing BF16 dispatch 106 -> 94 us, combine 103 -> 77
-      // us; 5 ms did not cover the benchmark's rounds; 100 ms itself was not measured against 500 ms). Once a job has gone quiet the agents leave their cores
-      // to others; while it runs, the thread budget (backends/internode.py) counts every agent as spinning.
+      // us; 5 ms did not cover the benchmark's rounds; 100 ms itself was not measured against 500 ms). Once a
+      // job has gone quiet the agents leave their cores to others; while it runs, the thread budget
+      // (backends/internode.py) counts every agent as spinning.
       if (std::chrono::steady_clock::now() - last_work > std::chrono::milliseconds(100)) nap_us(5);
     }
   }
