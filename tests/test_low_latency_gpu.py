@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from dist_utils import gpu_ranks, run_ranks
-from test_buffer_ll import _check_ll
+from test_buffer_ll import _check_ll, ll_checks
 from uccl_ep_train import Buffer
 
 pytestmark = pytest.mark.gpu
@@ -35,7 +35,7 @@ def test_native_low_latency_matches_oracle(mps, world, per_node, fault, hidden):
     if fault:
         env["UCCL_EP_FAULT"] = fault
     got = run_ranks(_check_ll, world, 9, hidden, 8, 3, env=env, timeout=300, **gpu_ranks(world))
-    assert got == [(16 if hidden % 512 == 0 else 12, "NativeLowLatencyBackend")] * world
+    assert got == [(ll_checks(hidden), "NativeLowLatencyBackend")] * world
 
 
 M, H, E, K = 32, 512, 8, 3
