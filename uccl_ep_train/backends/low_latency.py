@@ -2,8 +2,9 @@
 
 Every token goes straight to the rank of each of its experts: node peers over NVLink/xGMI (CUDA/HIP IPC),
 ranks of other nodes through the CPU proxies (per destination rank and call, a write and an ordered atomic for
-a dispatch's counts header, then for its rows; one of each for a combine). Sizes are fixed by (num_max_dispatch_tokens_per_rank, hidden, ranks, experts): no host sync, and a
-dispatch + combine pair replays exactly in a CUDA graph. Kernels: csrc/kernels/low_latency{,_buffer}.cu;
+a dispatch's counts header, then for its rows; one of each for a combine). Sizes are fixed by
+(num_max_dispatch_tokens_per_rank, hidden, ranks, experts): no host sync, and a dispatch + combine pair replays
+exactly in a CUDA graph. Kernels: csrc/kernels/low_latency{,_buffer}.cu;
 design and numbers: docs/low_latency.md.
 
 This module is also the one home of the LL memory layout (`low_latency_layout`): the size hint
