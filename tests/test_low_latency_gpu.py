@@ -152,3 +152,50 @@ def test_ht_proxies_open_at_the_first_ht_dispatch(mps):
         pytest.skip(_ready() or internode_missing())
     got = run_ranks(_ht_after_ll, 2, env={"UCCL_EP_RANKS_PER_NODE": "1"}, timeout=300, **gpu_ranks(2))
     assert got == [(True, True)] * 2
+
+
+def _repeated_experts(rank: int, world: int, device: str) -> tuple:
+    """(right within M, rank 0's error, the last rank's outcome) for top-k lists that repeat an expert."""
+    dev, buf, factor = _ll_buffer(rank, world)
+    x, _, w = _inputs(rank, 0, dev)
+    t = torch.arange(M)
+    # every token lists one expert twice: an expert gets 12 rows from each rank, within M
+    idx = torch.stack([t % E, t % E, (t + 3) % E], 1).to(dev)
+    out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+    recv, _, count, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    buf.low_latency_combine((recv.float() * factor).to(torch.bfloat16), idx, w, handle, out=out)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out.float(), _expected(x, idx, w), atol=0.08, rtol=0.03)
+    within = count.tolist() == [12 * world] * (E // world)
+    # rank 0 gives the last rank's last expert every slot of every token: M x K rows from one rank
+    bad = torch.full((M, K), E - 1, device=dev) if rank == 0 else idx
+    _, _, _, handle, _ = buf.low_latency_dispatch(x, bad, M, E, use_fp8=False)
+    torch.cuda.synchronize()
+    error, outcome = "", ""
+    try:
+        buf.low_latency_backend.check_errors()
+        # the last rank completed (rank 0's kernels went on after the report): its share from rank 0 is capped
+        if rank == world - 1:
+            outcome = f"rows from rank 0: {int(handle.layout_range[-1, 0]) & 0xffffffff}"
+    except RuntimeError as e:
+        error = str(e)
+        # or rank 0's kernels stopped at the report (its claim word ends its waits): the peer's wait timed out
+        outcome = "timeout" if "timeout on rank" in error and "waiting for rank 0" in error else error
+    if dist.is_initialized():
+        dist.barrier()
+    buf.destroy()
+    return within, error if rank == 0 else "", outcome if rank == world - 1 else ""
+
+
+def test_repeated_expert_ids(mps):
+    """A token may list an expert twice (results as for distinct ids, counts include the repeats); an expert
+    given more than M rows by one rank: the extra rows are dropped on the GPU, that rank raises naming the
+    expert, and the receiver writes at most M rows of it (or times out naming rank 0) - never past its outputs.
+    2 emulated nodes x 1 (the proxies carry rank 0's rows)."""
+    if _ready():
+        pytest.skip(_ready())
+    got = run_ranks(_repeated_experts, 2, env={"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "10"},
+                    timeout=300, **gpu_ranks(2))
+    assert [g[0] for g in got] == [True, True]
+    assert f"expert {E - 1} {M * K} rows, more than num_max_dispatch_tokens_per_rank ({M})" in got[0][1], got[0][1]
+    assert got[1][2] in (f"rows from rank 0: {M}", "timeout"), got[1][2]

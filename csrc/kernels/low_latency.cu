@@ -295,11 +295,20 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       for (int u = 0; u < 4; ++u) {
         const bool hit = v[u] == e;
         const uint64_t mask = intranode::warp_ballot(hit);
-        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = count + __popcll(mask & ((1ull << lane) - 1ull));
+        const int pos = count + __popcll(mask & ((1ull << lane) - 1ull));
+        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = pos < a.max_tokens ? pos : -1;
         count += __popcll(mask);
       }
     }
-    if (lane == 0) ctr.slot[e] = count;
+    // An expert takes at most max_tokens rows from one source (its share of the receiver's packed output): only
+    // a token listing it several times can exceed that. The rows past it are dropped (pair_pos -1) and the call
+    // raises, so no receiver writes outside its outputs. With the cap a block never overflows either: it gets
+    // at most min(L, top-k) x max_tokens rows, which it holds.
+    if (lane == 0) {
+      ctr.slot[e] = min(count, a.max_tokens);
+      if (count > a.max_tokens)
+        report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, a.max_tokens);
+    }
   }
   if (!grid_barrier(a, kPhaseDispatchSend)) return;
 
@@ -338,14 +347,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       const int r = int(e / L);
       if (same_node(a, r) != (pass == 1)) continue;
       const char* msg = a.buf + lay.d_stage + int64_t(p / K) * lay.msg_bytes;  // staged in step 1
-      const int pos = smem[E + e] + a.pair_pos[p];
+      const int in_expert = a.pair_pos[p];
+      if (in_expert < 0) continue;  // past the expert's max_tokens rows (step 1)
+      const int pos = smem[E + e] + in_expert;
       intranode::warp_sync();
       if (lane == 0) a.pair_pos[p] = pos;
-      if (pos >= lay.slots) {
-        if (lane == 0) report_error(a.err, a.claim, kErrBlockFull, a.rank, r, kPhaseDispatchSend, pos + 1,
-                                    int(lay.slots));
-        continue;
-      }
       char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
       intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
     }
@@ -446,14 +452,19 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   prefix_tables(cnt, in_off, out_off, src_base, R, L);
 
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
-  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int64_t rows = int64_t(R) * M;  // rows per local expert in the outputs
   // The node's blocks first (its ranks are consecutive: one range of the flat order), then, once their rows
-  // landed, the other nodes' blocks (the rest of the order): the node's unpacking overlaps their trip.
+  // landed, the other nodes' blocks (the rest of the order): the node's unpacking overlaps their trip. Block 0
+  // sits out the first pass when there are other nodes: it polls their signals in host memory for the others,
+  // which would otherwise see them only after block 0's share of the node's rows.
+  const bool far_nodes = R > a.ranks_per_node;
   const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
   const int near0 = src_base[node0], near = src_base[node0 + a.ranks_per_node] - near0;
-  for (int pass = 0; pass < (R > a.ranks_per_node ? 2 : 1); ++pass) {
+  for (int pass = 0; pass < (far_nodes ? 2 : 1); ++pass) {
     if (pass == 1 && !wait_all(a, lay.gpu_dsig, lay.host_dsig, 0, 2 * calls + 2, kPhaseDispatchRecv)) return;
+    const int skip = pass == 0 && far_nodes && gridDim.x > 1 ? 1 : 0;  // blocks sitting out the pass
+    if (int(blockIdx.x) < skip) continue;
+    const int gw = (int(blockIdx.x) - skip) * kWarps + warp, nw = (int(gridDim.x) - skip) * kWarps;
     const int count = pass == 0 ? near : src_base[R] - near;
     for (int f = gw; f < count; f += nw) {
       int s, le, i;
@@ -548,10 +559,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
       for (int c = 0; c < 8; ++c) acc[u][c] = 0.f;
     for (int k = 0; k < K; ++k) {
       const int64_t e = a.topk_idx[int64_t(t) * K + k];
-      if (e < 0 || e >= a.num_experts) continue;
+      const int pos = a.pair_pos[int64_t(t) * K + k];
+      if (e < 0 || e >= a.num_experts || pos < 0) continue;  // no expert, or a row the dispatch dropped
       const float w = a.topk_w[int64_t(t) * K + k];
-      const int4* row = reinterpret_cast<const int4*>(recv + (e / L) * lay.cblock_bytes +
-                                                      int64_t(a.pair_pos[int64_t(t) * K + k]) * row_bytes);
+      const int4* row = reinterpret_cast<const int4*>(recv + (e / L) * lay.cblock_bytes + int64_t(pos) * row_bytes);
       int4 raw[U];
 #pragma unroll
       for (int u = 0; u < U; ++u)

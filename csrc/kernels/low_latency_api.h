@@ -35,15 +35,15 @@ constexpr int kMsgHeaderBytes = 16;  // a dispatch message: {source token, -, -,
 // offsets fit a command's 32 bits), then the staging and zero-copy areas only this rank touches. The host flag
 // offsets count uint64 words. Mirrors `LowLatencyLayout.kernel_args()` in Python, field for field.
 struct Layout {
-  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes, slots;  // a message, a dispatch / combine (src, dst)
-                                                                   // block, its counts header, rows per block
+  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes;  // a message, a dispatch / combine (src, dst) block,
+                                                            // its counts header
   int64_t d_send, d_recv, c_send, c_recv;  // this half's areas, R blocks each (proxied)
   int64_t gpu_dsig, gpu_csig;              // this half's signals raised by node peers: uint64 [R]
   int64_t host_dsig, host_csig;            // the same raised by the proxies, in the host flag region
   int64_t d_stage, c_zero;                 // staged messages [M]; zero-copy combine input [L][R*M][H]
   int64_t counters;                        // the counters the kernels keep (low_latency_launch.cuh)
 };
-constexpr int kLayoutFields = 16;
+constexpr int kLayoutFields = 15;
 
 // The buffer of one rank: its region (GPU, IPC-exported, registered with the proxies), host flag region
 // (pinned, GPU-mapped), error record; launchers for the four kernels.
@@ -71,10 +71,10 @@ class LowLatencyBuffer {
   static int64_t counter_bytes();      // the counters' bytes at Layout::counters
 
   // Send half of a dispatch: stage (BF16 or FP8-cast) messages, place them, signal every rank.
-  // pair_pos [T, K] int32 (out): where each (token, top-k slot) landed in its destination block.
+  // pair_pos [T, K] int32 (out): where each (token, top-k slot) landed in its destination block (-1: nowhere).
   void dispatch_send(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens, int num_topk,
-                     int num_experts, int hidden, bool use_fp8, bool round_scale, bool fnuz, int half,
-                     int64_t pair_pos, int64_t stream);
+                     int num_experts, int max_tokens, int hidden, bool use_fp8, bool round_scale, bool fnuz,
+                     int half, int64_t pair_pos, int64_t stream);
   // Receive half: wait for every rank, unpack into DeepEP's packed per-expert layout.
   void dispatch_recv(const std::vector<int64_t>& layout, int num_experts, int max_tokens, int hidden, bool use_fp8,
                      bool use_ue8m0, int half, int64_t recv_x, int64_t recv_scales, int64_t src_info,

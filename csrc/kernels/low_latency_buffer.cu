@@ -152,9 +152,10 @@ std::string LowLatencyBuffer::error() const {
   } else if (r->code == intranode::kErrBadExpert) {
     os << "rank " << r->rank << ": topk_idx of token " << r->peer << " has expert id " << r->need << ", outside [-1, "
        << r->have << ") (checked on the GPU; the call moved nothing for it)";
-  } else if (r->code == kErrBlockFull) {
-    os << "rank " << r->rank << " sends more than " << r->have << " rows to rank " << r->peer << " in phase '" << phase
-       << "': a token lists the same expert several times in topk_idx";
+  } else if (r->code == kErrExpertFull) {
+    os << "rank " << r->rank << ": topk_idx gives expert " << r->peer << " " << r->need << " rows, more than "
+       << "num_max_dispatch_tokens_per_rank (" << r->have << "): a token lists that expert several times; the rows "
+       << "past " << r->have << " were dropped (in phase '" << phase << "')";
   } else {
     os << "error code " << r->code << " on rank " << r->rank << " in phase '" << phase << "'";
   }
@@ -190,8 +191,8 @@ Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_exp
 }
 
 void LowLatencyBuffer::dispatch_send(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens,
-                                     int num_topk, int num_experts, int hidden, bool use_fp8, bool round_scale,
-                                     bool fnuz, int half, int64_t pair_pos, int64_t stream) {
+                                     int num_topk, int num_experts, int max_tokens, int hidden, bool use_fp8,
+                                     bool round_scale, bool fnuz, int half, int64_t pair_pos, int64_t stream) {
   check_ready("low_latency_dispatch");
   UCCL_CHECK(num_experts <= kMaxExperts && num_experts % num_ranks_ == 0,
              "low_latency_dispatch: num_experts " << num_experts << " must divide by the ranks and be <= " << kMaxExperts);
@@ -201,6 +202,7 @@ void LowLatencyBuffer::dispatch_send(const std::vector<int64_t>& layout, int64_t
   Args a = make_args(layout, num_experts, half);
   a.num_tokens = num_tokens;
   a.num_topk = num_topk;
+  a.max_tokens = max_tokens;
   a.hidden = hidden;
   a.x = as_ptr<const char>(x);
   a.topk_idx = as_ptr<const int64_t>(topk_idx);

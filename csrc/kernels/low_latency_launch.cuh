@@ -34,7 +34,7 @@ constexpr int64_t kCounterBytes = kWordsOffset + 8 * (kSeqWord + 4);
 // Phases named in errors (ErrorRecord::phase).
 enum Phase : int { kPhaseDispatchSend = 31, kPhaseDispatchRecv = 32, kPhaseCombineSend = 33, kPhaseCombineRecv = 34 };
 constexpr int kErrRingFull = 10;   // a ring stayed full for the whole timeout (proxy thread dead or stuck)
-constexpr int kErrBlockFull = 11;  // more rows for one destination than its block holds (top-k with repeats)
+constexpr int kErrExpertFull = 11;  // more than max_tokens rows for one expert from one rank (top-k with repeats)
 
 struct RingSet {
   uccl::RingDesc r[kMaxRings];

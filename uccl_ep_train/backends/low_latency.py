@@ -68,12 +68,12 @@ class LowLatencyLayout:
 
     @functools.cached_property
     def kernel_args(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per half, the 16 int64 of the native `Layout` in its field order (built once per shape: every
+        """Per half, the 15 int64 of the native `Layout` in its field order (built once per shape: every
         call passes them)."""
         R = self.num_ranks
         per_half = []
         for half, (d_send, d_recv, c_send, c_recv, d_stage, c_zero) in enumerate(self.areas):
-            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.slots,
+            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes,
                              d_send, d_recv, c_send, c_recv,
                              _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # node peers' signals (bytes)
                              R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
@@ -251,8 +251,8 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         recv_count = torch.empty((L,), dtype=torch.int32, device=dev)
         stats = cumulative_local_expert_recv_stats
         stream = current_raw_stream(self.device.index)
-        self._buf.dispatch_send(args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, H, use_fp8, round_scale,
-                                self._fnuz, half, pair_pos.data_ptr(), stream)
+        self._buf.dispatch_send(args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, M, H, use_fp8,
+                                round_scale, self._fnuz, half, pair_pos.data_ptr(), stream)
 
         def receive() -> None:
             self._buf.dispatch_recv(args, num_experts, M, H, use_fp8, use_ue8m0, half, recv_x.data_ptr(),
