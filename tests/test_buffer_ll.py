@@ -109,3 +109,35 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
 def test_low_latency_matches_oracle(world, hidden):
     assert run_ranks(_check_ll, world, 9, hidden, 8, 3) == [(ll_checks(hidden), "ReferenceBackend")] * world
 
+
+
+def test_low_latency_layout_sends_a_token_once_per_rank():
+    """The one LL layout: a dispatch block holds its counts header, a row index for every row a source can send
+    (M x min(top-k limit, L)) and one message per token (a token crosses to a rank once, however many of its
+    experts live there); the areas of each half follow each other without overlap; the region's first bytes
+    hold what the built native module keeps there (error words, counters)."""
+    from uccl_ep_train.backends import low_latency as LL
+    M, H, R, E = 128, 7168, 4, 256
+    lay = LL.low_latency_layout(M, H, R, E)
+    L = E // R
+    assert lay.slots == M * min(LL.MAX_TOPK, L) and lay.idx_bytes >= 4 * lay.slots and lay.hdr_bytes >= 4 * L
+    need = lay.hdr_bytes + lay.idx_bytes + M * lay.msg_bytes
+    assert need <= lay.block_bytes < need + 256 and lay.cblock_bytes >= lay.slots * 2 * H
+    ends = []
+    for d_send, d_recv, c_send, c_recv, d_stage, d_map, c_zero in lay.areas:
+        spans = [(d_send, R * lay.block_bytes), (d_recv, R * lay.block_bytes), (c_send, R * lay.cblock_bytes),
+                 (c_recv, R * lay.cblock_bytes), (d_stage, M * lay.msg_bytes), (d_map, 2 * 4 * M * R),
+                 (c_zero, L * R * M * 2 * H)]
+        ends += spans
+    ordered = sorted(ends)
+    assert ordered[0][0] >= LL._SIGNALS + 4 * 8 * R  # after the error words, counters and signals
+    assert all(a + n <= b for (a, n), (b, _) in zip(ordered, ordered[1:])) and ordered[-1][0] + ordered[-1][1] <= \
+        lay.total_bytes
+    assert lay.proxied_end <= min(off for off, _ in ends[4::7])  # the proxied areas come first
+    try:
+        from uccl_ep_train import _native
+    except ImportError:
+        pytest.skip("native module not built")
+    if hasattr(_native, "LL_COUNTER_BYTES"):
+        assert _native.LL_ERROR_WORDS_BYTES <= LL._ERROR_WORDS
+        assert _native.LL_COUNTER_BYTES <= LL._COUNTERS_BYTES

@@ -162,14 +162,14 @@ def _repeated_experts(rank: int, world: int, device: str) -> tuple:
     # every token lists one expert twice: an expert gets 12 rows from each rank, within M
     idx = torch.stack([t % E, t % E, (t + 3) % E], 1).to(dev)
     out = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
-    recv, _, count, handle, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
+    recv, count, handle, _, _ = buf.low_latency_dispatch(x, idx, M, E, use_fp8=False)
     buf.low_latency_combine((recv.float() * factor).to(torch.bfloat16), idx, w, handle, out=out)
     torch.cuda.synchronize()
     torch.testing.assert_close(out.float(), _expected(x, idx, w), atol=0.08, rtol=0.03)
     within = count.tolist() == [12 * world] * (E // world)
     # rank 0 gives the last rank's last expert every slot of every token: M x K rows from one rank
     bad = torch.full((M, K), E - 1, device=dev) if rank == 0 else idx
-    _, _, _, handle, _ = buf.low_latency_dispatch(x, bad, M, E, use_fp8=False)
+    _, _, handle, _, _ = buf.low_latency_dispatch(x, bad, M, E, use_fp8=False)
     torch.cuda.synchronize()
     error, outcome = "", ""
     try:

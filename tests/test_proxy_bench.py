@@ -36,13 +36,16 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
     assert sorted(batching) == ["per-expert", "per-rank", "signal"]
     assert batching["signal"]["writes"] == 0 and batching["per-rank"]["writes"] == 1
     assert batching["per-expert"]["writes"] == batching["per-expert"]["experts_with_rows"] > 1
-    assert batching["per-expert"]["block_bytes"] == batching["per-rank"]["block_bytes"] > 0
+    # the same routing: per-expert writes every (token, expert) row, per-rank each token once
+    assert batching["per-expert"]["rows"] == batching["per-rank"]["rows"] > batching["per-rank"]["tokens"] > 0
+    assert batching["per-expert"]["block_bytes"] > batching["per-rank"]["block_bytes"] > 0
     assert all(r["transport"] == "fabric" and r["iters"] > 0 for r in batching.values())
 
 
-def test_batching_patterns_write_the_same_block_in_expert_pieces():
-    """`bench proxy`'s batching op: per-expert writes tile the per-rank write exactly (header with the first
-    expert, then each expert's rows where the kernels' block layout puts them), one atomic last."""
+def test_batching_patterns_model_the_kernels_block_and_per_expert_rows():
+    """`bench proxy`'s batching op: `per-rank` is one write of the kernels' block (header, row index, each token
+    once), `per-expert` one write per expert with rows, contiguous, a message per (token, expert) row; one
+    atomic last; both fit the span each side reserves."""
     import argparse
 
     from uccl_ep_train.apps.bench.proxy import BATCHING_SHAPE, batching_commands
@@ -52,17 +55,18 @@ def test_batching_patterns_write_the_same_block_in_expert_pieces():
     whole, shape = batching_commands(args, "per-rank", peer=1)
     pieces, pshape = batching_commands(args, "per-expert", peer=1)
     assert shape["rows"] == pshape["rows"] and 0 < shape["rows"] <= args.num_tokens * args.num_topk
-    assert shape["block_bytes"] == lay.hdr_bytes + shape["rows"] * lay.msg_bytes
+    # top-8 of 256 experts: a token has ~4 experts on the peer, so its rows outnumber its tokens
+    assert 0 < shape["tokens"] <= args.num_tokens and shape["rows"] > 2 * shape["tokens"]
+    assert shape["block_bytes"] == lay.hdr_bytes + lay.idx_bytes + shape["tokens"] * lay.msg_bytes
+    assert pshape["block_bytes"] == lay.hdr_bytes + shape["rows"] * lay.msg_bytes
+    assert shape["span"] == pshape["span"] >= max(shape["block_bytes"], pshape["block_bytes"])
     for cmds in (whole, pieces):
         assert cmds[-1]["op"] == P.OP_ATOMIC_ADD and cmds[-1]["remote_off"] == 8 and cmds[-1]["region"] == 1
         writes = cmds[:-1]
         assert (writes["op"] == P.OP_WRITE).all() and (writes["dst"] == 1).all() and (writes["channel"] == 0).all()
-        # contiguous, in block order, from the peer's receive block for rank 0 on
-        assert writes["remote_off"][0] == lay.areas[0][1]
+        assert writes["local_off"][0] == 0 and writes["remote_off"][0] == shape["span"]
         assert (writes["remote_off"][1:] == writes["remote_off"][:-1] + writes["length"][:-1]).all()
-        local, remote = writes["local_off"].astype(int), writes["remote_off"].astype(int)
-        assert (local - remote == local[0] - remote[0]).all()
-        assert int(writes["length"].sum()) == shape["block_bytes"]
-    assert writes["local_off"][0] == lay.areas[0][0] + lay.block_bytes  # this rank's send block for rank 1
+        assert (writes["remote_off"] - writes["local_off"] == shape["span"]).all()
+    assert len(whole) == 2
     assert len(pieces) - 1 == pshape["experts_with_rows"] > 100  # 256 experts, top-8 of 128 tokens
     assert (pieces["length"][1:-1] % lay.msg_bytes == 0).all()

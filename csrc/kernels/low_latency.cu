@@ -36,13 +36,14 @@ struct Counters {
   int* slot;
   unsigned* d_done;
   unsigned* c_done;
+  int* msgs;
   unsigned long long* words;
 };
 
 __device__ __forceinline__ Counters counters(const Args& a) {
   char* base = a.buf + a.lay.counters;
   return Counters{reinterpret_cast<int*>(base + kSlotOffset), reinterpret_cast<unsigned*>(base + kDoneOffset),
-                  reinterpret_cast<unsigned*>(base + kCDoneOffset),
+                  reinterpret_cast<unsigned*>(base + kCDoneOffset), reinterpret_cast<int*>(base + kMsgsOffset),
                   reinterpret_cast<unsigned long long*>(base + kWordsOffset)};
 }
 
@@ -256,21 +257,67 @@ __device__ void stage_token(const Args& a, int t, char* out, int lane, int part,
 constexpr int kCombineVectors = 7;  // 16-byte vectors per lane a combine_recv warp sums at once: 7 x 32 x 8 channels
                                     // is a quarter of hidden 7168 (DeepSeek-V3), no register spills
 
+// Bytes between consecutive messages of this call: the header and the payload (BF16 row, or FP8 row and its
+// float scales), 16-byte aligned. At most the layout's msg_bytes (sized for BF16), so FP8 moves about half.
+__device__ __forceinline__ int64_t msg_stride(const Args& a) {
+  const int64_t payload = a.use_fp8 ? a.hidden + a.hidden / 128 * 4 : int64_t(a.hidden) * 2;
+  return (kMsgHeaderBytes + payload + 15) / 16 * 16;
+}
+
+// The last s in [0, n) with base[s] <= j (base ascending: the block, of n, that flat entry j falls in).
+__device__ __forceinline__ int block_of(const int* base, int n, int j) {
+  int lo = 0, hi = n - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (base[mid] <= j) lo = mid;
+    else hi = mid - 1;
+  }
+  return lo;
+}
+
+__device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
+
+// One warp: out[i * ostride] = in[0] + ... + in[(i - 1) * stride] for i < n (shared memory, strided so that a
+// column of a table scans too); returns the total. A warp-wide scan per pass of kWarpSize values: a thread
+// summing a whole row of L = 128 counts alone took microseconds at the head of every LL kernel.
+__device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostride, int n, int lane) {
+  int carry = 0;
+  for (int base = 0; base < n; base += kWarpSize) {
+    const int i = base + lane;
+    const int v = i < n ? in[i * stride] : 0;
+    int x = v;
+    for (int d = 1; d < kWarpSize; d <<= 1) {
+      const int y = intranode::warp_shfl(x, lane >= d ? lane - d : lane);
+      if (lane >= d) x += y;
+    }
+    if (i < n) out[i * ostride] = carry + x - v;
+    carry += intranode::warp_shfl(x, kWarpSize - 1);
+  }
+  return carry;
+}
+
+constexpr int kMaxMsgParts = 4;  // warps sharing one message copy when there are fewer messages than warps
+
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
-  extern __shared__ int smem[];  // count[E], then base[E]: the expert's first row in its destination block
+  extern __shared__ int smem[];  // count[E], base[E] (the expert's first row in its destination block), then
+                                 // mbase[R + 1] (the destination's first message in the flat message order)
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
-  const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk;
+  const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk, T = a.num_tokens;
   const Layout& lay = a.lay;
   const Counters ctr = counters(a);
+  const int64_t stride = msg_stride(a);
+  int* tok_msg = reinterpret_cast<int*>(a.buf + lay.d_map);  // [T][R]: token t's message on rank r (-1: none)
+  int* msg_tok = tok_msg + int64_t(a.max_tokens) * R;         // [R][M]: the token of rank r's message m
 
   // 1. stage every token once (warps over (token, part): up to one pass of 256 channels per part, so a
   //    few tokens still keep every warp busy); rows of each expert in (token, slot) order (warps over
-  //    experts: a scan of topk_idx, so the receiver gets every source's rows in its token order)
-  const int parts = max(1, min(nw / max(a.num_tokens, 1), a.hidden / (8 * kWarpSize)));
-  for (int j = gw; j < a.num_tokens * parts; j += nw) {
+  //    experts: a scan of topk_idx, so the receiver gets every source's rows in its token order); the
+  //    messages of each destination in token order (warps over destinations, from the grid's last warp on)
+  const int parts = max(1, min(nw / max(T, 1), a.hidden / (8 * kWarpSize)));
+  for (int j = gw; j < T * parts; j += nw) {
     const int t = j / parts, part = j % parts;
-    char* msg = a.buf + lay.d_stage + int64_t(t) * lay.msg_bytes;
+    char* msg = a.buf + lay.d_stage + int64_t(t) * stride;
     stage_token(a, t, msg + kMsgHeaderBytes, lane, part, parts);
     if (part != 0) continue;
     if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
@@ -281,7 +328,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       if (e < 0 || e >= E) a.pair_pos[int64_t(t) * K + k] = -1;
     }
   }
-  const int pairs = a.num_tokens * K;
+  const int pairs = T * K;
   for (int e = gw; e < E; e += nw) {
     int count = 0;
     for (int p0 = 0; p0 < pairs; p0 += 4 * kWarpSize) {
@@ -303,24 +350,43 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     // An expert takes at most max_tokens rows from one source (its share of the receiver's packed output): only
     // a token listing it several times can exceed that. The rows past it are dropped (pair_pos -1) and the call
     // raises, so no receiver writes outside its outputs. With the cap a block never overflows either: it gets
-    // at most min(L, top-k) x max_tokens rows, which it holds.
+    // at most min(L, top-k) x max_tokens rows, which its row index holds.
     if (lane == 0) {
       ctr.slot[e] = min(count, a.max_tokens);
       if (count > a.max_tokens)
         report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, a.max_tokens);
     }
   }
+  for (int r = nw - 1 - gw; r < R; r += nw) {  // a token is one message to a rank, however many experts it has there
+    int m = 0;
+    for (int t0 = 0; t0 < T; t0 += kWarpSize) {
+      const int t = t0 + lane;
+      bool hit = false;
+      for (int k = 0; t < T && k < K; ++k) {
+        const int64_t e = a.topk_idx[int64_t(t) * K + k];
+        hit |= e >= 0 && e < E && e / L == r;
+      }
+      const uint64_t mask = intranode::warp_ballot(hit);
+      const int at = m + __popcll(mask & ((1ull << lane) - 1ull));
+      if (t < T) tok_msg[int64_t(t) * R + r] = hit ? at : -1;
+      if (hit) msg_tok[int64_t(r) * a.max_tokens + at] = t;
+      m += __popcll(mask);
+    }
+    if (lane == 0) ctr.msgs[r] = m;
+  }
   if (!grid_barrier(a, kPhaseDispatchSend)) return;
 
   // 2. every count is final: each block derives the bases; block 0 sends every destination its counts header
   //    now (a warp per destination; the first signal of the call), so the receivers know where every
   //    source's rows go before they arrive and can unpack the node's blocks while the others travel
-  for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = *reinterpret_cast<volatile int*>(ctr.slot + e);
+  int* mbase = smem + 2 * E;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = ld_volatile(ctr.slot + e);
+  for (int r = threadIdx.x; r < R; r += blockDim.x) mbase[r] = ld_volatile(ctr.msgs + r);
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    int s = 0;
-    for (int j = e / L * L; j < e; ++j) s += smem[j];
-    smem[E + e] = s;
+  for (int r = warp; r < R; r += kWarps) warp_exclusive_scan(smem + r * L, 1, smem + E + r * L, 1, L, lane);
+  if (warp == kWarps - 1) {  // in place: each lane reads its value before the pass writes it
+    const int total = warp_exclusive_scan(mbase, 1, mbase, 1, R, lane);
+    if (lane == 0) mbase[R] = total;
   }
   __syncthreads();
   if (blockIdx.x == 0) {
@@ -335,38 +401,54 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     }
   }
 
-  // 3. every (token, slot) to its row: straight into a node peer's receive block, else into the send block.
-  //    Warps over pairs, not tokens: with fewer tokens than warps (128 tokens, 512 warps) a warp per token
-  //    left three quarters of them idle while the others copied top-k rows one after another. Rows for other nodes
-  //    first (pass 0, when there are other nodes), then the node's (pass 1), so the proxies carry the remote
-  //    blocks while the node's rows are still being copied.
+  // 3. each destination's messages (a staged token, once per rank), straight into a node peer's receive block,
+  //    else into the send block, then the row index (each row's message). Rows for other nodes first (pass 0,
+  //    when there are other nodes), then the node's (pass 1), so the proxies carry the remote blocks while
+  //    the node's are still being written. The node's ranks are consecutive: its messages are one range of the
+  //    flat message order, [mnear0, mnear0 + mnear).
+  const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
+  const int mnear0 = mbase[node0], mnear = mbase[node0 + a.ranks_per_node] - mnear0;
+  const int gt = int(blockIdx.x * blockDim.x + threadIdx.x), nt = int(gridDim.x * blockDim.x);
+  const int64_t vecs = stride / 16;  // 16-byte vectors of a message
   for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
-    for (int p = gw; p < pairs; p += nw) {
+    const int count = pass == 1 ? mnear : mbase[R] - mnear;
+    const int shares = max(1, min(nw / max(count, 1), kMaxMsgParts));  // warps per message
+    const int64_t per = (vecs + shares - 1) / shares;
+    for (int j = gw; j < count * shares; j += nw) {
+      const int q = j / shares, share = j % shares;
+      const int f = pass == 1 ? mnear0 + q : q < mnear0 ? q : q + mnear;
+      const int r = block_of(mbase, R, f), m = f - mbase[r];
+      const int t = ld_volatile(msg_tok + int64_t(r) * a.max_tokens + m);
+      const int64_t v0 = share * per, n = min(vecs - v0, per) * 16;
+      if (n <= 0) continue;
+      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
+                  m * stride + v0 * 16;
+      intranode::warp_push_row<int4, 4, false>(a.buf + lay.d_stage + t * stride + v0 * 16, n, &dst, 1, lane);
+    }
+    for (int p = gt; p < pairs; p += nt) {  // threads over (token, slot) pairs: pair_pos becomes the row
       const int64_t e = a.topk_idx[p];
       if (e < 0 || e >= E) continue;
       const int r = int(e / L);
       if (same_node(a, r) != (pass == 1)) continue;
-      const char* msg = a.buf + lay.d_stage + int64_t(p / K) * lay.msg_bytes;  // staged in step 1
-      const int in_expert = a.pair_pos[p];
+      const int in_expert = ld_volatile(a.pair_pos + p);
       if (in_expert < 0) continue;  // past the expert's max_tokens rows (step 1)
       const int pos = smem[E + e] + in_expert;
-      intranode::warp_sync();
-      if (lane == 0) a.pair_pos[p] = pos;
-      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + pos * lay.msg_bytes;
-      intranode::warp_push_row<int4, 4, false>(msg, lay.msg_bytes, &dst, 1, lane);
+      a.pair_pos[p] = pos;
+      int* idx = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes);
+      idx[pos] = ld_volatile(tok_msg + int64_t(p / K) * R + r);
     }
 
-    // 4. per destination of the pass: the warp that completes it raises the second signal (the rows)
+    // 4. per destination of the pass: the block that completes it raises the second signal (the rows); one
+    //    completion atomic per block and destination (every thread fenced its own writes before the barrier)
     __threadfence_system();
-    intranode::warp_sync();
-    for (int r = lane; r < R; r += kWarpSize) {
-      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != unsigned(nw - 1)) continue;
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != gridDim.x - 1) continue;
       __threadfence_system();
       ctr.d_done[r] = 0;
-      int total = 0;
-      for (int le = 0; le < L; ++le) total += smem[r * L + le];
+      const int msgs = mbase[r + 1] - mbase[r];
       signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
-                  int64_t(total) * lay.msg_bytes, kPhaseDispatchSend);
+                  msgs > 0 ? lay.idx_bytes + msgs * stride : 0, kPhaseDispatchSend);
     }
   }
 }
@@ -374,8 +456,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
 // Message j of the flattened (source, local expert, row) order -> its source s, expert le and row i.
 __device__ __forceinline__ void locate(const int* src_base, const int* in_off, int R, int L, int j, int& s, int& le,
                                        int& i) {
-  s = 0;
-  while (s + 1 < R && src_base[s + 1] <= j) ++s;  // R is small; the blocks are in rank order
+  s = block_of(src_base, R, j);  // the blocks are in rank order
   const int idx = j - src_base[s];
   int lo = 0, hi = L - 1;  // last le with in_off[s][le] <= idx
   while (lo < hi) {
@@ -388,23 +469,19 @@ __device__ __forceinline__ void locate(const int* src_base, const int* in_off, i
 }
 
 // Prefix tables over counts cnt[s][le] (by source block): in_off[s][le] (row in s's block), out_off[le][s]
-// (row in local expert le's packed output), src_base[s] (first message of block s in the flat order).
+// (row in local expert le's packed output), src_base[s] (first message of block s in the flat order): warp
+// scans over rows (sources) and columns (local experts), then over the block totals.
 __device__ void prefix_tables(const int* cnt, int* in_off, int* out_off, int* src_base, int R, int L) {
-  for (int i = threadIdx.x; i < R * L; i += blockDim.x) {
-    const int s = i / L, le = i % L;
-    int a = 0, b = 0;
-    for (int j = 0; j < le; ++j) a += cnt[s * L + j];
-    for (int q = 0; q < s; ++q) b += cnt[q * L + le];
-    in_off[i] = a;
-    out_off[le * R + s] = b;
+  const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
+  for (int s = warp; s < R; s += kWarps) {
+    const int total = warp_exclusive_scan(cnt + s * L, 1, in_off + s * L, 1, L, lane);
+    if (lane == 0) src_base[s] = total;  // block s's rows, summed below
   }
-  if (threadIdx.x == 0) {
-    int acc = 0;
-    for (int s = 0; s < R; ++s) {
-      src_base[s] = acc;
-      for (int le = 0; le < L; ++le) acc += cnt[s * L + le];
-    }
-    src_base[R] = acc;
+  for (int le = warp; le < L; le += kWarps) warp_exclusive_scan(cnt + le, L, out_off + le * R, 1, R, lane);
+  __syncthreads();
+  if (warp == 0) {
+    const int total = warp_exclusive_scan(src_base, 1, src_base, 1, R, lane);
+    if (lane == 0) src_base[R] = total;
   }
   __syncthreads();
 }
@@ -442,6 +519,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   int* out_off = in_off + R * L;
   int* src_base = out_off + R * L;
   unsigned long long* seq = seq_word(a, 0);
+  const int64_t stride = msg_stride(a);
   const unsigned long long calls = *reinterpret_cast<volatile unsigned long long*>(seq);
   // the node's blocks whole (rows too), the other nodes' headers: where every row goes
   if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 2, 2 * calls + 1, kPhaseDispatchRecv)) return;
@@ -469,8 +547,10 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
     for (int f = gw; f < count; f += nw) {
       int s, le, i;
       locate(src_base, in_off, R, L, pass == 0 ? near0 + f : f < near0 ? f : f + near, s, le, i);
-      const char* msg = recv + s * lay.block_bytes + lay.hdr_bytes + int64_t(in_off[s * L + le] + i) * lay.msg_bytes;
-      unpack_message(a, msg, le, int64_t(out_off[le * R + s]) + i, rows, lane);
+      const char* blk = recv + s * lay.block_bytes;
+      const int m = ld_volatile(reinterpret_cast<const int*>(blk + lay.hdr_bytes) + in_off[s * L + le] + i);
+      unpack_message(a, blk + lay.hdr_bytes + lay.idx_bytes + m * stride, le, int64_t(out_off[le * R + s]) + i, rows,
+                     lane);
     }
   }
   if (blockIdx.x == 0) {
@@ -522,10 +602,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
                   int64_t(in_off[r * L + le] + i) * row_bytes;
       intranode::warp_push_row<int4, 4>(src, row_bytes, &dst, 1, lane);
     }
-    __threadfence_system();
-    intranode::warp_sync();
-    for (int r = lane; r < R; r += kWarpSize) {
-      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.c_done + r, 1u) != unsigned(nw - 1)) continue;
+    __threadfence_system();  // then one completion atomic per block and destination, as in dispatch_send
+    __syncthreads();
+    for (int r = threadIdx.x; r < R; r += blockDim.x) {
+      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.c_done + r, 1u) != gridDim.x - 1) continue;
       __threadfence_system();
       ctr.c_done[r] = 0;
       signal_rank(a, r, lay.gpu_csig, lay.host_csig, lay.c_send, lay.c_recv, lay.cblock_bytes, 0,
@@ -617,7 +697,8 @@ void preload_kernels() {
 }
 
 void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream) {
-  launch(dispatch_send_kernel, a, blocks, 2 * int64_t(a.num_experts) * 4, stream, "low-latency dispatch (send)");
+  launch(dispatch_send_kernel, a, blocks, (2 * int64_t(a.num_experts) + a.num_ranks + 1) * 4, stream,
+         "low-latency dispatch (send)");
 }
 void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream) {
   launch(dispatch_recv_kernel, a, blocks, table_smem(a), stream, "low-latency dispatch (receive)");

@@ -1,10 +1,10 @@
 // Low-latency (LL) dispatch / combine: host API of csrc/kernels/low_latency{,_buffer}.cu.
 //
-// Every token goes straight to the rank of each of its experts (no per-node aggregation): node peers are
-// written over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU proxies (per destination rank
-// and call: a dispatch writes the counts header, then the rows, each followed by an ordered atomic; a combine
-// one write and one atomic). Sizes are fixed by (max tokens, hidden, ranks,
-// experts), so there is no host synchronisation and the four kernels replay exactly in a CUDA graph: every
+// Every token goes straight to each rank its experts live on, once per rank (no per-node aggregation): node
+// peers are written over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU proxies (per
+// destination rank and call: a dispatch writes the counts header, then the rows, each followed by an ordered
+// atomic; a combine one write and one atomic). Sizes are fixed by (max tokens, hidden, ranks, experts), so
+// there is no host synchronisation and the four kernels replay exactly in a CUDA graph: every
 // signal is a counter that only grows, and the value a receiver waits for lives in device memory and
 // advances with each call (never in the captured arguments). docs/low_latency.md has the design.
 //
@@ -34,16 +34,21 @@ constexpr int kMsgHeaderBytes = 16;  // a dispatch message: {source token, -, -,
 // (fixed places), the signals node peers raise, the areas the proxies read and write (first, so that their
 // offsets fit a command's 32 bits), then the staging and zero-copy areas only this rank touches. The host flag
 // offsets count uint64 words. Mirrors `LowLatencyLayout.kernel_args()` in Python, field for field.
+// A dispatch block (source -> destination) is: counts header [L] int32 (hdr_bytes), the message index of
+// each row (int32, rows in (local expert, source token) order; idx_bytes), then the messages, one per token
+// that has any expert on the destination (a token crosses a link once per rank, not once per expert; the
+// receiver expands it into its experts' rows while unpacking). A combine block holds one BF16 row per row.
 struct Layout {
-  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes;  // a message, a dispatch / combine (src, dst) block,
-                                                            // its counts header
+  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes, idx_bytes;  // a message, a dispatch / combine
+                                                                       // block, its counts and row index
   int64_t d_send, d_recv, c_send, c_recv;  // this half's areas, R blocks each (proxied)
   int64_t gpu_dsig, gpu_csig;              // this half's signals raised by node peers: uint64 [R]
   int64_t host_dsig, host_csig;            // the same raised by the proxies, in the host flag region
-  int64_t d_stage, c_zero;                 // staged messages [M]; zero-copy combine input [L][R*M][H]
+  int64_t d_stage, d_map, c_zero;          // staged messages [M]; token <-> message maps int32 [M][R], [R][M];
+                                           // zero-copy combine input [L][R*M][H]
   int64_t counters;                        // the counters the kernels keep (low_latency_launch.cuh)
 };
-constexpr int kLayoutFields = 15;
+constexpr int kLayoutFields = 17;
 
 // The buffer of one rank: its region (GPU, IPC-exported, registered with the proxies), host flag region
 // (pinned, GPU-mapped), error record; launchers for the four kernels.

@@ -13,11 +13,12 @@ us, device, sms, plus the shape of each measurement):
   ipc_write    GB/s per GPU of chunked writes into the peer GPU through the ipc transport (two ranks,
                both directions busy), commands pushed by a GPU kernel, ended by OP_FLUSH per ring
   fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
-  batching     the proxy commands of one low-latency dispatch block to a rank of another node, as the kernels
-               batch the rows (one write of the whole block, `per-rank`; the kernels send the counts header
-               ahead in a write + atomic of its own, not modelled here) against one write per local expert
-               (`per-expert`), each followed by the signalling atomic on the same channel; the receiver
-               answers with an atomic and the sender times the round trip (`signal`: the atomics alone).
+  batching     the proxy commands of one low-latency dispatch to a rank of another node: one write of the
+               kernels' block (`per-rank`: header, row index, each token once; the kernels send the counts
+               header ahead in a write + atomic of its own, not modelled here) against one write per local
+               expert, a token once per expert (`per-expert`), each followed by the signalling atomic on the
+               same channel; the receiver answers with an atomic and the sender times the round trip
+               (`signal`: the atomics alone).
                Two processes: ipc on one GPU (--mode gpu; a one-warp kernel pushes each batch), fabric
                (--mode cpu; the host pushes).
 
@@ -298,36 +299,37 @@ def _gpu_ipc(args):
 
 
 def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
-    """The proxy commands the low-latency dispatch kernel would push for its block to `peer` (the other of
-    two ranks, one per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the
-    whole block (what the kernels do for the rows), `per-expert` one write per local expert with rows (the first one
-    carries the counts header), `signal` none; then the atomic that raises the peer's signal. The block
-    layout is the kernels' own (backends.low_latency.low_latency_layout)."""
+    """The proxy commands that move one low-latency dispatch's data for `peer` (the other of two ranks, one
+    per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the kernels' block
+    (counts header, row index, then each token once however many of its experts the peer has;
+    backends.low_latency.low_latency_layout), `per-expert` one write per local expert with rows, each row a
+    whole message (a token once per expert, as a per-expert batching needs; the first write carries the
+    header), `signal` none; then the atomic that raises the peer's signal. Both write from offset 0 of this
+    rank's buffer to offset `span` of the peer's (`shape["span"]`: room for either pattern)."""
     from uccl_ep_train import proxy as P
     from uccl_ep_train.backends.low_latency import low_latency_layout
     lay = low_latency_layout(args.num_tokens, args.hidden, 2, args.num_experts)
     rng = np.random.default_rng(BATCHING_SEED)
     experts = np.stack([rng.choice(args.num_experts, args.num_topk, replace=False) for _ in range(args.num_tokens)])
-    mine = experts.ravel()[experts.ravel() // lay.num_local == peer] % lay.num_local
-    counts = np.bincount(mine, minlength=lay.num_local)
-    rows = int(counts.sum())
-    send, recv = lay.areas[0][0], lay.areas[0][1]  # this rank's send block for `peer`, the peer's receive block
+    hits = experts // lay.num_local == peer
+    counts = np.bincount(experts[hits] % lay.num_local, minlength=lay.num_local)
+    rows, tokens = int(counts.sum()), int(hits.any(axis=1).sum())
+    span = -(-max(lay.hdr_bytes + lay.idx_bytes + tokens * lay.msg_bytes, lay.hdr_bytes + rows * lay.msg_bytes)
+             // 4096) * 4096  # whole pages
     pieces = []
     if pattern == "per-rank":
-        pieces = [(0, lay.hdr_bytes + rows * lay.msg_bytes)]
+        pieces = [(0, lay.hdr_bytes + lay.idx_bytes + tokens * lay.msg_bytes)]
     elif pattern == "per-expert":
         at = lay.hdr_bytes
         for n in counts[counts > 0]:
             start = 0 if not pieces else at  # the first write also carries the header
             pieces.append((start, at + int(n) * lay.msg_bytes - start))
             at += int(n) * lay.msg_bytes
-    me = 1 - peer
-    cmds = [(P.OP_WRITE, peer, 0, 0, length, send + peer * lay.block_bytes + off, recv + me * lay.block_bytes + off)
-            for off, length in pieces]
+    cmds = [(P.OP_WRITE, peer, 0, 0, length, off, span + off) for off, length in pieces]
     cmds.append((P.OP_ATOMIC_ADD, peer, 0, 1, 1, 0, 8 * peer))
-    shape = dict(pattern=pattern, writes=len(pieces), rows=rows, block_bytes=sum(n for _, n in pieces),
-                 local_experts=lay.num_local, experts_with_rows=int((counts > 0).sum()), **{
-                     k: getattr(args, k) for k in BATCHING_SHAPE})
+    shape = dict(pattern=pattern, writes=len(pieces), rows=rows, tokens=tokens, span=span,
+                 block_bytes=sum(n for _, n in pieces), local_experts=lay.num_local,
+                 experts_with_rows=int((counts > 0).sum()), **{k: getattr(args, k) for k in BATCHING_SHAPE})
     return P.make_commands(cmds), shape
 
 
@@ -339,11 +341,9 @@ def _batching_rank(rank, world, args, transport):
     import torch
     import torch.distributed as dist
     from uccl_ep_train import proxy as P
-    from uccl_ep_train.backends.low_latency import low_latency_layout
     dist.init_process_group("gloo")
     peer = 1 - rank
-    lay = low_latency_layout(args.num_tokens, args.hidden, 2, args.num_experts)
-    size = lay.areas[0][2]  # the dispatch send and receive areas of the first half
+    size = 2 * batching_commands(args, "per-expert", peer)[1]["span"]  # where this rank sends from, then receives
     flags = np.zeros(2, np.int64)  # word r: the signal rank r's peer raises (host memory: atomic target)
     if transport == "ipc":
         gpu = rank % torch.cuda.device_count()
