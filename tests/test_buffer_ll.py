@@ -124,16 +124,16 @@ def test_low_latency_layout_sends_a_token_once_per_rank():
     need = lay.hdr_bytes + lay.idx_bytes + M * lay.msg_bytes
     assert need <= lay.block_bytes < need + 256 and lay.cblock_bytes >= lay.slots * 2 * H
     ends = []
-    for d_send, d_recv, c_send, c_recv, d_stage, d_map, c_zero in lay.areas:
+    for d_send, d_recv, c_send, c_recv, d_map, c_zero in lay.areas:
         spans = [(d_send, R * lay.block_bytes), (d_recv, R * lay.block_bytes), (c_send, R * lay.cblock_bytes),
-                 (c_recv, R * lay.cblock_bytes), (d_stage, M * lay.msg_bytes), (d_map, 2 * 4 * M * R),
+                 (c_recv, R * lay.cblock_bytes), (d_map, 4 * M * R),
                  (c_zero, L * R * M * 2 * H)]
         ends += spans
     ordered = sorted(ends)
     assert ordered[0][0] >= LL._SIGNALS + 4 * 8 * R  # after the error words, counters and signals
     assert all(a + n <= b for (a, n), (b, _) in zip(ordered, ordered[1:])) and ordered[-1][0] + ordered[-1][1] <= \
         lay.total_bytes
-    assert lay.proxied_end <= min(off for off, _ in ends[4::7])  # the proxied areas come first
+    assert lay.proxied_end <= min(off for off, _ in ends[4::6])  # the proxied areas come first
     try:
         from uccl_ep_train import _native
     except ImportError:

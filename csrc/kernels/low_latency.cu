@@ -1,14 +1,16 @@
 // Low-latency dispatch / combine kernels (design: docs/low_latency.md; API: low_latency_api.h).
 //
 // Four kernels, each launched on `Args::half` (the call's half of the double-buffered areas):
-//   dispatch_send  stage each token once (BF16 copy or FP8 cast with per-128 scales), give every
-//                  (token, top-k slot) a row in its destination's block; send each destination its counts
-//                  header at once (one signal), then the rows (node peers: NVLink stores into their receive
-//                  block; other nodes: this rank's send block, then one proxy write), then a second signal.
+//   dispatch_send  write each token once to every rank that has any of its experts (a message: BF16 copy or
+//                  FP8 cast with per-128 scales; node peers: NVLink stores into their receive block, other
+//                  nodes: this rank's send block), give every (token, top-k slot) a row in its expert's list
+//                  and the row its message's index; send each destination its counts header at once (one
+//                  signal), then the row index and messages (other nodes: one proxy write), a second signal.
 //   dispatch_recv  wait for the node's blocks and the other nodes' counts headers, then unpack the blocks
 //                  into DeepEP's packed layout [local expert][rank * max tokens][hidden], grouped by source rank,
-//                  in the order the source sent them (its token order): the node's blocks first, while the other
-//                  nodes' rows are still on their way through the proxies, then those.
+//                  in the order the source sent them (its token order), a message to each row that names it:
+//                  the node's blocks first, while the other nodes' rows are still on their way through the
+//                  proxies, then those.
 //   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //
@@ -16,8 +18,8 @@
 // counts header landed, then the rows); the receiver waits until it passes what the calls it has received on
 // that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
 // replay waits for the next call, never for a value frozen at capture. The counters a
-// call uses as scratch (per-destination completions) are returned to zero by the warp that finishes with them,
-// inside the same call; the per-expert counts are plain stores of each call.
+// call uses as scratch (per-destination completions) are returned to zero by the block that finishes with them,
+// inside the same call; the per-expert counts and the message map are plain stores of each call.
 #include <cstdio>
 
 #include "common/check.h"
@@ -36,14 +38,13 @@ struct Counters {
   int* slot;
   unsigned* d_done;
   unsigned* c_done;
-  int* msgs;
   unsigned long long* words;
 };
 
 __device__ __forceinline__ Counters counters(const Args& a) {
   char* base = a.buf + a.lay.counters;
   return Counters{reinterpret_cast<int*>(base + kSlotOffset), reinterpret_cast<unsigned*>(base + kDoneOffset),
-                  reinterpret_cast<unsigned*>(base + kCDoneOffset), reinterpret_cast<int*>(base + kMsgsOffset),
+                  reinterpret_cast<unsigned*>(base + kCDoneOffset),
                   reinterpret_cast<unsigned long long*>(base + kWordsOffset)};
 }
 
@@ -201,17 +202,12 @@ __device__ __forceinline__ float fp8_scale(float amax, bool fnuz, bool round_sca
   return s;
 }
 
-// One warp stages part `part` of `parts` of token t's payload at `out`: x as is (BF16), or FP8 (hidden
-// bytes) then float scales. A part is every parts-th pass of 256 channels (a pass: 8 channels per lane; FP8:
-// 16 lanes per 128-channel block), so several warps share a token when there are fewer tokens than warps.
-__device__ void stage_token(const Args& a, int t, char* out, int lane, int part, int parts) {
+// One warp casts part `part` of `parts` of token t to FP8 at `out`: hidden bytes, then float scales. A part
+// is every parts-th pass of 256 channels (a pass: 8 channels per lane, 16 lanes per 128-channel block), so
+// several warps share a token when there are fewer tokens than warps.
+__device__ void cast_token_fp8(const Args& a, int t, char* out, int lane, int part, int parts) {
   const int H = a.hidden;
   const int4* src = reinterpret_cast<const int4*>(a.x + int64_t(t) * H * 2);
-  if (!a.use_fp8) {
-    int4* dst = reinterpret_cast<int4*>(out);
-    for (int i = part * kWarpSize + lane; i < H / 8; i += parts * kWarpSize) dst[i] = intranode::ld_nc_v4(src + i);
-    return;
-  }
   const float fmax = a.fnuz ? 240.f : 448.f;
   float* scales = reinterpret_cast<float*>(out + H);
   for (int base = part * kWarpSize; base < H / 8; base += parts * kWarpSize) {
@@ -296,37 +292,88 @@ __device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostr
   return carry;
 }
 
-constexpr int kMaxMsgParts = 4;  // warps sharing one message copy when there are fewer messages than warps
+constexpr int kDestGroup = 8;  // destinations a dispatch_send warp stores one read of a BF16 row part to
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
-  extern __shared__ int smem[];  // count[E], base[E] (the expert's first row in its destination block), then
-                                 // mbase[R + 1] (the destination's first message in the flat message order)
+  extern __shared__ int smem[];  // count[E], base[E] (the expert's first row in its destination block), msgs[R]
+                                 // (this rank's messages to r), before[R] (those of tokens before this block's),
+                                 // then each token's destinations as a bit mask, uint32 [T][W]
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk, T = a.num_tokens;
+  const int W = (R + 31) / 32;
   const Layout& lay = a.lay;
   const Counters ctr = counters(a);
   const int64_t stride = msg_stride(a);
-  int* tok_msg = reinterpret_cast<int*>(a.buf + lay.d_map);  // [T][R]: token t's message on rank r (-1: none)
-  int* msg_tok = tok_msg + int64_t(a.max_tokens) * R;         // [R][M]: the token of rank r's message m
+  int* msgs = smem + 2 * E;
+  int* before = msgs + R;
+  unsigned* dests = reinterpret_cast<unsigned*>(before + R);
+  int* tok_msg = reinterpret_cast<int*>(a.buf + lay.d_map);  // [T][R]: token t's message on rank r
 
-  // 1. stage every token once (warps over (token, part): up to one pass of 256 channels per part, so a
-  //    few tokens still keep every warp busy); rows of each expert in (token, slot) order (warps over
-  //    experts: a scan of topk_idx, so the receiver gets every source's rows in its token order); the
-  //    messages of each destination in token order (warps over destinations, from the grid's last warp on)
-  const int parts = max(1, min(nw / max(T, 1), a.hidden / (8 * kWarpSize)));
-  for (int j = gw; j < T * parts; j += nw) {
-    const int t = j / parts, part = j % parts;
-    char* msg = a.buf + lay.d_stage + int64_t(t) * stride;
-    stage_token(a, t, msg + kMsgHeaderBytes, lane, part, parts);
-    if (part != 0) continue;
-    if (lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-    for (int k = lane; k < K; k += kWarpSize) {
-      const int64_t e = a.topk_idx[int64_t(t) * K + k];
-      if (e < -1 || e >= E)  // checked here, not on the host (no sync): the call moves it nowhere and raises
-        report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, t, kPhaseDispatchSend, int(e), E);
-      if (e < 0 || e >= E) a.pair_pos[int64_t(t) * K + k] = -1;
+  // 1. every block: which ranks each token goes to (a token is one message to a rank, however many of its
+  //    experts are there), how many messages each rank gets from this rank and from the tokens before this
+  //    block's; then the block writes its tokens' messages (BF16 copy or FP8 cast, straight from x) into
+  //    their destinations: a node peer's receive block over NVLink/xGMI, else this rank's send block for the
+  //    proxies. Messages need no global count, so they are written before the grid barrier; only the row
+  //    index does (step 3). Warps over experts, meanwhile, give every (token, top-k slot) its row in its expert's
+  //    list (a scan of topk_idx: the receiver gets every source's rows in its token order).
+  for (int i = threadIdx.x; i < T * W; i += blockDim.x) dests[i] = 0;
+  __syncthreads();
+  for (int p = threadIdx.x; p < T * K; p += blockDim.x) {
+    const int64_t e = a.topk_idx[p];
+    if (e >= 0 && e < E) atomicOr(dests + (p / K) * W + int(e / L) / 32, 1u << (int(e / L) % 32));
+  }
+  __syncthreads();
+  const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
+  const int t_lo = min(T, int(blockIdx.x) * per_block), t_hi = min(T, t_lo + per_block);
+  for (int r = warp; r < R; r += kWarps) {
+    int total = 0, earlier = 0;
+    for (int t0 = 0; t0 < T; t0 += kWarpSize) {
+      const int t = t0 + lane;
+      const uint64_t hit = intranode::warp_ballot(t < T && ((dests[t * W + r / 32] >> (r % 32)) & 1u));
+      const int below = min(max(t_lo - t0, 0), kWarpSize);  // lanes of tokens before this block's
+      total += __popcll(hit);
+      earlier += __popcll(below >= 64 ? hit : hit & ((1ull << below) - 1ull));
     }
+    if (lane == 0) msgs[r] = total, before[r] = earlier;
+  }
+  __syncthreads();
+  // Warps over (token, part of its row); a BF16 part is read once and stored to up to kDestGroup destinations at
+  // a time, an FP8 part is cast for each.
+  const int mine = t_hi - t_lo, vecs = a.hidden / 8;
+  const int parts = max(1, min(kWarps / max(mine, 1), a.hidden / (8 * kWarpSize)));
+  for (int j = warp; j < mine * parts; j += kWarps) {
+    const int t = t_lo + j / parts, part = j % parts;
+    const int per = (vecs + parts - 1) / parts, v0 = min(part * per, vecs), nv = min(per, vecs - v0);
+    char* out[kDestGroup];
+    int n = 0;
+    for (int r = 0; r <= R; ++r) {
+      if (r < R && ((dests[t * W + r / 32] >> (r % 32)) & 1u)) {
+        int m = before[r];  // + this block's tokens before t that go to r
+        for (int u = t_lo; u < t; ++u) m += (dests[u * W + r / 32] >> (r % 32)) & 1u;
+        char* msg = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
+                    m * stride;
+        if (part == 0 && lane == 0) {
+          *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+          tok_msg[int64_t(t) * R + r] = m;
+        }
+        out[n++] = msg + kMsgHeaderBytes + (a.use_fp8 ? 0 : int64_t(v0) * 16);
+      }
+      if (n == kDestGroup || (r == R && n > 0)) {
+        if (a.use_fp8) {
+          for (int i = 0; i < n; ++i) cast_token_fp8(a, t, out[i], lane, part, parts);
+        } else if (nv > 0) {
+          intranode::warp_push_row<int4, 4, true>(a.x + (int64_t(t) * vecs + v0) * 16, int64_t(nv) * 16, out, n, lane);
+        }
+        n = 0;
+      }
+    }
+  }
+  for (int p = gw * kWarpSize + lane; p < T * K; p += nw * kWarpSize) {
+    const int64_t e = a.topk_idx[p];
+    if (e < -1 || e >= E)  // checked here, not on the host (no sync): the call moves it nowhere and raises
+      report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, int(e), E);
+    if (e < 0 || e >= E) a.pair_pos[p] = -1;
   }
   const int pairs = T * K;
   for (int e = gw; e < E; e += nw) {
@@ -357,37 +404,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
         report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, a.max_tokens);
     }
   }
-  for (int r = nw - 1 - gw; r < R; r += nw) {  // a token is one message to a rank, however many experts it has there
-    int m = 0;
-    for (int t0 = 0; t0 < T; t0 += kWarpSize) {
-      const int t = t0 + lane;
-      bool hit = false;
-      for (int k = 0; t < T && k < K; ++k) {
-        const int64_t e = a.topk_idx[int64_t(t) * K + k];
-        hit |= e >= 0 && e < E && e / L == r;
-      }
-      const uint64_t mask = intranode::warp_ballot(hit);
-      const int at = m + __popcll(mask & ((1ull << lane) - 1ull));
-      if (t < T) tok_msg[int64_t(t) * R + r] = hit ? at : -1;
-      if (hit) msg_tok[int64_t(r) * a.max_tokens + at] = t;
-      m += __popcll(mask);
-    }
-    if (lane == 0) ctr.msgs[r] = m;
-  }
   if (!grid_barrier(a, kPhaseDispatchSend)) return;
 
   // 2. every count is final: each block derives the bases; block 0 sends every destination its counts header
   //    now (a warp per destination; the first signal of the call), so the receivers know where every
   //    source's rows go before they arrive and can unpack the node's blocks while the others travel
-  int* mbase = smem + 2 * E;
   for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = ld_volatile(ctr.slot + e);
-  for (int r = threadIdx.x; r < R; r += blockDim.x) mbase[r] = ld_volatile(ctr.msgs + r);
   __syncthreads();
   for (int r = warp; r < R; r += kWarps) warp_exclusive_scan(smem + r * L, 1, smem + E + r * L, 1, L, lane);
-  if (warp == kWarps - 1) {  // in place: each lane reads its value before the pass writes it
-    const int total = warp_exclusive_scan(mbase, 1, mbase, 1, R, lane);
-    if (lane == 0) mbase[R] = total;
-  }
   __syncthreads();
   if (blockIdx.x == 0) {
     for (int r = warp; r < R; r += kWarps) {  // a warp per destination: lanes write the counts, lane 0 signals
@@ -401,31 +425,12 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     }
   }
 
-  // 3. each destination's messages (a staged token, once per rank), straight into a node peer's receive block,
-  //    else into the send block, then the row index (each row's message). Rows for other nodes first (pass 0,
-  //    when there are other nodes), then the node's (pass 1), so the proxies carry the remote blocks while
-  //    the node's are still being written. The node's ranks are consecutive: its messages are one range of the
-  //    flat message order, [mnear0, mnear0 + mnear).
-  const int node0 = a.rank / a.ranks_per_node * a.ranks_per_node;
-  const int mnear0 = mbase[node0], mnear = mbase[node0 + a.ranks_per_node] - mnear0;
+  // 3. the row index (each row's message), then the second signal: rows for other nodes first (pass 0, when
+  //    there are other nodes), then the node's (pass 1), so the proxies carry the remote blocks while the
+  //    node's are still being indexed. Threads over (token, slot) pairs: pair_pos becomes the row.
   const int gt = int(blockIdx.x * blockDim.x + threadIdx.x), nt = int(gridDim.x * blockDim.x);
-  const int64_t vecs = stride / 16;  // 16-byte vectors of a message
   for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
-    const int count = pass == 1 ? mnear : mbase[R] - mnear;
-    const int shares = max(1, min(nw / max(count, 1), kMaxMsgParts));  // warps per message
-    const int64_t per = (vecs + shares - 1) / shares;
-    for (int j = gw; j < count * shares; j += nw) {
-      const int q = j / shares, share = j % shares;
-      const int f = pass == 1 ? mnear0 + q : q < mnear0 ? q : q + mnear;
-      const int r = block_of(mbase, R, f), m = f - mbase[r];
-      const int t = ld_volatile(msg_tok + int64_t(r) * a.max_tokens + m);
-      const int64_t v0 = share * per, n = min(vecs - v0, per) * 16;
-      if (n <= 0) continue;
-      char* dst = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
-                  m * stride + v0 * 16;
-      intranode::warp_push_row<int4, 4, false>(a.buf + lay.d_stage + t * stride + v0 * 16, n, &dst, 1, lane);
-    }
-    for (int p = gt; p < pairs; p += nt) {  // threads over (token, slot) pairs: pair_pos becomes the row
+    for (int p = gt; p < pairs; p += nt) {
       const int64_t e = a.topk_idx[p];
       if (e < 0 || e >= E) continue;
       const int r = int(e / L);
@@ -446,9 +451,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != gridDim.x - 1) continue;
       __threadfence_system();
       ctr.d_done[r] = 0;
-      const int msgs = mbase[r + 1] - mbase[r];
       signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
-                  msgs > 0 ? lay.idx_bytes + msgs * stride : 0, kPhaseDispatchSend);
+                  msgs[r] > 0 ? lay.idx_bytes + msgs[r] * stride : 0, kPhaseDispatchSend);
     }
   }
 }
@@ -673,6 +677,10 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
   finish_launch(a, kBlocksDoneWord + 1, seq, target);
 }
 
+int64_t dispatch_send_smem(const Args& a) {
+  return (2 * int64_t(a.num_experts) + 2 * a.num_ranks + int64_t(a.num_tokens) * ((a.num_ranks + 31) / 32)) * 4;
+}
+
 int64_t table_smem(const Args& a) { return (3 * int64_t(a.num_ranks) * a.num_local + a.num_ranks + 1) * 4; }
 
 template <typename K>
@@ -697,8 +705,11 @@ void preload_kernels() {
 }
 
 void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream) {
-  launch(dispatch_send_kernel, a, blocks, (2 * int64_t(a.num_experts) + a.num_ranks + 1) * 4, stream,
-         "low-latency dispatch (send)");
+  const int64_t smem = dispatch_send_smem(a);  // each token's destinations (a bit per rank) with the counts
+  UCCL_CHECK(smem <= 48 * 1024, "low_latency_dispatch: " << a.num_tokens << " tokens x " << a.num_ranks << " ranks x "
+                                << a.num_experts << " experts need " << smem << " bytes of shared memory in the send "
+                                << "kernel, more than 48 KiB (fewer tokens per call)");
+  launch(dispatch_send_kernel, a, blocks, smem, stream, "low-latency dispatch (send)");
 }
 void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream) {
   launch(dispatch_recv_kernel, a, blocks, table_smem(a), stream, "low-latency dispatch (receive)");

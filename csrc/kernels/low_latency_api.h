@@ -32,7 +32,7 @@ constexpr int kMsgHeaderBytes = 16;  // a dispatch message: {source token, -, -,
 
 // Offsets (bytes) of one call's half in the rank's region, which holds everything: error words and counters
 // (fixed places), the signals node peers raise, the areas the proxies read and write (first, so that their
-// offsets fit a command's 32 bits), then the staging and zero-copy areas only this rank touches. The host flag
+// offsets fit a command's 32 bits), then the message map and zero-copy areas only this rank touches. The host flag
 // offsets count uint64 words. Mirrors `LowLatencyLayout.kernel_args()` in Python, field for field.
 // A dispatch block (source -> destination) is: counts header [L] int32 (hdr_bytes), the message index of
 // each row (int32, rows in (local expert, source token) order; idx_bytes), then the messages, one per token
@@ -44,11 +44,11 @@ struct Layout {
   int64_t d_send, d_recv, c_send, c_recv;  // this half's areas, R blocks each (proxied)
   int64_t gpu_dsig, gpu_csig;              // this half's signals raised by node peers: uint64 [R]
   int64_t host_dsig, host_csig;            // the same raised by the proxies, in the host flag region
-  int64_t d_stage, d_map, c_zero;          // staged messages [M]; token <-> message maps int32 [M][R], [R][M];
-                                           // zero-copy combine input [L][R*M][H]
+  int64_t d_map, c_zero;                   // each token's message on each rank int32 [M][R]; zero-copy combine
+                                           // input [L][R*M][H]
   int64_t counters;                        // the counters the kernels keep (low_latency_launch.cuh)
 };
-constexpr int kLayoutFields = 17;
+constexpr int kLayoutFields = 16;
 
 // The buffer of one rank: its region (GPU, IPC-exported, registered with the proxies), host flag region
 // (pinned, GPU-mapped), error record; launchers for the four kernels.
@@ -75,7 +75,8 @@ class LowLatencyBuffer {
   static int64_t error_words_bytes();  // the region's first bytes: claim word and error words
   static int64_t counter_bytes();      // the counters' bytes at Layout::counters
 
-  // Send half of a dispatch: stage (BF16 or FP8-cast) messages, place them, signal every rank.
+  // Send half of a dispatch: write each token (BF16 or FP8-cast) once to each rank of its experts, index the
+  // rows, signal every rank.
   // pair_pos [T, K] int32 (out): where each (token, top-k slot) landed in its destination block (-1: nowhere).
   void dispatch_send(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens, int num_topk,
                      int num_experts, int max_tokens, int hidden, bool use_fp8, bool round_scale, bool fnuz,

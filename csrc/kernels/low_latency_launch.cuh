@@ -22,14 +22,12 @@ constexpr int64_t kClaimOffset = 0;
 //   int    slot[kMaxExperts]      dispatch: rows this rank sends to expert e in this call
 //   uint32 d_done[kMaxRanks]      dispatch: blocks done with destination r (reset by the finisher)
 //   uint32 c_done[kMaxRanks]      combine: the same
-//   int    msgs[kMaxRanks]        dispatch: messages (tokens) this rank sends to rank r in this call
 //   uint64 words[8]               0: grid barrier (cumulative), 1..4: blocks done per kernel (cumulative),
 //                                 then seq[kind][half] (calls received so far) at kSeqWord
 constexpr int64_t kSlotOffset = 0;
 constexpr int64_t kDoneOffset = kSlotOffset + 4 * kMaxExperts;
 constexpr int64_t kCDoneOffset = kDoneOffset + 4 * kMaxRanks;
-constexpr int64_t kMsgsOffset = kCDoneOffset + 4 * kMaxRanks;
-constexpr int64_t kWordsOffset = kMsgsOffset + 4 * kMaxRanks;
+constexpr int64_t kWordsOffset = kCDoneOffset + 4 * kMaxRanks;
 constexpr int kBarrierWord = 0, kBlocksDoneWord = 1, kSeqWord = 5;
 constexpr int64_t kCounterBytes = kWordsOffset + 8 * (kSeqWord + 4);
 

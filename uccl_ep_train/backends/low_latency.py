@@ -51,8 +51,9 @@ class LowLatencyLayout:
     Per half: d_send / d_recv (R dispatch blocks: a counts header, the message index of each of up to `slots`
     rows, then up to M messages: a token goes once to a rank, however many of its experts are there), c_send /
     c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read and write only these, so they
-    come first. Then per half: d_stage (the rank's tokens, staged once), d_map (the send kernel's token <->
-    message maps, int32 [M][R] and [R][M]) and c_zero (the zero-copy combine input).
+    come first. Then per half: d_map (each token's message index on each rank, int32 [M][R]: the send kernel
+    writes a token's messages before its grid barrier and the row index after it) and c_zero (the zero-copy
+    combine input).
     """
 
     num_ranks: int
@@ -65,27 +66,27 @@ class LowLatencyLayout:
     hdr_bytes: int
     idx_bytes: int
     slots: int
-    areas: tuple  # per half: (d_send, d_recv, c_send, c_recv, d_stage, d_map, c_zero)
+    areas: tuple  # per half: (d_send, d_recv, c_send, c_recv, d_map, c_zero)
     proxied_end: int  # the end of the last proxied area (must stay below 4 GiB when proxies are used)
     total_bytes: int
 
     @functools.cached_property
     def kernel_args(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per half, the 17 int64 of the native `Layout` in its field order (built once per shape: every
+        """Per half, the 16 int64 of the native `Layout` in its field order (built once per shape: every
         call passes them)."""
         R = self.num_ranks
         per_half = []
-        for half, (d_send, d_recv, c_send, c_recv, d_stage, d_map, c_zero) in enumerate(self.areas):
+        for half, (d_send, d_recv, c_send, c_recv, d_map, c_zero) in enumerate(self.areas):
             per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.idx_bytes,
                              d_send, d_recv, c_send, c_recv,
                              _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # node peers' signals (bytes)
                              R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
-                             d_stage, d_map, c_zero, _ERROR_WORDS))
+                             d_map, c_zero, _ERROR_WORDS))
         return per_half[0], per_half[1]
 
     def combine_input(self, half: int) -> tuple[int, tuple[int, int, int]]:
         """(byte offset, shape) of the zero-copy combine input of `half`: [L, R * M, hidden] BF16."""
-        return self.areas[half][6], (self.num_local, self.num_ranks * self.max_tokens, self.hidden)
+        return self.areas[half][5], (self.num_local, self.num_ranks * self.max_tokens, self.hidden)
 
 
 @functools.lru_cache(maxsize=64)  # every call of a shape asks for it, up to three times: computed once
@@ -110,11 +111,10 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     proxied_end = at
     areas = []
     for half in range(2):
-        d_stage = at
-        d_map = _align(d_stage + M * msg, 4096)
-        c_zero = _align(d_map + 2 * 4 * M * R, 4096)
+        d_map = at
+        c_zero = _align(d_map + 4 * M * R, 4096)
         at = _align(c_zero + L * R * M * 2 * H, 4096)
-        areas.append(tuple(proxied[half]) + (d_stage, d_map, c_zero))
+        areas.append(tuple(proxied[half]) + (d_map, c_zero))
     return LowLatencyLayout(R, L, M, H, msg, block, cblock, hdr, idx, slots, tuple(areas), proxied_end, at)
 
 
