@@ -99,7 +99,8 @@ __device__ void finish_launch(const Args& a, int word, unsigned long long* seq, 
 // rank's unused GPU signal word, which the other blocks poll (a spinning receive kernel polling host memory
 // from every block slowed the transfers it waited for; the mirror is release-stored after the acquire that
 // saw the flag, so the proxy's bytes are visible to whoever sees the mirror; its waiters have twice the
-// deadline, so that block 0 reports a lost signal). Both only grow.
+// deadline, so that block 0 reports a lost signal). Both only grow, so block 0 reads the mirror first: when an
+// earlier wait of the call already saw the value (rows often land with their headers), no PCIe read.
 __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsigned long long near,
                          unsigned long long far, int phase) {
   __shared__ int failed;
@@ -112,6 +113,7 @@ __device__ bool wait_all(const Args& a, int64_t gpu_sig, int64_t host_sig, unsig
     if (target == 0) continue;
     uint64_t* mirror = reinterpret_cast<uint64_t*>(a.buf + gpu_sig) + s;
     const bool on_host = remote && blockIdx.x == 0;
+    if (on_host && intranode::ld_acquire_sys(mirror) >= target) continue;  // an earlier wait saw it: no PCIe read
     const uint64_t* polled = on_host ? a.host_flags + host_sig + s : mirror;
     const int64_t deadline = remote && !on_host ? intranode::mirror_timeout(a.timeout_cycles) : a.timeout_cycles;
     if (!wait_geq(polled, target, deadline, a.err, a.claim, a.rank, s, phase, remote ? ring : -1))
@@ -202,14 +204,13 @@ __device__ __forceinline__ float fp8_scale(float amax, bool fnuz, bool round_sca
   return s;
 }
 
-// One warp casts part `part` of `parts` of token t to FP8 at `out`: hidden bytes, then float scales. A part
-// is every parts-th pass of 256 channels (a pass: 8 channels per lane, 16 lanes per 128-channel block), so
-// several warps share a token when there are fewer tokens than warps.
-__device__ void cast_token_fp8(const Args& a, int t, char* out, int lane, int part, int parts) {
+// One warp casts part `part` of `parts` of token t to FP8 once and stores it at each of outs[0..n): hidden
+// bytes, then float scales. A part is every parts-th pass of 256 channels (a pass: 8 channels per lane, 16
+// lanes per 128-channel block), so several warps share a token when there are fewer tokens than warps.
+__device__ void cast_token_fp8(const Args& a, int t, char* const* outs, int n, int lane, int part, int parts) {
   const int H = a.hidden;
   const int4* src = reinterpret_cast<const int4*>(a.x + int64_t(t) * H * 2);
   const float fmax = a.fnuz ? 240.f : 448.f;
-  float* scales = reinterpret_cast<float*>(out + H);
   for (int base = part * kWarpSize; base < H / 8; base += parts * kWarpSize) {
     const int i = base + lane;
     const bool live = i < H / 8;  // H is a multiple of 128: a 16-lane group is all live or all not
@@ -244,8 +245,10 @@ __device__ void cast_token_fp8(const Args& a, int t, char* out, int lane, int pa
       if (j < 4) lo |= c << (8 * j);
       else hi |= c << (8 * (j - 4));
     }
-    reinterpret_cast<uint2*>(out)[i] = make_uint2(lo, hi);
-    if ((lane & 15) == 0) scales[i / 16] = s;
+    for (int d = 0; d < n; ++d) {
+      reinterpret_cast<uint2*>(outs[d])[i] = make_uint2(lo, hi);
+      if ((lane & 15) == 0) reinterpret_cast<float*>(outs[d] + H)[i / 16] = s;
+    }
   }
 }
 
@@ -292,7 +295,7 @@ __device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostr
   return carry;
 }
 
-constexpr int kDestGroup = 8;  // destinations a dispatch_send warp stores one read of a BF16 row part to
+constexpr int kDestGroup = 8;  // destinations a dispatch_send warp stores one read (or cast) of a row part to
 
 __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
   extern __shared__ int smem[];  // count[E], base[E] (the expert's first row in its destination block), msgs[R]
@@ -338,8 +341,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     if (lane == 0) msgs[r] = total, before[r] = earlier;
   }
   __syncthreads();
-  // Warps over (token, part of its row); a BF16 part is read once and stored to up to kDestGroup destinations at
-  // a time, an FP8 part is cast for each.
+  // Warps over (token, part of its row); a part is read (and cast to FP8) once and stored to up to kDestGroup
+  // destinations at a time.
   const int mine = t_hi - t_lo, vecs = a.hidden / 8;
   const int parts = max(1, min(kWarps / max(mine, 1), a.hidden / (8 * kWarpSize)));
   for (int j = warp; j < mine * parts; j += kWarps) {
@@ -361,7 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       }
       if (n == kDestGroup || (r == R && n > 0)) {
         if (a.use_fp8) {
-          for (int i = 0; i < n; ++i) cast_token_fp8(a, t, out[i], lane, part, parts);
+          cast_token_fp8(a, t, out, n, lane, part, parts);
         } else if (nv > 0) {
           intranode::warp_push_row<int4, 4, true>(a.x + (int64_t(t) * vecs + v0) * 16, int64_t(nv) * 16, out, n, lane);
         }
