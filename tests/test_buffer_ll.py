@@ -110,7 +110,6 @@ def test_low_latency_matches_oracle(world, hidden):
     assert run_ranks(_check_ll, world, 9, hidden, 8, 3) == [(ll_checks(hidden), "ReferenceBackend")] * world
 
 
-
 def test_low_latency_layout_sends_a_token_once_per_rank():
     """The one LL layout: a dispatch block holds its counts header, a row index for every row a source can send
     (M x min(top-k limit, L)) and one message per token (a token crosses to a rank once, however many of its
@@ -126,8 +125,7 @@ def test_low_latency_layout_sends_a_token_once_per_rank():
     ends = []
     for d_send, d_recv, c_send, c_recv, d_map, c_zero in lay.areas:
         spans = [(d_send, R * lay.block_bytes), (d_recv, R * lay.block_bytes), (c_send, R * lay.cblock_bytes),
-                 (c_recv, R * lay.cblock_bytes), (d_map, 4 * M * R),
-                 (c_zero, L * R * M * 2 * H)]
+                 (c_recv, R * lay.cblock_bytes), (d_map, 4 * M * R), (c_zero, L * R * M * 2 * H)]
         ends += spans
     ordered = sorted(ends)
     assert ordered[0][0] >= LL._SIGNALS + 4 * 8 * R  # after the error words, counters and signals
