@@ -708,10 +708,16 @@ void preload_kernels() {
 }
 
 void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream) {
-  const int64_t smem = dispatch_send_smem(a);  // each token's destinations (a bit per rank) with the counts
-  UCCL_CHECK(smem <= 48 * 1024, "low_latency_dispatch: " << a.num_tokens << " tokens x " << a.num_ranks << " ranks x "
-                                << a.num_experts << " experts need " << smem << " bytes of shared memory in the send "
-                                << "kernel, more than 48 KiB (fewer tokens per call)");
+  // each token's destinations (a bit per rank) with the counts, beside the kernel's static shared memory
+  static const int64_t limit = [] {
+    gpuFuncAttributes attr;
+    UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_send_kernel)));
+    return 48 * 1024 - int64_t(attr.sharedSizeBytes);
+  }();
+  const int64_t smem = dispatch_send_smem(a);
+  UCCL_CHECK(smem <= limit, "low_latency_dispatch: " << a.num_tokens << " tokens x " << a.num_ranks << " ranks x "
+                            << a.num_experts << " experts need " << smem << " bytes of shared memory in the send "
+                            << "kernel, more than its " << limit << " (fewer tokens per call)");
   launch(dispatch_send_kernel, a, blocks, smem, stream, "low-latency dispatch (send)");
 }
 void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream) {
