@@ -1,8 +1,9 @@
 """The native low-latency (LL) backend: DeepEP's `low_latency_dispatch` / `low_latency_combine` on our kernels.
 
-Every token goes straight to the rank of each of its experts: node peers over NVLink/xGMI (CUDA/HIP IPC),
-ranks of other nodes through the CPU proxies (per destination rank and call, a write and an ordered atomic for
-a dispatch's counts header, then for its rows; one of each for a combine). Sizes are fixed by
+Every token goes straight to each rank that holds any of its experts, once per rank (the receiver expands it
+into one row per expert): node peers over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU
+proxies (per destination rank and call, a write and an ordered atomic for a dispatch's counts header, then for
+its row index and messages; one of each for a combine). Sizes are fixed by
 (num_max_dispatch_tokens_per_rank, hidden, ranks, experts): no host sync, and a dispatch + combine pair replays
 exactly in a CUDA graph. Kernels: csrc/kernels/low_latency{,_buffer}.cu;
 design and numbers: docs/low_latency.md.
