@@ -256,11 +256,11 @@ __device__ void cast_token_fp8(const Args& a, int t, char* const* outs, int n, i
 constexpr int kCombineVectors = 7;  // 16-byte vectors per lane a combine_recv warp sums at once: 7 x 32 x 8 channels
                                     // is a quarter of hidden 7168 (DeepSeek-V3), no register spills
 
-// Bytes between consecutive messages of this call: the header and the payload (BF16 row, or FP8 row and its
-// float scales), 16-byte aligned. At most the layout's msg_bytes (sized for BF16), so FP8 moves about half.
+// Bytes between consecutive messages of this call: the layout's msg_bytes (header and BF16 row), or with FP8
+// the header, the FP8 row and its float scales, 16-byte aligned (about half: the blocks' writes move only that).
 __device__ __forceinline__ int64_t msg_stride(const Args& a) {
-  const int64_t payload = a.use_fp8 ? a.hidden + a.hidden / 128 * 4 : int64_t(a.hidden) * 2;
-  return (kMsgHeaderBytes + payload + 15) / 16 * 16;
+  if (!a.use_fp8) return a.lay.msg_bytes;
+  return (kMsgHeaderBytes + a.hidden + a.hidden / 128 * 4 + 15) / 16 * 16;
 }
 
 // The last s in [0, n) with base[s] <= j (base ascending: the block, of n, that flat entry j falls in).
