@@ -111,27 +111,29 @@ def test_low_latency_matches_oracle(world, hidden):
 
 
 def test_low_latency_layout_sends_a_token_once_per_rank():
-    """The one LL layout: a dispatch block holds its counts header, a row index for every row a source can send
-    (M x min(top-k limit, L)) and one message per token (a token crosses to a rank once, however many of its
-    experts live there); the areas of each half follow each other without overlap; the region's first bytes
-    hold what the built native module keeps there (error words, counters)."""
+    """The one LL layout: a dispatch block holds its counts header (rows per local expert, then the number of
+    messages), a table of M message headers, then M message payloads (a token crosses to a rank once, however
+    many of its experts live there; its header lists them, up to the top-k limit); the areas of each half
+    follow each other without overlap; the region's first bytes hold what the built native module keeps
+    there (error words, counters)."""
     from uccl_ep_train.backends import low_latency as LL
     M, H, R, E = 128, 7168, 4, 256
     lay = LL.low_latency_layout(M, H, R, E)
     L = E // R
-    assert lay.slots == M * min(LL.MAX_TOPK, L) and lay.idx_bytes >= 4 * lay.slots and lay.hdr_bytes >= 4 * L
-    need = lay.hdr_bytes + lay.idx_bytes + M * lay.msg_bytes
+    assert lay.slots == M * min(LL.MAX_TOPK, L) and lay.hdr_bytes >= 4 * (L + 1)
+    assert lay.msg_bytes == 2 * H and LL._MSG_HEADER >= 8 + 2 * LL.MAX_TOPK
+    assert lay.payload == lay.hdr_bytes + M * LL._MSG_HEADER and lay.payload % 16 == 0
+    need = lay.payload + M * lay.msg_bytes
     assert need <= lay.block_bytes < need + 256 and lay.cblock_bytes >= lay.slots * 2 * H
     ends = []
-    for d_send, d_recv, c_send, c_recv, d_map, c_zero in lay.areas:
-        spans = [(d_send, R * lay.block_bytes), (d_recv, R * lay.block_bytes), (c_send, R * lay.cblock_bytes),
-                 (c_recv, R * lay.cblock_bytes), (d_map, 4 * M * R), (c_zero, L * R * M * 2 * H)]
-        ends += spans
+    for d_send, d_recv, c_send, c_recv, c_zero in lay.areas:
+        ends += [(d_send, R * lay.block_bytes), (d_recv, R * lay.block_bytes), (c_send, R * lay.cblock_bytes),
+                 (c_recv, R * lay.cblock_bytes), (c_zero, L * R * M * 2 * H)]
     ordered = sorted(ends)
     assert ordered[0][0] >= LL._SIGNALS + 4 * 8 * R  # after the error words, counters and signals
     assert all(a + n <= b for (a, n), (b, _) in zip(ordered, ordered[1:])) and ordered[-1][0] + ordered[-1][1] <= \
         lay.total_bytes
-    assert lay.proxied_end <= min(off for off, _ in ends[4::6])  # the proxied areas come first
+    assert lay.proxied_end <= min(off for off, _ in ends[4::5])  # the proxied areas come first
     try:
         from uccl_ep_train import _native
     except ImportError:
@@ -139,3 +141,5 @@ def test_low_latency_layout_sends_a_token_once_per_rank():
     if hasattr(_native, "LL_COUNTER_BYTES"):
         assert _native.LL_ERROR_WORDS_BYTES <= LL._ERROR_WORDS
         assert _native.LL_COUNTER_BYTES <= LL._COUNTERS_BYTES
+        assert _native.LL_MSG_HEADER_BYTES == LL._MSG_HEADER
+        assert all(len(half) == _native.LL_LAYOUT_FIELDS for half in lay.kernel_args)

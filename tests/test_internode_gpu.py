@@ -66,8 +66,14 @@ def _buffers(world):
 
 
 def reference_buffer(group):
-    """A reference-backend Buffer on CPU over `group` (the oracle the native calls are compared with)."""
+    """A reference-backend Buffer on CPU over `group` (the oracle the native calls are compared with), or over
+    a new gloo group of the same ranks when `group` is NCCL's (one rank per GPU): CPU tensors need gloo."""
+    import torch.distributed as dist
+
     from uccl_ep_train import Buffer
+
+    if dist.get_backend(group) != "gloo":
+        group = dist.new_group(list(range(dist.get_world_size(group))), backend="gloo")
 
     old = {k: os.environ.get(k) for k in ("UCCL_EP_DEVICE", "UCCL_EP_BACKEND")}
     os.environ.update(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference")

@@ -840,11 +840,8 @@ class Buffer:
         stats = cumulative_local_expert_recv_stats
 
         def run():
-            out = backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                                               round_scale, use_ue8m0, stats)
-            if not return_recv_hook:
-                out[-1]()
-            return out
+            return backend.low_latency_dispatch(x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
+                                                round_scale, use_ue8m0, stats, return_recv_hook)
 
         (recv_x, recv_scales, recv_count, handle, receive), event = self._run(
             run, (x, topk_idx), None, async_finish, False)
@@ -900,10 +897,7 @@ class Buffer:
         topk_idx = topk_idx.to(torch.int64)
 
         def run():
-            receive = backend.low_latency_combine(x, topk_idx, topk_weights, handle, out)
-            if not return_recv_hook:
-                receive()
-            return receive
+            return backend.low_latency_combine(x, topk_idx, topk_weights, handle, out, return_recv_hook)
 
         receive, event = self._run(run, (x, topk_idx, topk_weights, handle), None, async_finish, False)
         hook = self._hook(receive) if return_recv_hook else (lambda: None)

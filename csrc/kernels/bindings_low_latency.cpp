@@ -20,10 +20,12 @@ void register_low_latency(py::module_& m) {
   m.attr("LL_MAX_TOPK") = ll::kMaxTopk;
   m.attr("LL_MSG_HEADER_BYTES") = ll::kMsgHeaderBytes;
   m.attr("LL_LAYOUT_FIELDS") = ll::kLayoutFields;
+  m.attr("LL_SEND_PHASE") = ll::kSendPhase;
+  m.attr("LL_RECV_PHASE") = ll::kRecvPhase;
   m.attr("LL_ERROR_WORDS_BYTES") = LowLatencyBuffer::error_words_bytes();  // at 0, before Layout::counters
   m.attr("LL_COUNTER_BYTES") = LowLatencyBuffer::counter_bytes();
   py::class_<LowLatencyBuffer>(m, "LowLatencyBuffer",
-                               "One rank's low-latency regions (shared, local, host flags) and the four LL kernels")
+                               "One rank's low-latency regions (shared, local, host flags) and the LL kernels")
       .def(py::init<int, int, int, int, int64_t, int64_t, int, double>(), py::arg("device"), py::arg("rank"),
            py::arg("num_ranks"), py::arg("ranks_per_node"), py::arg("bytes"), py::arg("flag_words"),
            py::arg("num_blocks"), py::arg("timeout_s"))
@@ -38,10 +40,8 @@ void register_low_latency(py::module_& m) {
       .def("flag_ptr", &LowLatencyBuffer::flag_ptr)
       .def("flag_bytes", &LowLatencyBuffer::flag_bytes)
       .def("num_blocks", &LowLatencyBuffer::num_blocks)
-      .def("dispatch_send", &LowLatencyBuffer::dispatch_send, py::call_guard<py::gil_scoped_release>())
-      .def("dispatch_recv", &LowLatencyBuffer::dispatch_recv, py::call_guard<py::gil_scoped_release>())
-      .def("combine_send", &LowLatencyBuffer::combine_send, py::call_guard<py::gil_scoped_release>())
-      .def("combine_recv", &LowLatencyBuffer::combine_recv, py::call_guard<py::gil_scoped_release>());
+      .def("dispatch", &LowLatencyBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
+      .def("combine", &LowLatencyBuffer::combine, py::call_guard<py::gil_scoped_release>());
 #else
   (void)m;
 #endif

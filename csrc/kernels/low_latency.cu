@@ -1,25 +1,28 @@
 // Low-latency dispatch / combine kernels (design: docs/low_latency.md; API: low_latency_api.h).
 //
-// Four kernels, each launched on `Args::half` (the call's half of the double-buffered areas):
-//   dispatch_send  write each token once to every rank that has any of its experts (a message: BF16 copy or
-//                  FP8 cast with per-128 scales; node peers: NVLink stores into their receive block, other
-//                  nodes: this rank's send block), give every (token, top-k slot) a row in its expert's list
-//                  and the row its message's index; send each destination its counts header at once (one
-//                  signal), then the row index and messages (other nodes: one proxy write), a second signal.
+// Two kernels, dispatch and combine, each of a send and a receive phase (one launch runs both, or, with the
+// recv hook, the send now and the receive in the hook), on `Args::half` (the call's half of the
+// double-buffered areas):
+//   dispatch_send  send every rank its counts header at once (rows per local expert, messages; the first
+//                  signal), then write each token once to every rank that has any of its experts (a message:
+//                  the token's local experts there, then a BF16 copy or FP8 cast with per-128 scales; node
+//                  peers: NVLink stores into their receive block, other nodes: this rank's send block, which
+//                  one proxy write carries over) and signal each rank once every block wrote its messages (the
+//                  second signal). No grid barrier: every block counts the rows per expert itself. Meanwhile
+//                  give every (token, top-k slot) its row in its destination block (the combine's input).
 //   dispatch_recv  wait for the node's blocks and the other nodes' counts headers, then unpack the blocks
 //                  into DeepEP's packed layout [local expert][rank * max tokens][hidden], grouped by source rank,
-//                  in the order the source sent them (its token order), a message to each row that names it:
-//                  the node's blocks first, while the other nodes' rows are still on their way through the
-//                  proxies, then those.
+//                  in the order the source sent them (its token order): row i of an expert from a source is the
+//                  message that lists the expert i-th; the node's blocks first, while the other nodes'
+//                  messages are still on their way through the proxies, then those.
 //   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //
 // Signals only grow. A destination's combine signal goes up by one per call, its dispatch signal by two (the
-// counts header landed, then the rows); the receiver waits until it passes what the calls it has received on
-// that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
-// replay waits for the next call, never for a value frozen at capture. The counters a
-// call uses as scratch (per-destination completions) are returned to zero by the block that finishes with them,
-// inside the same call; the per-expert counts and the message map are plain stores of each call.
+// counts header landed, then the messages); the receiver waits until it passes what the calls it has received
+// on that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
+// replay waits for the next call, never for a value frozen at capture. The counters a call uses as scratch
+// (per-destination completions) are returned to zero by the block that finishes with them, inside the call.
 #include <cstdio>
 
 #include "common/check.h"
@@ -35,7 +38,6 @@ using intranode::wait_geq;
 namespace {
 
 struct Counters {
-  int* slot;
   unsigned* d_done;
   unsigned* c_done;
   unsigned long long* words;
@@ -43,8 +45,7 @@ struct Counters {
 
 __device__ __forceinline__ Counters counters(const Args& a) {
   char* base = a.buf + a.lay.counters;
-  return Counters{reinterpret_cast<int*>(base + kSlotOffset), reinterpret_cast<unsigned*>(base + kDoneOffset),
-                  reinterpret_cast<unsigned*>(base + kCDoneOffset),
+  return Counters{reinterpret_cast<unsigned*>(base + kDoneOffset), reinterpret_cast<unsigned*>(base + kCDoneOffset),
                   reinterpret_cast<unsigned long long*>(base + kWordsOffset)};
 }
 
@@ -63,23 +64,6 @@ __device__ __forceinline__ char* out_block(const Args& a, int r, int64_t send_ar
                                            int64_t block_bytes) {
   if (same_node(a, r)) return a.peers[r % a.ranks_per_node] + recv_area + a.rank * block_bytes;
   return a.buf + send_area + r * block_bytes;
-}
-
-// One cumulative grid barrier: every block of the launch is resident (the launch takes at most its SMs).
-__device__ bool grid_barrier(const Args& a, int phase) {
-  __shared__ int ok;
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    unsigned long long* bar = counters(a).words + kBarrierWord;
-    const unsigned long long old = atomicAdd(bar, 1ull);
-    const unsigned long long target = (old / gridDim.x + 1) * gridDim.x;
-    ok = wait_geq(reinterpret_cast<const uint64_t*>(bar), target, a.timeout_cycles, a.err, a.claim, a.rank, a.rank,
-                  phase);
-    __threadfence();
-  }
-  __syncthreads();
-  return ok != 0;
 }
 
 // The last block of a launch to finish (kernel `kind`) moves seq to `value`: every block read seq before.
@@ -256,11 +240,11 @@ __device__ void cast_token_fp8(const Args& a, int t, char* const* outs, int n, i
 constexpr int kCombineVectors = 7;  // 16-byte vectors per lane a combine_recv warp sums at once: 7 x 32 x 8 channels
                                     // is a quarter of hidden 7168 (DeepSeek-V3), no register spills
 
-// Bytes between consecutive messages of this call: the layout's msg_bytes (header and BF16 row), or with FP8
-// the header, the FP8 row and its float scales, 16-byte aligned (about half: the blocks' writes move only that).
+// Bytes between consecutive message payloads of this call: the layout's msg_bytes (a BF16 row), or with FP8
+// the FP8 row and its float scales, 16-byte aligned (about half: the blocks' writes move only that).
 __device__ __forceinline__ int64_t msg_stride(const Args& a) {
   if (!a.use_fp8) return a.lay.msg_bytes;
-  return (kMsgHeaderBytes + a.hidden + a.hidden / 128 * 4 + 15) / 16 * 16;
+  return (a.hidden + a.hidden / 128 * 4 + 15) / 16 * 16;
 }
 
 // The last s in [0, n) with base[s] <= j (base ascending: the block, of n, that flat entry j falls in).
@@ -276,6 +260,18 @@ __device__ __forceinline__ int block_of(const int* base, int n, int j) {
 
 __device__ __forceinline__ int ld_volatile(const int* p) { return *reinterpret_cast<const volatile int*>(p); }
 
+// Lane i gets v[0] + ... + v[i] over the warp's lanes.
+__device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
+  for (int d = 1; d < kWarpSize; d <<= 1) {
+    const int y = intranode::warp_shfl(v, lane >= d ? lane - d : lane);
+    if (lane >= d) v += y;
+  }
+  return v;
+}
+
+// The lane of the lowest bit set in `mask` (one set bit: the lane a ballot found).
+__device__ __forceinline__ int lowest_lane(uint64_t mask) { return __popcll((mask & (~mask + 1ull)) - 1ull); }
+
 // One warp: out[i * ostride] = in[0] + ... + in[(i - 1) * stride] for i < n (shared memory, strided so that a
 // column of a table scans too); returns the total. A warp-wide scan per pass of kWarpSize values: a thread
 // summing a whole row of L = 128 counts alone took microseconds at the head of every LL kernel.
@@ -284,11 +280,7 @@ __device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostr
   for (int base = 0; base < n; base += kWarpSize) {
     const int i = base + lane;
     const int v = i < n ? in[i * stride] : 0;
-    int x = v;
-    for (int d = 1; d < kWarpSize; d <<= 1) {
-      const int y = intranode::warp_shfl(x, lane >= d ? lane - d : lane);
-      if (lane >= d) x += y;
-    }
+    const int x = warp_inclusive_sum(v, lane);
     if (i < n) out[i * ostride] = carry + x - v;
     carry += intranode::warp_shfl(x, kWarpSize - 1);
   }
@@ -297,36 +289,50 @@ __device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostr
 
 constexpr int kDestGroup = 8;  // destinations a dispatch_send warp stores one read (or cast) of a row part to
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
-  extern __shared__ int smem[];  // count[E], base[E] (the expert's first row in its destination block), msgs[R]
-                                 // (this rank's messages to r), before[R] (those of tokens before this block's),
-                                 // then each token's destinations as a bit mask, uint32 [T][W]
+// One warp writes the header of token t's message to rank r: the token, then its local experts on r in top-k
+// order (repeats kept; an id outside [0, E) is nobody's), from which the receiver finds every row.
+__device__ __forceinline__ void write_msg_header(const Args& a, char* msg, int t, int r, int lane) {
+  const int64_t e = lane < a.num_topk ? a.topk_idx[int64_t(t) * a.num_topk + lane] : -1;
+  const bool mine = e >= 0 && e < a.num_experts && int(e / a.num_local) == r;
+  const uint64_t hit = intranode::warp_ballot(mine);
+  if (mine) reinterpret_cast<uint16_t*>(msg + 8)[__popcll(hit & ((1ull << lane) - 1ull))] = uint16_t(e % a.num_local);
+  if (lane == 0) *reinterpret_cast<int2*>(msg) = make_int2(t, __popcll(hit));
+}
+
+__device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
+  // smem: rows[E] (this rank's rows for expert e, at most max_tokens), base[E] (the
+                                 // expert's first row in its destination block), msgs[R] (this rank's messages
+                                 // to r), before[R] (those of tokens before this block's), then each token's
+                                 // destinations as a bit mask, uint32 [T][W]
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
   const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk, T = a.num_tokens;
-  const int W = (R + 31) / 32;
+  const int M = a.max_tokens, W = (R + 31) / 32;
   const Layout& lay = a.lay;
   const Counters ctr = counters(a);
   const int64_t stride = msg_stride(a);
+  int* rows = smem;
+  int* base = smem + E;
   int* msgs = smem + 2 * E;
   int* before = msgs + R;
   unsigned* dests = reinterpret_cast<unsigned*>(before + R);
-  int* tok_msg = reinterpret_cast<int*>(a.buf + lay.d_map);  // [T][R]: token t's message on rank r
 
-  // 1. every block: which ranks each token goes to (a token is one message to a rank, however many of its
-  //    experts are there), how many messages each rank gets from this rank and from the tokens before this
-  //    block's; then the block writes its tokens' messages (BF16 copy or FP8 cast, straight from x) into
-  //    their destinations: a node peer's receive block over NVLink/xGMI, else this rank's send block for the
-  //    proxies. Messages need no global count, so they are written before the grid barrier; only the row
-  //    index does (step 3). Warps over experts, meanwhile, give every (token, top-k slot) its row in its expert's
-  //    list (a scan of topk_idx: the receiver gets every source's rows in its token order).
+  // 1. every block, from topk_idx alone (no grid barrier: nothing here needs another block): which ranks each
+  //    token goes to (a token is one message to a rank, however many of its experts are there), how many
+  //    messages each rank gets from this rank and from the tokens before this block's, and each expert's rows
+  //    (an expert takes at most max_tokens rows from one source, its share of the receiver's packed output:
+  //    only a token listing it several times can exceed that) with their first row in the destination block
   for (int i = threadIdx.x; i < T * W; i += blockDim.x) dests[i] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) rows[e] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < T * K; p += blockDim.x) {
     const int64_t e = a.topk_idx[p];
-    if (e >= 0 && e < E) atomicOr(dests + (p / K) * W + int(e / L) / 32, 1u << (int(e / L) % 32));
+    if (e < 0 || e >= E) continue;
+    atomicOr(dests + (p / K) * W + int(e / L) / 32, 1u << (int(e / L) % 32));
+    atomicAdd(rows + e, 1);
   }
   __syncthreads();
+  for (int e = threadIdx.x; e < E; e += blockDim.x) rows[e] = min(rows[e], M);
   const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
   const int t_lo = min(T, int(blockIdx.x) * per_block), t_hi = min(T, t_lo + per_block);
   for (int r = warp; r < R; r += kWarps) {
@@ -341,8 +347,28 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
     if (lane == 0) msgs[r] = total, before[r] = earlier;
   }
   __syncthreads();
-  // Warps over (token, part of its row); a part is read (and cast to FP8) once and stored to up to kDestGroup
-  // destinations at a time.
+  for (int r = warp; r < R; r += kWarps) warp_exclusive_scan(rows + r * L, 1, base + r * L, 1, L, lane);
+
+  // 2. block 0 sends every destination its counts header now (a warp per destination: lanes write it, lane 0
+  //    signals; the first signal of the call), so the receivers know where every source's rows go before the
+  //    messages arrive and can unpack the node's blocks while the other nodes' travel
+  if (blockIdx.x == 0) {
+    for (int r = warp; r < R; r += kWarps) {
+      int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
+      for (int le = lane; le < L; le += kWarpSize) hdr[le] = rows[r * L + le];
+      if (lane == 0) hdr[L] = msgs[r];
+      __threadfence_system();
+      intranode::warp_sync();
+      if (lane == 0)
+        signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, 0, lay.hdr_bytes,
+                    kPhaseDispatchSend);
+    }
+  }
+
+  // 3. every block writes its tokens' messages (BF16 copy or FP8 cast, straight from x) into their
+  //    destinations: a node peer's receive block over NVLink/xGMI, else this rank's send block for the
+  //    proxies. Warps over (token, part of its row); a part is read (and cast to FP8) once and stored to up to
+  //    kDestGroup destinations at a time.
   const int mine = t_hi - t_lo, vecs = a.hidden / 8;
   const int parts = max(1, min(kWarps / max(mine, 1), a.hidden / (8 * kWarpSize)));
   for (int j = warp; j < mine * parts; j += kWarps) {
@@ -354,13 +380,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       if (r < R && ((dests[t * W + r / 32] >> (r % 32)) & 1u)) {
         int m = before[r];  // + this block's tokens before t that go to r
         for (int u = t_lo; u < t; ++u) m += (dests[u * W + r / 32] >> (r % 32)) & 1u;
-        char* msg = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
-                    m * stride;
-        if (part == 0 && lane == 0) {
-          *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
-          tok_msg[int64_t(t) * R + r] = m;
-        }
-        out[n++] = msg + kMsgHeaderBytes + (a.use_fp8 ? 0 : int64_t(v0) * 16);
+        char* blk = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes);
+        if (part == 0) write_msg_header(a, blk + lay.hdr_bytes + int64_t(m) * kMsgHeaderBytes, t, r, lane);
+        out[n++] = blk + lay.payload + m * stride + (a.use_fp8 ? 0 : int64_t(v0) * 16);
       }
       if (n == kDestGroup || (r == R && n > 0)) {
         if (a.use_fp8) {
@@ -372,13 +394,30 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
       }
     }
   }
-  for (int p = gw * kWarpSize + lane; p < T * K; p += nw * kWarpSize) {
+
+  // 4. per destination, the block that completes its messages raises the second signal (one completion atomic
+  //    per block and destination; every thread fenced its own writes first)
+  __threadfence_system();
+  __syncthreads();
+  for (int r = threadIdx.x; r < R; r += blockDim.x) {
+    if (atomicAdd(ctr.d_done + r, 1u) != gridDim.x - 1) continue;
+    __threadfence_system();
+    ctr.d_done[r] = 0;
+    signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
+                msgs[r] > 0 ? lay.payload - lay.hdr_bytes + msgs[r] * stride : 0, kPhaseDispatchSend);
+  }
+
+  // 5. where each (token, top-k slot) went, for the combine: warps over experts scan topk_idx in order, so an
+  //    expert's rows from this rank are in token order, as the receiver unpacks them. Rows past an expert's
+  //    max_tokens are dropped (-1) and the call raises; ids are checked here, on the GPU (no host sync): a bad
+  //    one moves nothing and the call raises on the next use.
+  const int pairs = T * K;
+  for (int p = gw * kWarpSize + lane; p < pairs; p += nw * kWarpSize) {
     const int64_t e = a.topk_idx[p];
-    if (e < -1 || e >= E)  // checked here, not on the host (no sync): the call moves it nowhere and raises
+    if (e < -1 || e >= E)
       report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, int(e), E);
     if (e < 0 || e >= E) a.pair_pos[p] = -1;
   }
-  const int pairs = T * K;
   for (int e = gw; e < E; e += nw) {
     int count = 0;
     for (int p0 = 0; p0 < pairs; p0 += 4 * kWarpSize) {
@@ -393,71 +432,62 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_send_kernel(Args a) {
         const bool hit = v[u] == e;
         const uint64_t mask = intranode::warp_ballot(hit);
         const int pos = count + __popcll(mask & ((1ull << lane) - 1ull));
-        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = pos < a.max_tokens ? pos : -1;
+        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = pos < M ? base[e] + pos : -1;
         count += __popcll(mask);
       }
     }
-    // An expert takes at most max_tokens rows from one source (its share of the receiver's packed output): only
-    // a token listing it several times can exceed that. The rows past it are dropped (pair_pos -1) and the call
-    // raises, so no receiver writes outside its outputs. With the cap a block never overflows either: it gets
-    // at most min(L, top-k) x max_tokens rows, which its row index holds.
-    if (lane == 0) {
-      ctr.slot[e] = min(count, a.max_tokens);
-      if (count > a.max_tokens)
-        report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, a.max_tokens);
+    if (lane == 0 && count > M) report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, M);
+  }
+}
+
+// How often a message header (table entry e, its first 32 bytes already loaded: head, more) lists local
+// expert le.
+__device__ __forceinline__ int listings(const int4* e, const int4& head, const int4& more, int le) {
+  const int n = head.y;
+  int c = 0, q = 0;
+  for (int chunk = 0; q < n; ++chunk) {  // 16 bytes: chunk 0 holds the token, n and experts 0..3
+    const int4 v = chunk == 0 ? head : chunk == 1 ? more : intranode::ld_global_v4(e + chunk);
+    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
+    for (int b = chunk == 0 ? 4 : 0; b < 8 && q < n; ++b, ++q) c += int((w[b / 2] >> (16 * (b % 2))) & 0xffffu) == le;
+  }
+  return c;
+}
+
+constexpr int kScanChunks = 4;  // header table entries a lane loads at once (a warp: 128, the usual max tokens)
+
+// Row i of local expert le in a block's header table of n messages: the message that lists le for the
+// (i + 1)-th time, counting in message order (the sender's token order), within a message in top-k order; its
+// source token in `token`. One warp; every lane loads its entries' first 32 bytes at once (the top-k ids
+// of up to 12 experts), then the warp scans. -1 when the table lists le fewer times (never, for a block
+// whose header counts came with it).
+__device__ int find_message(const char* table, int n, int le, int i, int lane, int& token) {
+  int seen = 0;
+  for (int m0 = 0; m0 < n; m0 += kScanChunks * kWarpSize) {
+    int4 head[kScanChunks], more[kScanChunks];
+#pragma unroll
+    for (int u = 0; u < kScanChunks; ++u) {
+      const int m = m0 + u * kWarpSize + lane;
+      const int4* e = reinterpret_cast<const int4*>(table + int64_t(m) * kMsgHeaderBytes);
+      head[u] = m < n ? intranode::ld_global_v4(e) : make_int4(0, 0, 0, 0);
+      more[u] = m < n ? intranode::ld_global_v4(e + 1) : make_int4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < kScanChunks; ++u) {
+      const int m = m0 + u * kWarpSize + lane;
+      const int c = m < n ? listings(reinterpret_cast<const int4*>(table + int64_t(m) * kMsgHeaderBytes), head[u],
+                                     more[u], le)
+                          : 0;
+      const int x = warp_inclusive_sum(c, lane);
+      const int total = intranode::warp_shfl(x, kWarpSize - 1);
+      if (i < seen + total) {
+        const int src = lowest_lane(intranode::warp_ballot(c > 0 && seen + x - c <= i && i < seen + x));
+        token = intranode::warp_shfl(head[u].x, src);
+        return m0 + u * kWarpSize + src;
+      }
+      seen += total;
     }
   }
-  if (!grid_barrier(a, kPhaseDispatchSend)) return;
-
-  // 2. every count is final: each block derives the bases; block 0 sends every destination its counts header
-  //    now (a warp per destination; the first signal of the call), so the receivers know where every
-  //    source's rows go before they arrive and can unpack the node's blocks while the others travel
-  for (int e = threadIdx.x; e < E; e += blockDim.x) smem[e] = ld_volatile(ctr.slot + e);
-  __syncthreads();
-  for (int r = warp; r < R; r += kWarps) warp_exclusive_scan(smem + r * L, 1, smem + E + r * L, 1, L, lane);
-  __syncthreads();
-  if (blockIdx.x == 0) {
-    for (int r = warp; r < R; r += kWarps) {  // a warp per destination: lanes write the counts, lane 0 signals
-      int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
-      for (int le = lane; le < L; le += kWarpSize) hdr[le] = smem[r * L + le];
-      __threadfence_system();
-      intranode::warp_sync();
-      if (lane == 0)
-        signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, 0, lay.hdr_bytes,
-                    kPhaseDispatchSend);
-    }
-  }
-
-  // 3. the row index (each row's message), then the second signal: rows for other nodes first (pass 0, when
-  //    there are other nodes), then the node's (pass 1), so the proxies carry the remote blocks while the
-  //    node's are still being indexed. Threads over (token, slot) pairs: pair_pos becomes the row.
-  const int gt = int(blockIdx.x * blockDim.x + threadIdx.x), nt = int(gridDim.x * blockDim.x);
-  for (int pass = R > a.ranks_per_node ? 0 : 1; pass < 2; ++pass) {
-    for (int p = gt; p < pairs; p += nt) {
-      const int64_t e = a.topk_idx[p];
-      if (e < 0 || e >= E) continue;
-      const int r = int(e / L);
-      if (same_node(a, r) != (pass == 1)) continue;
-      const int in_expert = ld_volatile(a.pair_pos + p);
-      if (in_expert < 0) continue;  // past the expert's max_tokens rows (step 1)
-      const int pos = smem[E + e] + in_expert;
-      a.pair_pos[p] = pos;
-      int* idx = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes);
-      idx[pos] = ld_volatile(tok_msg + int64_t(p / K) * R + r);
-    }
-
-    // 4. per destination of the pass: the block that completes it raises the second signal (the rows); one
-    //    completion atomic per block and destination (every thread fenced its own writes before the barrier)
-    __threadfence_system();
-    __syncthreads();
-    for (int r = threadIdx.x; r < R; r += blockDim.x) {
-      if (same_node(a, r) != (pass == 1) || atomicAdd(ctr.d_done + r, 1u) != gridDim.x - 1) continue;
-      __threadfence_system();
-      ctr.d_done[r] = 0;
-      signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
-                  msgs[r] > 0 ? lay.idx_bytes + msgs[r] * stride : 0, kPhaseDispatchSend);
-    }
-  }
+  return -1;
 }
 
 // Message j of the flattened (source, local expert, row) order -> its source s, expert le and row i.
@@ -493,17 +523,18 @@ __device__ void prefix_tables(const int* cnt, int* in_off, int* out_off, int* sr
   __syncthreads();
 }
 
-// One warp: message `msg` to row `row` of local expert le in the packed outputs (x, source token, FP8 scales).
-__device__ __forceinline__ void unpack_message(const Args& a, const char* msg, int le, int64_t row, int64_t rows,
-                                               int lane) {
+// One warp: the payload of token `token`'s message to row `row` of local expert le in the packed outputs (x,
+// source token, FP8 scales).
+__device__ __forceinline__ void unpack_message(const Args& a, const char* payload, int token, int le, int64_t row,
+                                               int64_t rows, int lane) {
   const int H = a.hidden, S = H / 128;                     // FP8 scales per row
   const int64_t x_bytes = a.use_fp8 ? H : int64_t(H) * 2;  // payload bytes of a row
   char* dst = a.recv_x + (le * rows + row) * x_bytes;
-  intranode::warp_push_row<int4, 4, false>(msg + kMsgHeaderBytes, x_bytes, &dst, 1, lane);
-  if (lane == 0) a.src_info[le * rows + row] = *reinterpret_cast<const volatile int*>(msg);
+  intranode::warp_push_row<int4, 4, false>(payload, x_bytes, &dst, 1, lane);
+  if (lane == 0) a.src_info[le * rows + row] = token;
   if (!a.use_fp8) return;
   // scales: [L][S][rows] float, or [L][S/4][rows] packed UE8M0 exponents
-  const float* sc = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + H);
+  const float* sc = reinterpret_cast<const float*>(payload + H);
   if (!a.use_ue8m0) {
     float* out = reinterpret_cast<float*>(a.recv_scales);
     for (int q = lane; q < S; q += kWarpSize) out[(int64_t(le) * S + q) * rows + row] = sc[q];
@@ -517,8 +548,8 @@ __device__ __forceinline__ void unpack_message(const Args& a, const char* msg, i
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
-  extern __shared__ int smem[];  // cnt[R*L], in_off[R*L], out_off[L*R], src_base[R+1]
+__device__ __forceinline__ void dispatch_recv(const Args& a, int* smem) {
+  // smem: cnt[R*L], in_off[R*L], out_off[L*R], src_base[R+1]
   const int R = a.num_ranks, L = a.num_local, M = a.max_tokens;
   const Layout& lay = a.lay;
   int* cnt = smem;
@@ -528,7 +559,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
   unsigned long long* seq = seq_word(a, 0);
   const int64_t stride = msg_stride(a);
   const unsigned long long calls = *reinterpret_cast<volatile unsigned long long*>(seq);
-  // the node's blocks whole (rows too), the other nodes' headers: where every row goes
+  // the node's blocks whole (messages too), the other nodes' headers: where every row goes
   if (!wait_all(a, lay.gpu_dsig, lay.host_dsig, 2 * calls + 2, 2 * calls + 1, kPhaseDispatchRecv)) return;
   const char* recv = a.buf + lay.d_recv;
   for (int i = threadIdx.x; i < R * L; i += blockDim.x)
@@ -555,9 +586,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
       int s, le, i;
       locate(src_base, in_off, R, L, pass == 0 ? near0 + f : f < near0 ? f : f + near, s, le, i);
       const char* blk = recv + s * lay.block_bytes;
-      const int m = ld_volatile(reinterpret_cast<const int*>(blk + lay.hdr_bytes) + in_off[s * L + le] + i);
-      unpack_message(a, blk + lay.hdr_bytes + lay.idx_bytes + m * stride, le, int64_t(out_off[le * R + s]) + i, rows,
-                     lane);
+      int token = 0;
+      const int m = find_message(blk + lay.hdr_bytes, ld_volatile(reinterpret_cast<const int*>(blk) + L), le, i, lane,
+                                 token);
+      if (m >= 0) unpack_message(a, blk + lay.payload + m * stride, token, le, int64_t(out_off[le * R + s]) + i, rows,
+                                 lane);
     }
   }
   if (blockIdx.x == 0) {
@@ -576,8 +609,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_recv_kernel(Args a) {
 }
 
 // Combine: the counts of every (local expert, source) pair come from the handle's layout_range.
-__global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
-  extern __shared__ int smem[];  // cnt[R*L] (by destination block), in_off[R*L], out_off[L*R], dst_base[R+1]
+__device__ __forceinline__ void combine_send(const Args& a, int* smem) {
+  // smem: cnt[R*L] (by destination block), in_off[R*L], out_off[L*R], dst_base[R+1]
   const int R = a.num_ranks, L = a.num_local, M = a.max_tokens, H = a.hidden;
   const Layout& lay = a.lay;
   int* cnt = smem;
@@ -621,7 +654,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_send_kernel(Args a) {
   }
 }
 
-__global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
+__device__ __forceinline__ void combine_recv(const Args& a) {
   constexpr int U = kCombineVectors;
   const int L = a.num_local, H = a.hidden, K = a.num_topk;
   const Layout& lay = a.lay;
@@ -680,6 +713,22 @@ __global__ void __launch_bounds__(kThreads, 1) combine_recv_kernel(Args a) {
   finish_launch(a, kBlocksDoneWord + 1, seq, target);
 }
 
+// One kernel per call kind, as DeepEP's: a call without recv hook runs both phases in one launch (each block
+// sends, then receives: every block of the launch is resident, so the one that waits for another's signal
+// cannot hold an SM it needs); a hooked call launches the send phase now and the receive phase in the hook.
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(Args a) {
+  extern __shared__ int smem[];
+  if (a.phases & kSendPhase) dispatch_send(a, smem);
+  if (a.phases == (kSendPhase | kRecvPhase)) __syncthreads();  // the receive reuses the shared memory
+  if (a.phases & kRecvPhase) dispatch_recv(a, smem);
+}
+
+__global__ void __launch_bounds__(kThreads, 1) combine_kernel(Args a) {
+  extern __shared__ int smem[];
+  if (a.phases & kSendPhase) combine_send(a, smem);
+  if (a.phases & kRecvPhase) combine_recv(a);
+}
+
 int64_t dispatch_send_smem(const Args& a) {
   return (2 * int64_t(a.num_experts) + 2 * a.num_ranks + int64_t(a.num_tokens) * ((a.num_ranks + 31) / 32)) * 4;
 }
@@ -701,33 +750,27 @@ void launch(K kernel, const Args& a, int blocks, int64_t smem, gpuStream_t strea
 
 void preload_kernels() {
   gpuFuncAttributes attr;
-  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_send_kernel)));
-  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_recv_kernel)));
-  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(combine_send_kernel)));
-  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(combine_recv_kernel)));
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_kernel)));
+  UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(combine_kernel)));
 }
 
-void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream) {
-  // each token's destinations (a bit per rank) with the counts, beside the kernel's static shared memory
+void launch_dispatch(const Args& a, int blocks, gpuStream_t stream) {
+  // the send phase keeps each token's destinations (a bit per rank) with the counts, beside the kernel's
+  // static shared memory
   static const int64_t limit = [] {
     gpuFuncAttributes attr;
-    UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_send_kernel)));
+    UCCL_CHECK_GPU(gpuFuncGetAttributes(&attr, reinterpret_cast<const void*>(dispatch_kernel)));
     return 48 * 1024 - int64_t(attr.sharedSizeBytes);
   }();
-  const int64_t smem = dispatch_send_smem(a);
-  UCCL_CHECK(smem <= limit, "low_latency_dispatch: " << a.num_tokens << " tokens x " << a.num_ranks << " ranks x "
-                            << a.num_experts << " experts need " << smem << " bytes of shared memory in the send "
-                            << "kernel, more than its " << limit << " (fewer tokens per call)");
-  launch(dispatch_send_kernel, a, blocks, smem, stream, "low-latency dispatch (send)");
+  const int64_t send = a.phases & kSendPhase ? dispatch_send_smem(a) : 0;
+  UCCL_CHECK(send <= limit, "low_latency_dispatch: " << a.num_tokens << " tokens x " << a.num_ranks << " ranks x "
+                            << a.num_experts << " experts need " << send << " bytes of shared memory in the send "
+                            << "phase, more than its " << limit << " (fewer tokens per call)");
+  const int64_t recv = a.phases & kRecvPhase ? table_smem(a) : 0;
+  launch(dispatch_kernel, a, blocks, send > recv ? send : recv, stream, "low-latency dispatch");
 }
-void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream) {
-  launch(dispatch_recv_kernel, a, blocks, table_smem(a), stream, "low-latency dispatch (receive)");
-}
-void launch_combine_send(const Args& a, int blocks, gpuStream_t stream) {
-  launch(combine_send_kernel, a, blocks, table_smem(a), stream, "low-latency combine (send)");
-}
-void launch_combine_recv(const Args& a, int blocks, gpuStream_t stream) {
-  launch(combine_recv_kernel, a, blocks, 0, stream, "low-latency combine (receive)");
+void launch_combine(const Args& a, int blocks, gpuStream_t stream) {
+  launch(combine_kernel, a, blocks, a.phases & kSendPhase ? table_smem(a) : 0, stream, "low-latency combine");
 }
 
 }  // namespace uccl_ep::low_latency

@@ -1,5 +1,5 @@
 // LowLatencyBuffer: one rank's low-latency regions (shared: IPC-exported and registered with the proxies;
-// local; host flags), its error record, and the launchers of the four LL kernels (low_latency_api.h).
+// local; host flags), its error record, and the launchers of the two LL kernels (low_latency_api.h).
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -168,9 +168,13 @@ void LowLatencyBuffer::check_ready(const char* what) const {
   UCCL_CHECK(num_ranks_ == ranks_per_node_ || !rings_.empty(), what << ": ranks on other nodes but no proxy rings");
 }
 
-// What every LL kernel of this rank gets for the call's half.
-Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_experts, int half) const {
+// What every LL launch of this rank gets for the call's half and phases.
+Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_experts, int half, int phases,
+                                 const char* what) const {
+  check_ready(what);
+  UCCL_CHECK(phases >= kSendPhase && phases <= (kSendPhase | kRecvPhase), what << ": phases " << phases);
   Args a{};
+  a.phases = phases;
   a.lay = to_layout(layout);
   a.rank = rank_;
   a.num_ranks = num_ranks_;
@@ -190,16 +194,17 @@ Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_exp
   return a;
 }
 
-void LowLatencyBuffer::dispatch_send(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens,
-                                     int num_topk, int num_experts, int max_tokens, int hidden, bool use_fp8,
-                                     bool round_scale, bool fnuz, int half, int64_t pair_pos, int64_t stream) {
-  check_ready("low_latency_dispatch");
+void LowLatencyBuffer::dispatch(const std::vector<int64_t>& layout, int64_t x, int64_t topk_idx, int num_tokens,
+                                int num_topk, int num_experts, int max_tokens, int hidden, bool use_fp8,
+                                bool round_scale, bool use_ue8m0, bool fnuz, int half, int64_t pair_pos, int64_t recv_x,
+                                int64_t recv_scales, int64_t src_info, int64_t layout_range, int64_t recv_count,
+                                int64_t stats, int phases, int64_t stream) {
   UCCL_CHECK(num_experts <= kMaxExperts && num_experts % num_ranks_ == 0,
              "low_latency_dispatch: num_experts " << num_experts << " must divide by the ranks and be <= " << kMaxExperts);
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency_dispatch: num_topk " << num_topk << " outside [1, "
                                                                                       << kMaxTopk << "]");
   UCCL_CHECK(hidden % 128 == 0, "low_latency_dispatch: hidden " << hidden << " must be a multiple of 128");
-  Args a = make_args(layout, num_experts, half);
+  Args a = make_args(layout, num_experts, half, phases, "low_latency_dispatch");
   a.num_tokens = num_tokens;
   a.num_topk = num_topk;
   a.max_tokens = max_tokens;
@@ -209,21 +214,8 @@ void LowLatencyBuffer::dispatch_send(const std::vector<int64_t>& layout, int64_t
   a.pair_pos = as_ptr<int>(pair_pos);
   a.use_fp8 = use_fp8;
   a.round_scale = round_scale;
-  a.fnuz = fnuz;
-  UCCL_CHECK_GPU(gpuSetDevice(device_));
-  launch_dispatch_send(a, num_blocks_, as_stream(stream));
-}
-
-void LowLatencyBuffer::dispatch_recv(const std::vector<int64_t>& layout, int num_experts, int max_tokens, int hidden,
-                                     bool use_fp8, bool use_ue8m0, int half, int64_t recv_x, int64_t recv_scales,
-                                     int64_t src_info, int64_t layout_range, int64_t recv_count, int64_t stats,
-                                     int64_t stream) {
-  check_ready("low_latency_dispatch");
-  Args a = make_args(layout, num_experts, half);
-  a.max_tokens = max_tokens;
-  a.hidden = hidden;
-  a.use_fp8 = use_fp8;
   a.use_ue8m0 = use_ue8m0;
+  a.fnuz = fnuz;
   a.recv_x = as_ptr<char>(recv_x);
   a.recv_scales = as_ptr<char>(recv_scales);
   a.src_info = as_ptr<int>(src_info);
@@ -231,35 +223,25 @@ void LowLatencyBuffer::dispatch_recv(const std::vector<int64_t>& layout, int num
   a.recv_count = as_ptr<int>(recv_count);
   a.stats = as_ptr<int>(stats);
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  launch_dispatch_recv(a, num_blocks_, as_stream(stream));
+  launch_dispatch(a, num_blocks_, as_stream(stream));
 }
 
-void LowLatencyBuffer::combine_send(const std::vector<int64_t>& layout, int64_t x, int64_t layout_range,
-                                    int num_experts, int max_tokens, int hidden, int half, int64_t stream) {
-  check_ready("low_latency_combine");
-  Args a = make_args(layout, num_experts, half);
+void LowLatencyBuffer::combine(const std::vector<int64_t>& layout, int64_t x, int64_t layout_range, int64_t topk_idx,
+                               int64_t topk_weights, int64_t pair_pos, int num_tokens, int num_topk, int num_experts,
+                               int max_tokens, int hidden, int half, int64_t out, int phases, int64_t stream) {
+  Args a = make_args(layout, num_experts, half, phases, "low_latency_combine");
+  a.num_tokens = num_tokens;
+  a.num_topk = num_topk;
   a.max_tokens = max_tokens;
   a.hidden = hidden;
   a.x = as_ptr<const char>(x);
   a.layout_range = as_ptr<int64_t>(layout_range);
-  UCCL_CHECK_GPU(gpuSetDevice(device_));
-  launch_combine_send(a, num_blocks_, as_stream(stream));
-}
-
-void LowLatencyBuffer::combine_recv(const std::vector<int64_t>& layout, int64_t topk_idx, int64_t topk_weights,
-                                    int64_t pair_pos, int num_tokens, int num_topk, int num_experts, int hidden,
-                                    int half, int64_t out, int64_t stream) {
-  check_ready("low_latency_combine");
-  Args a = make_args(layout, num_experts, half);
-  a.num_tokens = num_tokens;
-  a.num_topk = num_topk;
-  a.hidden = hidden;
   a.topk_idx = as_ptr<const int64_t>(topk_idx);
   a.topk_w = as_ptr<const float>(topk_weights);
   a.pair_pos = as_ptr<int>(pair_pos);
   a.out = as_ptr<char>(out);
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  launch_combine_recv(a, num_blocks_, as_stream(stream));
+  launch_combine(a, num_blocks_, as_stream(stream));
 }
 
 }  // namespace uccl_ep::low_latency

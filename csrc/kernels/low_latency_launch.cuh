@@ -19,16 +19,14 @@ constexpr int kWarps = kThreads / UCCL_WARP_SIZE;
 constexpr int64_t kClaimOffset = 0;
 
 // Counters at Layout::counters (the same place for every shape), all zero after clean():
-//   int    slot[kMaxExperts]      dispatch: rows this rank sends to expert e in this call
 //   uint32 d_done[kMaxRanks]      dispatch: blocks done with destination r (reset by the finisher)
 //   uint32 c_done[kMaxRanks]      combine: the same
-//   uint64 words[8]               0: grid barrier (cumulative), 1..4: blocks done per kernel (cumulative),
-//                                 then seq[kind][half] (calls received so far) at kSeqWord
-constexpr int64_t kSlotOffset = 0;
-constexpr int64_t kDoneOffset = kSlotOffset + 4 * kMaxExperts;
+//   uint64 words[6]               0, 1: blocks done of the dispatch / combine receive (cumulative), then
+//                                 seq[kind][half] (calls received so far) at kSeqWord
+constexpr int64_t kDoneOffset = 0;
 constexpr int64_t kCDoneOffset = kDoneOffset + 4 * kMaxRanks;
 constexpr int64_t kWordsOffset = kCDoneOffset + 4 * kMaxRanks;
-constexpr int kBarrierWord = 0, kBlocksDoneWord = 1, kSeqWord = 5;
+constexpr int kBlocksDoneWord = 0, kSeqWord = 2;
 constexpr int64_t kCounterBytes = kWordsOffset + 8 * (kSeqWord + 4);
 
 // Phases named in errors (ErrorRecord::phase).
@@ -45,6 +43,7 @@ struct Args {
   Layout lay;
   int rank, num_ranks, ranks_per_node, num_experts, num_local, max_tokens, hidden;
   int num_tokens, num_topk, half;
+  int phases;  // kSendPhase | kRecvPhase (low_latency_api.h)
   int64_t timeout_cycles;
   unsigned long long ring_spins;
   ErrorRecord* err;
@@ -69,9 +68,7 @@ struct Args {
 };
 
 void preload_kernels();
-void launch_dispatch_send(const Args& a, int blocks, gpuStream_t stream);
-void launch_dispatch_recv(const Args& a, int blocks, gpuStream_t stream);
-void launch_combine_send(const Args& a, int blocks, gpuStream_t stream);
-void launch_combine_recv(const Args& a, int blocks, gpuStream_t stream);
+void launch_dispatch(const Args& a, int blocks, gpuStream_t stream);  // the phases in Args::phases
+void launch_combine(const Args& a, int blocks, gpuStream_t stream);
 
 }  // namespace uccl_ep::low_latency

@@ -137,16 +137,19 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, use_fp8: bool, round_scale: bool, use_ue8m0: bool,
-                             cumulative_local_expert_recv_stats: Optional[torch.Tensor]
+                             cumulative_local_expert_recv_stats: Optional[torch.Tensor], return_recv_hook: bool
                              ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, LowLatencyHandle,
-                                        Callable[[], None]]:
-        """-> (packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, receive). Sends are issued at
-        once; `receive()` completes the arrival into the returned tensors (it is the recv hook)."""
+                                        Optional[Callable[[], None]]]:
+        """-> (packed_recv_x, packed_recv_x_scales, packed_recv_count, handle, receive). With return_recv_hook
+        the sends are issued and `receive()` (the recv hook) completes the arrival into the returned tensors;
+        without, the call does both (as one launch where it can) and `receive` is None."""
 
     @abc.abstractmethod
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
-                            handle: LowLatencyHandle, out: torch.Tensor) -> Callable[[], None]:
-        """Weighted reduce of expert outputs back to their tokens into `out`; returns `receive()`."""
+                            handle: LowLatencyHandle, out: torch.Tensor,
+                            return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        """Weighted reduce of expert outputs back to their tokens into `out`; returns `receive()` with
+        return_recv_hook (as low_latency_dispatch), else None."""
 
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The buffer a zero-copy combine reads: `[num_local_experts, num_ranks * max_tokens, hidden]` bf16."""

@@ -3,7 +3,7 @@
 Every token goes straight to each rank that holds any of its experts, once per rank (the receiver expands it
 into one row per expert): node peers over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU
 proxies (per destination rank and call, a write and an ordered atomic for a dispatch's counts header, then for
-its row index and messages; one of each for a combine). Sizes are fixed by
+its messages; one of each for a combine). Sizes are fixed by
 (num_max_dispatch_tokens_per_rank, hidden, ranks, experts): no host sync, and a dispatch + combine pair replays
 exactly in a CUDA graph. Kernels: csrc/kernels/low_latency{,_buffer}.cu;
 design and numbers: docs/low_latency.md.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -30,7 +30,7 @@ from .base import Backend
 from .native import RaisesRecordedErrors, SharesMemoryWithPeers, _module, module_serves, quiesce
 
 MAX_TOPK = 32  # top-k slots per token the layout has room for (the native LL_MAX_TOPK)
-_MSG_HEADER = 16  # a dispatch message: {source token, -, -, -}, then x (BF16, or FP8 and its scales)
+_MSG_HEADER = 80  # a dispatch message's header (block's table): source token, n, its n local experts there (uint16)
 _ERROR_WORDS = 4096  # the region starts with the kernels' claim word and error words
 _COUNTERS_BYTES = 12288  # counters the kernels keep, at the same place for every shape
 _SIGNALS = _ERROR_WORDS + _COUNTERS_BYTES
@@ -49,12 +49,10 @@ def _align(n: int, a: int) -> int:
 class LowLatencyLayout:
     """Byte offsets in a rank's LL region for calls of one shape (two halves that calls alternate over).
 
-    Per half: d_send / d_recv (R dispatch blocks: a counts header, the message index of each of up to `slots`
-    rows, then up to M messages: a token goes once to a rank, however many of its experts are there), c_send /
-    c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read and write only these, so they
-    come first. Then per half: d_map (each token's message index on each rank, int32 [M][R]: the send kernel
-    writes a token's messages before its grid barrier and the row index after it) and c_zero (the zero-copy
-    combine input).
+    Per half: d_send / d_recv (R dispatch blocks: a counts header - rows per local expert, then the number of
+    messages -, a table of M message headers, then from `payload` up to M message payloads (x): a token goes
+    once to a rank, however many of its experts are there, and its message header lists them), c_send / c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read
+    and write only these, so they come first. Then per half c_zero (the zero-copy combine input).
     """
 
     num_ranks: int
@@ -65,29 +63,29 @@ class LowLatencyLayout:
     block_bytes: int
     cblock_bytes: int
     hdr_bytes: int
-    idx_bytes: int
+    payload: int
     slots: int
-    areas: tuple  # per half: (d_send, d_recv, c_send, c_recv, d_map, c_zero)
+    areas: tuple  # per half: (d_send, d_recv, c_send, c_recv, c_zero)
     proxied_end: int  # the end of the last proxied area (must stay below 4 GiB when proxies are used)
     total_bytes: int
 
     @functools.cached_property
     def kernel_args(self) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """Per half, the 16 int64 of the native `Layout` in its field order (built once per shape: every
+        """Per half, the 15 int64 of the native `Layout` in its field order (built once per shape: every
         call passes them)."""
         R = self.num_ranks
         per_half = []
-        for half, (d_send, d_recv, c_send, c_recv, d_map, c_zero) in enumerate(self.areas):
-            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.idx_bytes,
+        for half, (d_send, d_recv, c_send, c_recv, c_zero) in enumerate(self.areas):
+            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.payload,
                              d_send, d_recv, c_send, c_recv,
                              _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # node peers' signals (bytes)
                              R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
-                             d_map, c_zero, _ERROR_WORDS))
+                             c_zero, _ERROR_WORDS))
         return per_half[0], per_half[1]
 
     def combine_input(self, half: int) -> tuple[int, tuple[int, int, int]]:
         """(byte offset, shape) of the zero-copy combine input of `half`: [L, R * M, hidden] BF16."""
-        return self.areas[half][5], (self.num_local, self.num_ranks * self.max_tokens, self.hidden)
+        return self.areas[half][4], (self.num_local, self.num_ranks * self.max_tokens, self.hidden)
 
 
 @functools.lru_cache(maxsize=64)  # every call of a shape asks for it, up to three times: computed once
@@ -95,11 +93,11 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
                        num_experts: int) -> LowLatencyLayout:
     M, H, R = num_max_dispatch_tokens_per_rank, hidden, num_ranks
     L = num_experts // R
-    msg = _align(_MSG_HEADER + 2 * H, 16)  # BF16 row, or FP8 row + H/128 float scales (smaller)
+    msg = 2 * H  # a BF16 row (an FP8 row + H/128 float scales is smaller)
     slots = M * min(MAX_TOPK, L)  # a token sends at most min(top-k, L) rows to one rank
-    hdr = _align(4 * L, 16)
-    idx = _align(4 * slots, 16)
-    block = _align(hdr + idx + M * msg, 256)
+    hdr = _align(4 * (L + 1), 16)
+    payload = hdr + M * _MSG_HEADER
+    block = _align(payload + M * msg, 256)
     cblock = _align(slots * 2 * H, 256)
     at = _align(_SIGNALS + 4 * 8 * R, 4096)
     proxied = []
@@ -112,11 +110,9 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     proxied_end = at
     areas = []
     for half in range(2):
-        d_map = at
-        c_zero = _align(d_map + 4 * M * R, 4096)
-        at = _align(c_zero + L * R * M * 2 * H, 4096)
-        areas.append(tuple(proxied[half]) + (d_map, c_zero))
-    return LowLatencyLayout(R, L, M, H, msg, block, cblock, hdr, idx, slots, tuple(areas), proxied_end, at)
+        areas.append(tuple(proxied[half]) + (at,))
+        at = _align(at + L * R * M * 2 * H, 4096)
+    return LowLatencyLayout(R, L, M, H, msg, block, cblock, hdr, payload, slots, tuple(areas), proxied_end, at)
 
 
 def low_latency_available() -> bool:
@@ -190,6 +186,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
                                   d["capacity"], 1 if d["publish"] == "vector" else 0])
                 self._buf.set_rings(rings)
         self._fnuz = fp8_dtype_for(device) == torch.float8_e4m3fnuz
+        self._send, self._recv = int(self._native.LL_SEND_PHASE), int(self._native.LL_RECV_PHASE)
 
     # ---- lifetime ------------------------------------------------------------------------------------
     def release(self) -> None:
@@ -226,7 +223,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         return half
 
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                             round_scale, use_ue8m0, cumulative_local_expert_recv_stats):
+                             round_scale, use_ue8m0, cumulative_local_expert_recv_stats, return_recv_hook):
         self.check_errors()
         M, H, R = num_max_dispatch_tokens_per_rank, x.size(1), self.num_ranks
         T, K = topk_idx.shape
@@ -256,21 +253,15 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         layout_range = torch.empty((L, R), dtype=torch.int64, device=dev)
         recv_count = torch.empty((L,), dtype=torch.int32, device=dev)
         stats = cumulative_local_expert_recv_stats
-        stream = current_raw_stream(self.device.index)
-        self._buf.dispatch_send(args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, M, H, use_fp8,
-                                round_scale, self._fnuz, half, pair_pos.data_ptr(), stream)
-
-        def receive() -> None:
-            self._buf.dispatch_recv(args, num_experts, M, H, use_fp8, use_ue8m0, half, recv_x.data_ptr(),
-                                    0 if recv_scales is None else recv_scales.data_ptr(), src_info.data_ptr(),
-                                    layout_range.data_ptr(), recv_count.data_ptr(),
-                                    0 if stats is None else stats.data_ptr(), current_raw_stream(self.device.index))
-
+        call = (args, x.data_ptr(), topk_idx.data_ptr(), T, K, num_experts, M, H, use_fp8, round_scale, use_ue8m0,
+                self._fnuz, half, pair_pos.data_ptr(), recv_x.data_ptr(),
+                0 if recv_scales is None else recv_scales.data_ptr(), src_info.data_ptr(), layout_range.data_ptr(),
+                recv_count.data_ptr(), 0 if stats is None else stats.data_ptr())
         handle = LowLatencyHandle(src_info, layout_range, M, H, num_experts, owner=self.owner,
                                   private=LowLatencyState(pair_pos, T, K))
-        return recv_x, recv_scales, recv_count, handle, receive
+        return recv_x, recv_scales, recv_count, handle, self._launch(self._buf.dispatch, call, return_recv_hook)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, return_recv_hook):
         self.check_errors()
         state = handle.private
         if not isinstance(state, LowLatencyState):
@@ -285,15 +276,18 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         x = x.contiguous()
         topk_idx = topk_idx.to(torch.int64).contiguous()
         topk_weights = topk_weights.to(torch.float32).contiguous()
-        self._buf.combine_send(args, x.data_ptr(), handle.layout_range.data_ptr(), E, M, H, half,
-                               current_raw_stream(self.device.index))
+        call = (args, x.data_ptr(), handle.layout_range.data_ptr(), topk_idx.data_ptr(), topk_weights.data_ptr(),
+                state.pair_pos.data_ptr(), state.num_tokens, state.num_topk, E, M, H, half, out.data_ptr())
+        return self._launch(self._buf.combine, call, return_recv_hook)
 
-        def receive() -> None:
-            self._buf.combine_recv(args, topk_idx.data_ptr(), topk_weights.data_ptr(), state.pair_pos.data_ptr(),
-                                   state.num_tokens, state.num_topk, E, H, half, out.data_ptr(),
-                                   current_raw_stream(self.device.index))
-
-        return receive
+    def _launch(self, kernel, call: tuple, return_recv_hook: bool) -> Optional[Callable[[], None]]:
+        """Both phases of a call in one launch on the current stream, or (recv hook) the send phase now and the
+        receive phase when the returned hook runs (on the stream current then)."""
+        if not return_recv_hook:
+            kernel(*call, self._send | self._recv, current_raw_stream(self.device.index))
+            return None
+        kernel(*call, self._send, current_raw_stream(self.device.index))
+        return lambda: kernel(*call, self._recv, current_raw_stream(self.device.index))
 
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         """The next combine's zero-copy input (its half of the region), [L, R * M, hidden] BF16."""

@@ -12,7 +12,7 @@ expert are grouped by source rank, then token index.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -186,7 +186,7 @@ class ReferenceBackend(Backend):
 
     # ---- low latency -----------------------------------------------------------------------------------
     def low_latency_dispatch(self, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, use_fp8,
-                             round_scale, use_ue8m0, cumulative_local_expert_recv_stats):
+                             round_scale, use_ue8m0, cumulative_local_expert_recv_stats, return_recv_hook):
         R, T, H = self.num_ranks, num_max_dispatch_tokens_per_rank, x.size(1)
         num_local = num_experts // R
         # One row per (token, expert) pair, grouped by destination rank, then expert, then token.
@@ -243,9 +243,9 @@ class ReferenceBackend(Backend):
                 cumulative_local_expert_recv_stats.add_(counts.to(cumulative_local_expert_recv_stats.dtype))
 
         handle = LowLatencyHandle(src_info, layout_range, T, H, num_experts, owner=self.owner)
-        return recv_x, recv_scales, recv_count, handle, receive
+        return recv_x, recv_scales, recv_count, handle, _hook_or_run(receive, return_recv_hook)
 
-    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out):
+    def low_latency_combine(self, x, topk_idx, topk_weights, handle, out, return_recv_hook):
         R, me = self.num_ranks, self.rank
         num_local = handle.num_experts // R
         counts = (handle.layout_range & 0xFFFFFFFF)  # [num_local, R]
@@ -277,7 +277,7 @@ class ReferenceBackend(Backend):
             acc.index_add_(0, token, data.float() * weight.unsqueeze(1))
             out.copy_(acc)
 
-        return receive
+        return _hook_or_run(receive, return_recv_hook)
 
     def low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
         key = (handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
@@ -293,6 +293,14 @@ class ReferenceBackend(Backend):
 
     def release(self):
         self._ll_combine_buffers.clear()
+
+
+def _hook_or_run(receive: Callable[[], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:
+    """A low-latency call's receive: handed back as the recv hook, or run now (the call completes)."""
+    if return_recv_hook:
+        return receive
+    receive()
+    return None
 
 
 def _pad_rows(t: Optional[torch.Tensor], rows: int, value) -> Optional[torch.Tensor]:

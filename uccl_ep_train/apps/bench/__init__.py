@@ -128,10 +128,13 @@ def publish(summary: list[dict], context: dict, show: Callable[[list[dict]], Non
     return summary
 
 
-def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], iters: int) -> dict[str, float]:
+def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], iters: int,
+              every: Optional[Mapping[str, tuple[int, int]]] = None) -> dict[str, float]:
     """Run fn `iters` times under the profiler: per key of `kernels`, the mean device µs per run of the
-    kernels whose names contain one of its substrings (DeepEP's bench_kineto: the "kernel" timing). A key no
-    kernel matched raises (a renamed kernel must not record 0 µs)."""
+    kernels whose names contain one of its substrings (DeepEP's bench_kineto: the "kernel" timing). With
+    `every[key] = (i, n)` only the i-th of every n such launches in time order counts (a call that launches
+    one kernel twice, its send and then its receive phase). A key no kernel matched raises (a renamed kernel
+    must not record 0 µs)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -141,9 +144,14 @@ def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], ite
         torch.cuda.synchronize()
     totals = dict.fromkeys(kernels, 0.0)
     seen = dict.fromkeys(kernels, 0)
-    for evt in prof.events():
+    launches = dict.fromkeys(kernels, 0)
+    for evt in sorted(prof.events(), key=lambda e: e.time_range.start):
         for key, names in kernels.items():
             if any(n in evt.name for n in names):
+                launches[key] += 1
+                i, n = (every or {}).get(key, (0, 1))
+                if (launches[key] - 1) % n != i:
+                    continue
                 dt = getattr(evt, "device_time", None)
                 totals[key] += float(getattr(evt, "cuda_time", 0.0) if dt is None else dt)
                 seen[key] += 1

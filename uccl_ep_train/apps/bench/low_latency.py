@@ -81,8 +81,9 @@ _GEMM_CYCLES = 500_000  # ~0.25 ms of GPU wait before a recv hook: the transfer 
 
 
 def _kernel_time(pieces: dict, iters: int, warmup: int, group) -> dict:
-    """Per piece, the mean device µs of its native kernels (`dispatch` -> dispatch_send_kernel +
-    dispatch_recv_kernel, `dispatch_send` -> dispatch_send_kernel, ...), over `iters` rounds that each start
+    """Per piece, the mean device µs of its native kernel launch (`dispatch` -> dispatch_kernel, both phases;
+    with the hook `dispatch_send` -> the first dispatch_kernel of a round, `dispatch_recv` -> the second, the
+    same for combine), over `iters` rounds that each start
     on every rank's GPU at once: a host barrier, then a GPU wait long enough for every host to enqueue the
     round behind it (DeepEP syncs its GPUs with an all-reduce; ranks sharing a GPU have no NCCL)."""
     from . import device_us
@@ -101,9 +102,9 @@ def _kernel_time(pieces: dict, iters: int, warmup: int, group) -> dict:
 
     for _ in range(warmup):
         aligned_round()
-    kernels = {name: (f"{name}_kernel",) if name.endswith(("_send", "_recv")) else
-               (f"{name}_send_kernel", f"{name}_recv_kernel") for name in pieces}
-    return device_us(aligned_round, kernels, iters)
+    kernels = {name: (f"{name.split('_')[0]}_kernel",) for name in pieces}
+    every = {name: (int(name.endswith("_recv")), 2) for name in pieces if name.endswith(("_send", "_recv"))}
+    return device_us(aligned_round, kernels, iters, every)
 
 
 def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
