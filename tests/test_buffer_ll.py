@@ -111,19 +111,16 @@ def test_low_latency_matches_oracle(world, hidden):
 
 
 def test_low_latency_layout_sends_a_token_once_per_rank():
-    """The one LL layout: a dispatch block holds its counts header (rows per local expert, then the number of
-    messages), a table of M message headers, then M message payloads (a token crosses to a rank once, however
-    many of its experts live there; its header lists them, up to the top-k limit); the areas of each half
-    follow each other without overlap; the region's first bytes hold what the built native module keeps
-    there (error words, counters)."""
+    """The one LL layout: a dispatch block holds its counts header, a row index for every row a source can send
+    (M x min(top-k limit, L)) and one message per token (a token crosses to a rank once, however many of its
+    experts live there); the areas of each half follow each other without overlap; the region's first bytes
+    hold what the built native module keeps there (error words, counters)."""
     from uccl_ep_train.backends import low_latency as LL
     M, H, R, E = 128, 7168, 4, 256
     lay = LL.low_latency_layout(M, H, R, E)
     L = E // R
-    assert lay.slots == M * min(LL.MAX_TOPK, L) and lay.hdr_bytes >= 4 * (L + 1)
-    assert lay.msg_bytes == 2 * H and LL._MSG_HEADER >= 8 + 2 * LL.MAX_TOPK
-    assert lay.payload == lay.hdr_bytes + M * LL._MSG_HEADER and lay.payload % 16 == 0
-    need = lay.payload + M * lay.msg_bytes
+    assert lay.slots == M * min(LL.MAX_TOPK, L) and lay.idx_bytes >= 4 * lay.slots and lay.hdr_bytes >= 4 * L
+    need = lay.hdr_bytes + lay.idx_bytes + M * lay.msg_bytes
     assert need <= lay.block_bytes < need + 256 and lay.cblock_bytes >= lay.slots * 2 * H
     ends = []
     for d_send, d_recv, c_send, c_recv, c_zero in lay.areas:

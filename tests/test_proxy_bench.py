@@ -43,8 +43,8 @@ def test_bench_proxy_cpu_writes_records(tmp_path, monkeypatch):
 
 
 def test_batching_patterns_model_the_kernels_block_and_per_expert_rows():
-    """`bench proxy`'s batching op: `per-rank` is one write of the kernels' block (header, each token once),
-    `per-expert` one write per expert with rows, contiguous, a message per (token, expert) row; one
+    """`bench proxy`'s batching op: `per-rank` is one write of the kernels' block (header, row index, each token
+    once), `per-expert` one write per expert with rows, contiguous, a message per (token, expert) row; one
     atomic last; both fit the span each side reserves."""
     import argparse
 
@@ -57,8 +57,8 @@ def test_batching_patterns_model_the_kernels_block_and_per_expert_rows():
     assert shape["rows"] == pshape["rows"] and 0 < shape["rows"] <= args.num_tokens * args.num_topk
     # top-8 of 256 experts: a token has ~4 experts on the peer, so its rows outnumber its tokens
     assert 0 < shape["tokens"] <= args.num_tokens and shape["rows"] > 2 * shape["tokens"]
-    assert shape["block_bytes"] == lay.payload + shape["tokens"] * lay.msg_bytes
-    assert pshape["block_bytes"] == lay.payload + shape["rows"] * lay.msg_bytes
+    assert shape["block_bytes"] == lay.hdr_bytes + lay.idx_bytes + shape["tokens"] * lay.msg_bytes
+    assert pshape["block_bytes"] == lay.hdr_bytes + shape["rows"] * lay.msg_bytes
     assert shape["span"] == pshape["span"] >= max(shape["block_bytes"], pshape["block_bytes"])
     for cmds in (whole, pieces):
         assert cmds[-1]["op"] == P.OP_ATOMIC_ADD and cmds[-1]["remote_off"] == 8 and cmds[-1]["region"] == 1

@@ -3,23 +3,23 @@
 // Two kernels, dispatch and combine, each of a send and a receive phase (one launch runs both, or, with the
 // recv hook, the send now and the receive in the hook), on `Args::half` (the call's half of the
 // double-buffered areas):
-//   dispatch_send  send every rank its counts header at once (rows per local expert, messages; the first
-//                  signal), then write each token once to every rank that has any of its experts (a message:
-//                  the token's local experts there, then a BF16 copy or FP8 cast with per-128 scales; node
-//                  peers: NVLink stores into their receive block, other nodes: this rank's send block, which
-//                  one proxy write carries over) and signal each rank once every block wrote its messages (the
-//                  second signal). No grid barrier: every block counts the rows per expert itself. Meanwhile
-//                  give every (token, top-k slot) its row in its destination block (the combine's input).
+//   dispatch_send  every block counts each expert's rows from topk_idx itself (no grid barrier), block 0 sends
+//                  every rank its counts header at once (the first signal); each block gives its (token, top-k
+//                  slot) pairs their rows (pair_pos, the combine's input) and the destination's row index entry
+//                  (the row's message), and writes each of its tokens once to every rank that has any of its
+//                  experts (a message: BF16 copy or FP8 cast with per-128 scales; node peers: NVLink stores into
+//                  their receive block, other nodes: this rank's send block, which one proxy write carries
+//                  over); the block that completes a rank signals it (the second signal).
 //   dispatch_recv  wait for the node's blocks and the other nodes' counts headers, then unpack the blocks
 //                  into DeepEP's packed layout [local expert][rank * max tokens][hidden], grouped by source rank,
-//                  in the order the source sent them (its token order): row i of an expert from a source is the
-//                  message that lists the expert i-th; the node's blocks first, while the other nodes'
-//                  messages are still on their way through the proxies, then those.
+//                  in the order the source sent them (its token order), a message to each row that names it:
+//                  the node's blocks first, while the other nodes' rows are still on their way through the
+//                  proxies, then those.
 //   combine_send   send each expert output row back to the row its token came from (same blocks, reversed).
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //
 // Signals only grow. A destination's combine signal goes up by one per call, its dispatch signal by two (the
-// counts header landed, then the messages); the receiver waits until it passes what the calls it has received
+// counts header landed, then the row index and messages); the receiver waits until it passes what the calls it has received
 // on that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
 // replay waits for the next call, never for a value frozen at capture. The counters a call uses as scratch
 // (per-destination completions) are returned to zero by the block that finishes with them, inside the call.
@@ -240,11 +240,11 @@ __device__ void cast_token_fp8(const Args& a, int t, char* const* outs, int n, i
 constexpr int kCombineVectors = 7;  // 16-byte vectors per lane a combine_recv warp sums at once: 7 x 32 x 8 channels
                                     // is a quarter of hidden 7168 (DeepSeek-V3), no register spills
 
-// Bytes between consecutive message payloads of this call: the layout's msg_bytes (a BF16 row), or with FP8
-// the FP8 row and its float scales, 16-byte aligned (about half: the blocks' writes move only that).
+// Bytes between consecutive messages of this call: the layout's msg_bytes (header and BF16 row), or with FP8
+// the header, the FP8 row and its float scales, 16-byte aligned (about half: the blocks' writes move only that).
 __device__ __forceinline__ int64_t msg_stride(const Args& a) {
   if (!a.use_fp8) return a.lay.msg_bytes;
-  return (a.hidden + a.hidden / 128 * 4 + 15) / 16 * 16;
+  return (kMsgHeaderBytes + a.hidden + a.hidden / 128 * 4 + 15) / 16 * 16;
 }
 
 // The last s in [0, n) with base[s] <= j (base ascending: the block, of n, that flat entry j falls in).
@@ -269,9 +269,6 @@ __device__ __forceinline__ int warp_inclusive_sum(int v, int lane) {
   return v;
 }
 
-// The lane of the lowest bit set in `mask` (one set bit: the lane a ballot found).
-__device__ __forceinline__ int lowest_lane(uint64_t mask) { return __popcll((mask & (~mask + 1ull)) - 1ull); }
-
 // One warp: out[i * ostride] = in[0] + ... + in[(i - 1) * stride] for i < n (shared memory, strided so that a
 // column of a table scans too); returns the total. A warp-wide scan per pass of kWarpSize values: a thread
 // summing a whole row of L = 128 counts alone took microseconds at the head of every LL kernel.
@@ -289,23 +286,12 @@ __device__ int warp_exclusive_scan(const int* in, int stride, int* out, int ostr
 
 constexpr int kDestGroup = 8;  // destinations a dispatch_send warp stores one read (or cast) of a row part to
 
-// One warp writes the header of token t's message to rank r: the token, then its local experts on r in top-k
-// order (repeats kept; an id outside [0, E) is nobody's), from which the receiver finds every row.
-__device__ __forceinline__ void write_msg_header(const Args& a, char* msg, int t, int r, int lane) {
-  const int64_t e = lane < a.num_topk ? a.topk_idx[int64_t(t) * a.num_topk + lane] : -1;
-  const bool mine = e >= 0 && e < a.num_experts && int(e / a.num_local) == r;
-  const uint64_t hit = intranode::warp_ballot(mine);
-  if (mine) reinterpret_cast<uint16_t*>(msg + 8)[__popcll(hit & ((1ull << lane) - 1ull))] = uint16_t(e % a.num_local);
-  if (lane == 0) *reinterpret_cast<int2*>(msg) = make_int2(t, __popcll(hit));
-}
-
 __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
-  // smem: rows[E] (this rank's rows for expert e, at most max_tokens), base[E] (the
-                                 // expert's first row in its destination block), msgs[R] (this rank's messages
-                                 // to r), before[R] (those of tokens before this block's), then each token's
-                                 // destinations as a bit mask, uint32 [T][W]
+  // smem: rows[E] (this rank's rows for expert e, at most max_tokens), base[E] (the expert's first row in its
+  // destination block), earlier[E] (rows for e from the tokens before this block's), msgs[R] (this rank's
+  // messages to r), before[R] (those of tokens before this block's), then each token's destinations as a bit
+  // mask, uint32 [T][W]
   const int warp = int(threadIdx.x) / kWarpSize, lane = int(threadIdx.x) % kWarpSize;
-  const int gw = int(blockIdx.x) * kWarps + warp, nw = int(gridDim.x) * kWarps;
   const int E = a.num_experts, L = a.num_local, R = a.num_ranks, K = a.num_topk, T = a.num_tokens;
   const int M = a.max_tokens, W = (R + 31) / 32;
   const Layout& lay = a.lay;
@@ -313,41 +299,49 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
   const int64_t stride = msg_stride(a);
   int* rows = smem;
   int* base = smem + E;
-  int* msgs = smem + 2 * E;
+  int* earlier = smem + 2 * E;
+  int* msgs = smem + 3 * E;
   int* before = msgs + R;
   unsigned* dests = reinterpret_cast<unsigned*>(before + R);
+  const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
+  const int t_lo = min(T, int(blockIdx.x) * per_block), t_hi = min(T, t_lo + per_block);
+  auto goes_to = [&](int t, int r) { return ((dests[t * W + r / 32] >> (r % 32)) & 1u) != 0; };
 
   // 1. every block, from topk_idx alone (no grid barrier: nothing here needs another block): which ranks each
   //    token goes to (a token is one message to a rank, however many of its experts are there), how many
-  //    messages each rank gets from this rank and from the tokens before this block's, and each expert's rows
-  //    (an expert takes at most max_tokens rows from one source, its share of the receiver's packed output:
-  //    only a token listing it several times can exceed that) with their first row in the destination block
+  //    messages each rank gets from this rank and from the tokens before this block's, each expert's rows (an
+  //    expert takes at most max_tokens rows from one source, its share of the receiver's packed output: only a
+  //    token listing it several times can exceed that; the rows past it are dropped and the call raises) with
+  //    their first row in the destination block, and those of the tokens before this block's
   for (int i = threadIdx.x; i < T * W; i += blockDim.x) dests[i] = 0;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) rows[e] = 0;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) rows[e] = earlier[e] = 0;
   __syncthreads();
   for (int p = threadIdx.x; p < T * K; p += blockDim.x) {
     const int64_t e = a.topk_idx[p];
     if (e < 0 || e >= E) continue;
     atomicOr(dests + (p / K) * W + int(e / L) / 32, 1u << (int(e / L) % 32));
     atomicAdd(rows + e, 1);
+    if (p < t_lo * K) atomicAdd(earlier + e, 1);
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < E; e += blockDim.x) rows[e] = min(rows[e], M);
-  const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
-  const int t_lo = min(T, int(blockIdx.x) * per_block), t_hi = min(T, t_lo + per_block);
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    if (blockIdx.x == 0 && rows[e] > M) report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, rows[e], M);
+    rows[e] = min(rows[e], M);
+  }
   for (int r = warp; r < R; r += kWarps) {
-    int total = 0, earlier = 0;
+    int total = 0, earlier_msgs = 0;
     for (int t0 = 0; t0 < T; t0 += kWarpSize) {
       const int t = t0 + lane;
-      const uint64_t hit = intranode::warp_ballot(t < T && ((dests[t * W + r / 32] >> (r % 32)) & 1u));
+      const uint64_t hit = intranode::warp_ballot(t < T && goes_to(t, r));
       const int below = min(max(t_lo - t0, 0), kWarpSize);  // lanes of tokens before this block's
       total += __popcll(hit);
-      earlier += __popcll(below >= 64 ? hit : hit & ((1ull << below) - 1ull));
+      earlier_msgs += __popcll(below >= 64 ? hit : hit & ((1ull << below) - 1ull));
     }
-    if (lane == 0) msgs[r] = total, before[r] = earlier;
+    if (lane == 0) msgs[r] = total, before[r] = earlier_msgs;
   }
   __syncthreads();
   for (int r = warp; r < R; r += kWarps) warp_exclusive_scan(rows + r * L, 1, base + r * L, 1, L, lane);
+  __syncthreads();
 
   // 2. block 0 sends every destination its counts header now (a warp per destination: lanes write it, lane 0
   //    signals; the first signal of the call), so the receivers know where every source's rows go before the
@@ -356,7 +350,6 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     for (int r = warp; r < R; r += kWarps) {
       int* hdr = reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes));
       for (int le = lane; le < L; le += kWarpSize) hdr[le] = rows[r * L + le];
-      if (lane == 0) hdr[L] = msgs[r];
       __threadfence_system();
       intranode::warp_sync();
       if (lane == 0)
@@ -365,7 +358,42 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     }
   }
 
-  // 3. every block writes its tokens' messages (BF16 copy or FP8 cast, straight from x) into their
+  // 3. warp 0: this block's (token, top-k slot) pairs in order get their rows (an expert's rows from this rank
+  //    in token order, then top-k order: the order the receiver unpacks them in): pair_pos (the combine's input)
+  //    and the destination's row index (the row's message). A pair's rank among the earlier pairs of its expert
+  //    is the block's `earlier` count plus a count over the lanes of its pass. Ids are checked here, on the GPU
+  //    (no host sync): a bad one moves nothing and the call raises on the next use.
+  if (warp == 0) {
+    for (int p0 = t_lo * K; p0 < t_hi * K; p0 += kWarpSize) {
+      const int p = p0 + lane;
+      const bool live = p < t_hi * K;
+      const int64_t e = live ? a.topk_idx[p] : -1;
+      if (live && (e < -1 || e >= E))
+        report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, int(e), E);
+      const int ev = live && e >= 0 && e < E ? int(e) : -1;
+      int same_before = 0, same_after = 0;  // lanes of this pass with the same expert
+      for (int d = 0; d < kWarpSize; ++d) {
+        const int other = intranode::warp_shfl(ev, d);
+        same_before += other == ev && d < lane;
+        same_after += other == ev && d > lane;
+      }
+      if (live) {
+        const int pos = ev >= 0 ? earlier[ev] + same_before : M;
+        a.pair_pos[p] = pos < M ? base[ev] + pos : -1;  // -1: no expert, a bad id, or past the expert's rows
+        if (pos < M) {
+          const int t = p / K, r = ev / L;
+          int m = before[r];  // the token's message on r: + this block's tokens before t that go to r
+          for (int u = t_lo; u < t; ++u) m += goes_to(u, r);
+          reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes)[base[ev] + pos] = m;
+        }
+      }
+      intranode::warp_sync();  // every lane read earlier[] before the pass's last pair of an expert moves it
+      if (ev >= 0 && same_after == 0) earlier[ev] += same_before + 1;
+      intranode::warp_sync();
+    }
+  }
+
+  // 4. every block writes its tokens' messages (BF16 copy or FP8 cast, straight from x) into their
   //    destinations: a node peer's receive block over NVLink/xGMI, else this rank's send block for the
   //    proxies. Warps over (token, part of its row); a part is read (and cast to FP8) once and stored to up to
   //    kDestGroup destinations at a time.
@@ -377,12 +405,13 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     char* out[kDestGroup];
     int n = 0;
     for (int r = 0; r <= R; ++r) {
-      if (r < R && ((dests[t * W + r / 32] >> (r % 32)) & 1u)) {
+      if (r < R && goes_to(t, r)) {
         int m = before[r];  // + this block's tokens before t that go to r
-        for (int u = t_lo; u < t; ++u) m += (dests[u * W + r / 32] >> (r % 32)) & 1u;
-        char* blk = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes);
-        if (part == 0) write_msg_header(a, blk + lay.hdr_bytes + int64_t(m) * kMsgHeaderBytes, t, r, lane);
-        out[n++] = blk + lay.payload + m * stride + (a.use_fp8 ? 0 : int64_t(v0) * 16);
+        for (int u = t_lo; u < t; ++u) m += goes_to(u, r);
+        char* msg = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
+                    m * stride;
+        if (part == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
+        out[n++] = msg + kMsgHeaderBytes + (a.use_fp8 ? 0 : int64_t(v0) * 16);
       }
       if (n == kDestGroup || (r == R && n > 0)) {
         if (a.use_fp8) {
@@ -395,8 +424,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     }
   }
 
-  // 4. per destination, the block that completes its messages raises the second signal (one completion atomic
-  //    per block and destination; every thread fenced its own writes first)
+  // 5. per destination, the block that completes it (its row index entries and messages) raises the second
+  //    signal; one completion atomic per block and destination (every thread fenced its own writes first)
   __threadfence_system();
   __syncthreads();
   for (int r = threadIdx.x; r < R; r += blockDim.x) {
@@ -404,90 +433,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     __threadfence_system();
     ctr.d_done[r] = 0;
     signal_rank(a, r, lay.gpu_dsig, lay.host_dsig, lay.d_send, lay.d_recv, lay.block_bytes, lay.hdr_bytes,
-                msgs[r] > 0 ? lay.payload - lay.hdr_bytes + msgs[r] * stride : 0, kPhaseDispatchSend);
+                msgs[r] > 0 ? lay.idx_bytes + msgs[r] * stride : 0, kPhaseDispatchSend);
   }
-
-  // 5. where each (token, top-k slot) went, for the combine: warps over experts scan topk_idx in order, so an
-  //    expert's rows from this rank are in token order, as the receiver unpacks them. Rows past an expert's
-  //    max_tokens are dropped (-1) and the call raises; ids are checked here, on the GPU (no host sync): a bad
-  //    one moves nothing and the call raises on the next use.
-  const int pairs = T * K;
-  for (int p = gw * kWarpSize + lane; p < pairs; p += nw * kWarpSize) {
-    const int64_t e = a.topk_idx[p];
-    if (e < -1 || e >= E)
-      report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, int(e), E);
-    if (e < 0 || e >= E) a.pair_pos[p] = -1;
-  }
-  for (int e = gw; e < E; e += nw) {
-    int count = 0;
-    for (int p0 = 0; p0 < pairs; p0 += 4 * kWarpSize) {
-      int64_t v[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const int p = p0 + u * kWarpSize + lane;
-        v[u] = p < pairs ? a.topk_idx[p] : -1;
-      }
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const bool hit = v[u] == e;
-        const uint64_t mask = intranode::warp_ballot(hit);
-        const int pos = count + __popcll(mask & ((1ull << lane) - 1ull));
-        if (hit) a.pair_pos[p0 + u * kWarpSize + lane] = pos < M ? base[e] + pos : -1;
-        count += __popcll(mask);
-      }
-    }
-    if (lane == 0 && count > M) report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, count, M);
-  }
-}
-
-// How often a message header (table entry e, its first 32 bytes already loaded: head, more) lists local
-// expert le.
-__device__ __forceinline__ int listings(const int4* e, const int4& head, const int4& more, int le) {
-  const int n = head.y;
-  int c = 0, q = 0;
-  for (int chunk = 0; q < n; ++chunk) {  // 16 bytes: chunk 0 holds the token, n and experts 0..3
-    const int4 v = chunk == 0 ? head : chunk == 1 ? more : intranode::ld_global_v4(e + chunk);
-    const uint32_t w[4] = {uint32_t(v.x), uint32_t(v.y), uint32_t(v.z), uint32_t(v.w)};
-    for (int b = chunk == 0 ? 4 : 0; b < 8 && q < n; ++b, ++q) c += int((w[b / 2] >> (16 * (b % 2))) & 0xffffu) == le;
-  }
-  return c;
-}
-
-constexpr int kScanChunks = 4;  // header table entries a lane loads at once (a warp: 128, the usual max tokens)
-
-// Row i of local expert le in a block's header table of n messages: the message that lists le for the
-// (i + 1)-th time, counting in message order (the sender's token order), within a message in top-k order; its
-// source token in `token`. One warp; every lane loads its entries' first 32 bytes at once (the top-k ids
-// of up to 12 experts), then the warp scans. -1 when the table lists le fewer times (never, for a block
-// whose header counts came with it).
-__device__ int find_message(const char* table, int n, int le, int i, int lane, int& token) {
-  int seen = 0;
-  for (int m0 = 0; m0 < n; m0 += kScanChunks * kWarpSize) {
-    int4 head[kScanChunks], more[kScanChunks];
-#pragma unroll
-    for (int u = 0; u < kScanChunks; ++u) {
-      const int m = m0 + u * kWarpSize + lane;
-      const int4* e = reinterpret_cast<const int4*>(table + int64_t(m) * kMsgHeaderBytes);
-      head[u] = m < n ? intranode::ld_global_v4(e) : make_int4(0, 0, 0, 0);
-      more[u] = m < n ? intranode::ld_global_v4(e + 1) : make_int4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int u = 0; u < kScanChunks; ++u) {
-      const int m = m0 + u * kWarpSize + lane;
-      const int c = m < n ? listings(reinterpret_cast<const int4*>(table + int64_t(m) * kMsgHeaderBytes), head[u],
-                                     more[u], le)
-                          : 0;
-      const int x = warp_inclusive_sum(c, lane);
-      const int total = intranode::warp_shfl(x, kWarpSize - 1);
-      if (i < seen + total) {
-        const int src = lowest_lane(intranode::warp_ballot(c > 0 && seen + x - c <= i && i < seen + x));
-        token = intranode::warp_shfl(head[u].x, src);
-        return m0 + u * kWarpSize + src;
-      }
-      seen += total;
-    }
-  }
-  return -1;
 }
 
 // Message j of the flattened (source, local expert, row) order -> its source s, expert le and row i.
@@ -523,18 +470,17 @@ __device__ void prefix_tables(const int* cnt, int* in_off, int* out_off, int* sr
   __syncthreads();
 }
 
-// One warp: the payload of token `token`'s message to row `row` of local expert le in the packed outputs (x,
-// source token, FP8 scales).
-__device__ __forceinline__ void unpack_message(const Args& a, const char* payload, int token, int le, int64_t row,
-                                               int64_t rows, int lane) {
+// One warp: message `msg` to row `row` of local expert le in the packed outputs (x, source token, FP8 scales).
+__device__ __forceinline__ void unpack_message(const Args& a, const char* msg, int le, int64_t row, int64_t rows,
+                                               int lane) {
   const int H = a.hidden, S = H / 128;                     // FP8 scales per row
   const int64_t x_bytes = a.use_fp8 ? H : int64_t(H) * 2;  // payload bytes of a row
   char* dst = a.recv_x + (le * rows + row) * x_bytes;
-  intranode::warp_push_row<int4, 4, false>(payload, x_bytes, &dst, 1, lane);
-  if (lane == 0) a.src_info[le * rows + row] = token;
+  intranode::warp_push_row<int4, 4, false>(msg + kMsgHeaderBytes, x_bytes, &dst, 1, lane);
+  if (lane == 0) a.src_info[le * rows + row] = *reinterpret_cast<const volatile int*>(msg);
   if (!a.use_fp8) return;
   // scales: [L][S][rows] float, or [L][S/4][rows] packed UE8M0 exponents
-  const float* sc = reinterpret_cast<const float*>(payload + H);
+  const float* sc = reinterpret_cast<const float*>(msg + kMsgHeaderBytes + H);
   if (!a.use_ue8m0) {
     float* out = reinterpret_cast<float*>(a.recv_scales);
     for (int q = lane; q < S; q += kWarpSize) out[(int64_t(le) * S + q) * rows + row] = sc[q];
@@ -586,11 +532,9 @@ __device__ __forceinline__ void dispatch_recv(const Args& a, int* smem) {
       int s, le, i;
       locate(src_base, in_off, R, L, pass == 0 ? near0 + f : f < near0 ? f : f + near, s, le, i);
       const char* blk = recv + s * lay.block_bytes;
-      int token = 0;
-      const int m = find_message(blk + lay.hdr_bytes, ld_volatile(reinterpret_cast<const int*>(blk) + L), le, i, lane,
-                                 token);
-      if (m >= 0) unpack_message(a, blk + lay.payload + m * stride, token, le, int64_t(out_off[le * R + s]) + i, rows,
-                                 lane);
+      const int m = ld_volatile(reinterpret_cast<const int*>(blk + lay.hdr_bytes) + in_off[s * L + le] + i);
+      unpack_message(a, blk + lay.hdr_bytes + lay.idx_bytes + m * stride, le, int64_t(out_off[le * R + s]) + i, rows,
+                     lane);
     }
   }
   if (blockIdx.x == 0) {
@@ -730,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, 1) combine_kernel(Args a) {
 }
 
 int64_t dispatch_send_smem(const Args& a) {
-  return (2 * int64_t(a.num_experts) + 2 * a.num_ranks + int64_t(a.num_tokens) * ((a.num_ranks + 31) / 32)) * 4;
+  return (3 * int64_t(a.num_experts) + 2 * a.num_ranks + int64_t(a.num_tokens) * ((a.num_ranks + 31) / 32)) * 4;
 }
 
 int64_t table_smem(const Args& a) { return (3 * int64_t(a.num_ranks) * a.num_local + a.num_ranks + 1) * 4; }

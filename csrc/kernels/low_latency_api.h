@@ -29,30 +29,24 @@ constexpr int kMaxExperts = 1024;  // counts and offsets of every (rank, local e
 constexpr int kMaxTopk = 32;       // a combine block holds tokens x min(top-k, local experts) rows
 constexpr int kMaxRings = 16;
 constexpr int kSendPhase = 1, kRecvPhase = 2;  // a call's phases (one launch, or the send now, the receive in the hook)
-// A dispatch message's header, in its block's header table: int32 source token, int32 n, then the n local
-// experts (uint16, top-k order, repeats kept) of the token on the destination, from which the receiver finds
-// every row. The message's x (and FP8 scales) is in the block's payload area.
-constexpr int kMsgHeaderBytes = 80;
-static_assert(8 + 2 * kMaxTopk <= kMsgHeaderBytes, "a message header lists up to top-k local experts");
+constexpr int kMsgHeaderBytes = 16;  // a dispatch message: {source token, -, -, -} then x (and FP8 scales)
 
 // Offsets (bytes) of one call's half in the rank's region, which holds everything: error words and counters
 // (fixed places), the signals node peers raise, the areas the proxies read and write (first, so that their
 // offsets fit a command's 32 bits), then the zero-copy combine input only this rank touches. The host flag
 // offsets count uint64 words. Mirrors `LowLatencyLayout.kernel_args()` in Python, field for field.
-// A dispatch block (source -> destination) is: counts header (int32 rows per local expert, then the number of
-// messages; hdr_bytes), the header table (a message header per token that has any expert on the destination, M
-// entries), then from `payload` their x (a message's payload; msg_bytes apart with BF16): a token crosses a
-// link once per rank, not once per expert, and the receiver expands it into its experts' rows while
-// unpacking. The receiver's scan for rows reads the table only. A combine block holds one BF16 row per row,
-// in (local expert, source token) order.
+// A dispatch block (source -> destination) is: counts header [L] int32 (hdr_bytes), the message index of
+// each row (int32, rows in (local expert, source token) order; idx_bytes), then the messages, one per token
+// that has any expert on the destination (a token crosses a link once per rank, not once per expert; the
+// receiver expands it into its experts' rows while unpacking). A combine block holds one BF16 row per row.
 struct Layout {
-  int64_t msg_bytes, block_bytes, cblock_bytes;  // a message's BF16 payload, a dispatch / combine block
-  int64_t hdr_bytes, payload;                    // a dispatch block's counts header; where its payloads start
-  int64_t d_send, d_recv, c_send, c_recv;        // this half's areas, R blocks each (proxied)
-  int64_t gpu_dsig, gpu_csig;                    // this half's signals raised by node peers: uint64 [R]
-  int64_t host_dsig, host_csig;                  // the same raised by the proxies, in the host flags
-  int64_t c_zero;                                // zero-copy combine input [L][R*M][H]
-  int64_t counters;                              // the counters the kernels keep (low_latency_launch.cuh)
+  int64_t msg_bytes, block_bytes, cblock_bytes, hdr_bytes, idx_bytes;  // a message, a dispatch / combine
+                                                                       // block, its counts and row index
+  int64_t d_send, d_recv, c_send, c_recv;                              // this half's areas, R blocks each
+  int64_t gpu_dsig, gpu_csig;    // this half's signals raised by node peers: uint64 [R]
+  int64_t host_dsig, host_csig;  // the same raised by the proxies, in the host flag region
+  int64_t c_zero;                // zero-copy combine input [L][R*M][H]
+  int64_t counters;              // the counters the kernels keep (low_latency_launch.cuh)
 };
 constexpr int kLayoutFields = 15;
 

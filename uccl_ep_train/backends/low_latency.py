@@ -3,7 +3,7 @@
 Every token goes straight to each rank that holds any of its experts, once per rank (the receiver expands it
 into one row per expert): node peers over NVLink/xGMI (CUDA/HIP IPC), ranks of other nodes through the CPU
 proxies (per destination rank and call, a write and an ordered atomic for a dispatch's counts header, then for
-its messages; one of each for a combine). Sizes are fixed by
+its row index and messages; one of each for a combine). Sizes are fixed by
 (num_max_dispatch_tokens_per_rank, hidden, ranks, experts): no host sync, and a dispatch + combine pair replays
 exactly in a CUDA graph. Kernels: csrc/kernels/low_latency{,_buffer}.cu;
 design and numbers: docs/low_latency.md.
@@ -30,7 +30,7 @@ from .base import Backend
 from .native import RaisesRecordedErrors, SharesMemoryWithPeers, _module, module_serves, quiesce
 
 MAX_TOPK = 32  # top-k slots per token the layout has room for (the native LL_MAX_TOPK)
-_MSG_HEADER = 80  # a dispatch message's header (block's table): source token, n, its n local experts there (uint16)
+_MSG_HEADER = 16  # a dispatch message: {source token, -, -, -}, then x (BF16, or FP8 and its scales)
 _ERROR_WORDS = 4096  # the region starts with the kernels' claim word and error words
 _COUNTERS_BYTES = 12288  # counters the kernels keep, at the same place for every shape
 _SIGNALS = _ERROR_WORDS + _COUNTERS_BYTES
@@ -49,9 +49,9 @@ def _align(n: int, a: int) -> int:
 class LowLatencyLayout:
     """Byte offsets in a rank's LL region for calls of one shape (two halves that calls alternate over).
 
-    Per half: d_send / d_recv (R dispatch blocks: a counts header - rows per local expert, then the number of
-    messages -, a table of M message headers, then from `payload` up to M message payloads (x): a token goes
-    once to a rank, however many of its experts are there, and its message header lists them), c_send / c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read
+    Per half: d_send / d_recv (R dispatch blocks: a counts header, the message index of each of up to `slots`
+    rows, then up to M messages: a token goes once to a rank, however many of its experts are there), c_send /
+    c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read
     and write only these, so they come first. Then per half c_zero (the zero-copy combine input).
     """
 
@@ -63,7 +63,7 @@ class LowLatencyLayout:
     block_bytes: int
     cblock_bytes: int
     hdr_bytes: int
-    payload: int
+    idx_bytes: int
     slots: int
     areas: tuple  # per half: (d_send, d_recv, c_send, c_recv, c_zero)
     proxied_end: int  # the end of the last proxied area (must stay below 4 GiB when proxies are used)
@@ -76,7 +76,7 @@ class LowLatencyLayout:
         R = self.num_ranks
         per_half = []
         for half, (d_send, d_recv, c_send, c_recv, c_zero) in enumerate(self.areas):
-            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.payload,
+            per_half.append((self.msg_bytes, self.block_bytes, self.cblock_bytes, self.hdr_bytes, self.idx_bytes,
                              d_send, d_recv, c_send, c_recv,
                              _SIGNALS + 8 * R * half, _SIGNALS + 8 * R * (2 + half),  # node peers' signals (bytes)
                              R * half, R * (2 + half),  # signals the proxies raise (uint64 words of the host flags)
@@ -93,11 +93,11 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
                        num_experts: int) -> LowLatencyLayout:
     M, H, R = num_max_dispatch_tokens_per_rank, hidden, num_ranks
     L = num_experts // R
-    msg = 2 * H  # a BF16 row (an FP8 row + H/128 float scales is smaller)
+    msg = _align(_MSG_HEADER + 2 * H, 16)  # BF16 row, or FP8 row + H/128 float scales (smaller)
     slots = M * min(MAX_TOPK, L)  # a token sends at most min(top-k, L) rows to one rank
-    hdr = _align(4 * (L + 1), 16)
-    payload = hdr + M * _MSG_HEADER
-    block = _align(payload + M * msg, 256)
+    hdr = _align(4 * L, 16)
+    idx = _align(4 * slots, 16)
+    block = _align(hdr + idx + M * msg, 256)
     cblock = _align(slots * 2 * H, 256)
     at = _align(_SIGNALS + 4 * 8 * R, 4096)
     proxied = []
@@ -112,7 +112,7 @@ def low_latency_layout(num_max_dispatch_tokens_per_rank: int, hidden: int, num_r
     for half in range(2):
         areas.append(tuple(proxied[half]) + (at,))
         at = _align(at + L * R * M * 2 * H, 4096)
-    return LowLatencyLayout(R, L, M, H, msg, block, cblock, hdr, payload, slots, tuple(areas), proxied_end, at)
+    return LowLatencyLayout(R, L, M, H, msg, block, cblock, hdr, idx, slots, tuple(areas), proxied_end, at)
 
 
 def low_latency_available() -> bool:

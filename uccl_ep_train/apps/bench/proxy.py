@@ -14,8 +14,8 @@ us, device, sms, plus the shape of each measurement):
                both directions busy), commands pushed by a GPU kernel, ended by OP_FLUSH per ring
   fabric_write GB/s and commands/s through the fabric transport (CPU producers, two processes, shm/tcp)
   batching     the proxy commands of one low-latency dispatch to a rank of another node: one write of the
-               kernels' block (`per-rank`: headers, each token once; the kernels send the counts header
-               ahead in a write + atomic of its own, not modelled here) against one write per local
+               kernels' block (`per-rank`: header, row index, each token once; the kernels send the counts
+               header ahead in a write + atomic of its own, not modelled here) against one write per local
                expert, a token once per expert (`per-expert`), each followed by the signalling atomic on the
                same channel; the receiver answers with an atomic and the sender times the round trip
                (`signal`: the atomics alone).
@@ -301,10 +301,10 @@ def _gpu_ipc(args):
 def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
     """The proxy commands that move one low-latency dispatch's data for `peer` (the other of two ranks, one
     per node), for a seeded top-k routing of `num_tokens` tokens: `per-rank` one write of the kernels' block
-    (counts header and message headers, then each token's x once however many of its experts the peer has;
+    (counts header, row index, then each token once however many of its experts the peer has;
     backends.low_latency.low_latency_layout), `per-expert` one write per local expert with rows, each row a
-    token's x (a token once per expert, as a per-expert batching needs; the first write carries the
-    headers), `signal` none; then the atomic that raises the peer's signal. Both write from offset 0 of this
+    whole message (a token once per expert, as a per-expert batching needs; the first write carries the
+    header), `signal` none; then the atomic that raises the peer's signal. Both write from offset 0 of this
     rank's buffer to offset `span` of the peer's (`shape["span"]`: room for either pattern)."""
     from uccl_ep_train import proxy as P
     from uccl_ep_train.backends.low_latency import low_latency_layout
@@ -314,12 +314,13 @@ def batching_commands(args, pattern: str, peer: int) -> tuple[np.ndarray, dict]:
     hits = experts // lay.num_local == peer
     counts = np.bincount(experts[hits] % lay.num_local, minlength=lay.num_local)
     rows, tokens = int(counts.sum()), int(hits.any(axis=1).sum())
-    span = -(-(lay.payload + rows * lay.msg_bytes) // 4096) * 4096  # whole pages: room for either pattern
+    span = -(-max(lay.hdr_bytes + lay.idx_bytes + tokens * lay.msg_bytes, lay.hdr_bytes + rows * lay.msg_bytes)
+             // 4096) * 4096  # whole pages
     pieces = []
     if pattern == "per-rank":
-        pieces = [(0, lay.payload + tokens * lay.msg_bytes)]
+        pieces = [(0, lay.hdr_bytes + lay.idx_bytes + tokens * lay.msg_bytes)]
     elif pattern == "per-expert":
-        at = lay.payload
+        at = lay.hdr_bytes
         for n in counts[counts > 0]:
             start = 0 if not pieces else at  # the first write also carries the header
             pieces.append((start, at + int(n) * lay.msg_bytes - start))
