@@ -110,3 +110,27 @@ def test_gpu_kernel_pushes_commands_proxies_execute_over_ipc():
             assert mismatch == 0, f"rank {rank} ({publish} publish): {mismatch} bytes differ"
             assert rtt_min > 0
             assert stats["rejected"] == 0 and stats["writes"] == 2 * len(CHANNELS) * K, (publish, stats)
+
+
+def test_pinned_proxy_groups_take_cores_of_their_own():
+    """Each proxy group of a process (a low-latency Buffer runs two) and each GPU of a NUMA node pins its
+    threads to cores of its own near the GPU: spinning threads sharing a core time-slice it, milliseconds per
+    command."""
+    if not torch.cuda.is_available() or not P.available():
+        pytest.skip("needs CUDA and the native module")
+    from uccl_ep_train import _native
+    near = _native.cpus_near_gpu(0)
+    if len(near) < 4:
+        pytest.skip(f"{len(near)} cores near GPU 0; two groups of two threads need 4")
+    groups = [_native.Proxy(0, 1, gpu=0, transport="fabric", provider="tcp", num_threads=2, pin_threads=True)
+              for _ in range(2)]
+    cpus = [set(g.thread_cpus()) for g in groups]
+    assert len(cpus[0]) == len(cpus[1]) == 2 and not cpus[0] & cpus[1] and cpus[0] | cpus[1] <= set(near)
+    for g in groups:
+        g.stop()
+    places = [_native.gpu_place_on_node(d) for d in range(torch.cuda.device_count())]
+    assert all(0 <= i < n for i, n in places)
+    by_node = {}
+    for d, (i, n) in enumerate(places):  # GPUs whose nodes hold equally many GPUs: one place each
+        by_node.setdefault((n, tuple(_native.cpus_near_gpu(d))), []).append(i)
+    assert all(len(set(i)) == len(i) for i in by_node.values())

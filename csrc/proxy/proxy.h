@@ -12,6 +12,7 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <string>
 #include <thread>
 #include <unordered_map>
@@ -88,6 +89,20 @@ struct ProxyStats {
 };
 
 class Proxy;
+
+// The lowest number no other live Proxy of this process holds: a process's proxy groups (a low-latency Buffer
+// runs two) pin their threads to cores of their own.
+class ProcessOrdinal {
+ public:
+  ProcessOrdinal();
+  ~ProcessOrdinal();
+  ProcessOrdinal(const ProcessOrdinal&) = delete;
+  ProcessOrdinal& operator=(const ProcessOrdinal&) = delete;
+  int value() const { return value_; }
+
+ private:
+  int value_;
+};
 
 class ProxyThread {
  public:
@@ -191,6 +206,7 @@ class Proxy {
   FaultSpec fault_;
   std::vector<LocalRegion> regions_;
   std::vector<int> near_cpus_;  // allowed CPUs on the GPU's NUMA node (empty: no pinning / no GPU)
+  ProcessOrdinal ordinal_;
   HostMemory sig_mem_;
   SignalBlock sig_host_, sig_dev_;
   std::vector<std::unique_ptr<ProxyThread>> threads_;
@@ -203,5 +219,8 @@ class Proxy {
 // Cores near `gpu` (its NUMA node), intersected with this process's allowed CPUs; all allowed CPUs when
 // the node is unknown.
 std::vector<int> cpus_near_gpu(int gpu);
+// (place of `gpu` among the GPUs of its NUMA node in PCI bus order, their count), from sysfs: the same in every
+// process of the host, whatever CUDA_VISIBLE_DEVICES calls the GPU there; (0, 1) when unknown.
+std::pair<int, int> gpu_place_on_node(int gpu);
 
 }  // namespace uccl

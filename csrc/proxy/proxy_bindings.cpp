@@ -108,6 +108,8 @@ void register_proxy(py::module_& m) {
     return d;
   });
   m.def("cpus_near_gpu", &cpus_near_gpu, py::arg("gpu"));
+  m.def("gpu_place_on_node", &gpu_place_on_node, py::arg("gpu"),
+        "(place of the GPU among its NUMA node's GPUs in PCI order, their count); (0, 1) when unknown.");
   m.def("ring_vector_publish_supported", &ring_vector_publish_supported,
         "Whether this host guarantees 16-byte single-copy atomic loads/stores (x86-64 AVX, aarch64 LSE2).");
   m.def("ring_publish_default", []() { return std::string(ring_publish_name(ring_publish_default())); },
