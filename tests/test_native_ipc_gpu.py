@@ -119,10 +119,12 @@ def test_pinned_proxy_groups_take_cores_of_their_own():
     if not torch.cuda.is_available() or not P.available():
         pytest.skip("needs CUDA and the native module")
     from uccl_ep_train import _native
-    near = _native.cpus_near_gpu(0)
-    if len(near) < 4:
-        pytest.skip(f"{len(near)} cores near GPU 0; two groups of two threads need 4")
-    groups = [_native.Proxy(0, 1, gpu=0, transport="fabric", provider="tcp", num_threads=2, pin_threads=True)
+    near, (_, gpus) = _native.cpus_near_gpu(0), _native.gpu_place_on_node(0)
+    if len(near) < 2 * 2 * gpus:
+        pytest.skip(f"{len(near)} cores near GPU 0: two groups of two threads for each of its node's {gpus} GPUs "
+                    f"need {4 * gpus}")
+    transport = "fabric" if "fabric" in P.compiled_transports() else "ipc"
+    groups = [_native.Proxy(0, 1, gpu=0, transport=transport, provider="tcp", num_threads=2, pin_threads=True)
               for _ in range(2)]
     cpus = [set(g.thread_cpus()) for g in groups]
     assert len(cpus[0]) == len(cpus[1]) == 2 and not cpus[0] & cpus[1] and cpus[0] | cpus[1] <= set(near)

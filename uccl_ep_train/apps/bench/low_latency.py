@@ -6,7 +6,7 @@ of CUDA events around the call (timing "api": host work included); with the recv
 hook are timed apart ("send" / "recv"). The native kernels are also timed as DeepEP's test_low_latency.py
 times them for its published figures (timing "kernel": the mean device time of the call's kernels from the
 profiler, every round started on all ranks' GPUs together; with the hook, a GPU wait stands for the GEMM
-DeepEP runs before calling it, so the receive kernel finds its data there). Ranks form nodes of
+DeepEP runs before calling it, so the receive phase finds its data there). Ranks form nodes of
 `--ranks-per-node` consecutive ranks (UCCL_EP_RANKS_PER_NODE): ranks of other nodes are reached through the
 CPU proxies (the ipc transport when one host plays several nodes), node peers over NVLink/IPC. More ranks than
 GPUs share them under MPS (gloo group with CUDA tensors). The reference backend (torch.distributed, a host sync per call) runs the same calls
