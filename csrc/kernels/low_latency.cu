@@ -19,9 +19,9 @@
 //   combine_recv   wait for every rank, then out[t] = sum over k of w[t][k] * row(t, k), in top-k order.
 //
 // Signals only grow. A destination's combine signal goes up by one per call, its dispatch signal by two (the
-// counts header landed, then the row index and messages); the receiver waits until it passes what the calls it has received
-// on that half account for (`seq`, a device word the last block of the receiving kernel advances), so a graph
-// replay waits for the next call, never for a value frozen at capture. The counters a call uses as scratch
+// counts header landed, then the row index and messages); the receiver waits until it passes what the calls it
+// has received on that half account for (`seq`, a device word the last block of the receive phase advances), so
+// a graph replay waits for the next call, never for a value frozen at capture. The counters a call uses as scratch
 // (per-destination completions) are returned to zero by the block that finishes with them, inside the call.
 #include <cstdio>
 
@@ -306,6 +306,11 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
   const int per_block = (T + int(gridDim.x) - 1) / int(gridDim.x);
   const int t_lo = min(T, int(blockIdx.x) * per_block), t_hi = min(T, t_lo + per_block);
   auto goes_to = [&](int t, int r) { return ((dests[t * W + r / 32] >> (r % 32)) & 1u) != 0; };
+  auto message_of = [&](int t, int r) {  // token t's message on r (t one of this block's tokens)
+    int m = before[r];
+    for (int u = t_lo; u < t; ++u) m += goes_to(u, r);
+    return m;
+  };
 
   // 1. every block, from topk_idx alone (no grid barrier: nothing here needs another block): which ranks each
   //    token goes to (a token is one message to a rank, however many of its experts are there), how many
@@ -325,7 +330,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
   }
   __syncthreads();
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    if (blockIdx.x == 0 && rows[e] > M) report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, rows[e], M);
+    if (blockIdx.x == 0 && rows[e] > M)
+      report_error(a.err, a.claim, kErrExpertFull, a.rank, e, kPhaseDispatchSend, rows[e], M);
     rows[e] = min(rows[e], M);
   }
   for (int r = warp; r < R; r += kWarps) {
@@ -381,10 +387,9 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
         const int pos = ev >= 0 ? earlier[ev] + same_before : M;
         a.pair_pos[p] = pos < M ? base[ev] + pos : -1;  // -1: no expert, a bad id, or past the expert's rows
         if (pos < M) {
-          const int t = p / K, r = ev / L;
-          int m = before[r];  // the token's message on r: + this block's tokens before t that go to r
-          for (int u = t_lo; u < t; ++u) m += goes_to(u, r);
-          reinterpret_cast<int*>(out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes)[base[ev] + pos] = m;
+          const int r = ev / L;
+          char* blk = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes);
+          reinterpret_cast<int*>(blk + lay.hdr_bytes)[base[ev] + pos] = message_of(p / K, r);
         }
       }
       intranode::warp_sync();  // every lane read earlier[] before the pass's last pair of an expert moves it
@@ -406,10 +411,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
     int n = 0;
     for (int r = 0; r <= R; ++r) {
       if (r < R && goes_to(t, r)) {
-        int m = before[r];  // + this block's tokens before t that go to r
-        for (int u = t_lo; u < t; ++u) m += goes_to(u, r);
         char* msg = out_block(a, r, lay.d_send, lay.d_recv, lay.block_bytes) + lay.hdr_bytes + lay.idx_bytes +
-                    m * stride;
+                    message_of(t, r) * stride;
         if (part == 0 && lane == 0) *reinterpret_cast<int4*>(msg) = make_int4(t, 0, 0, 0);
         out[n++] = msg + kMsgHeaderBytes + (a.use_fp8 ? 0 : int64_t(v0) * 16);
       }

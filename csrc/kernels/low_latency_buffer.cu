@@ -200,7 +200,8 @@ void LowLatencyBuffer::dispatch(const std::vector<int64_t>& layout, int64_t x, i
                                 int64_t recv_scales, int64_t src_info, int64_t layout_range, int64_t recv_count,
                                 int64_t stats, int phases, int64_t stream) {
   UCCL_CHECK(num_experts <= kMaxExperts && num_experts % num_ranks_ == 0,
-             "low_latency_dispatch: num_experts " << num_experts << " must divide by the ranks and be <= " << kMaxExperts);
+             "low_latency_dispatch: num_experts " << num_experts << " must divide by the ranks and be <= "
+                                                  << kMaxExperts);
   UCCL_CHECK(num_topk >= 1 && num_topk <= kMaxTopk, "low_latency_dispatch: num_topk " << num_topk << " outside [1, "
                                                                                       << kMaxTopk << "]");
   UCCL_CHECK(hidden % 128 == 0, "low_latency_dispatch: hidden " << hidden << " must be a multiple of 128");

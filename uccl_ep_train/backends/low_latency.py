@@ -51,8 +51,8 @@ class LowLatencyLayout:
 
     Per half: d_send / d_recv (R dispatch blocks: a counts header, the message index of each of up to `slots`
     rows, then up to M messages: a token goes once to a rank, however many of its experts are there), c_send /
-    c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read
-    and write only these, so they come first. Then per half c_zero (the zero-copy combine input).
+    c_recv (R combine blocks of `slots` BF16 rows, one per row); the proxies read and write only these, so they
+    come first. Then per half c_zero (the zero-copy combine input).
     """
 
     num_ranks: int
