@@ -368,7 +368,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
   //    in token order, then top-k order: the order the receiver unpacks them in): pair_pos (the combine's input)
   //    and the destination's row index (the row's message). A pair's rank among the earlier pairs of its expert
   //    is the block's `earlier` count plus a count over the lanes of its pass. Ids are checked here, on the GPU
-  //    (no host sync): a bad one moves nothing and the call raises on the next use.
+  //    (no host sync): a bad one moves nothing and the call raises on the next use. With each expert capped at
+  //    max_tokens rows a block's row index never overflows: it gets at most min(L, top-k) x max_tokens rows.
   if (warp == 0) {
     for (int p0 = t_lo * K; p0 < t_hi * K; p0 += kWarpSize) {
       const int p = p0 + lane;
