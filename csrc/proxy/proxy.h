@@ -12,10 +12,10 @@
 #include <chrono>
 #include <memory>
 #include <mutex>
-#include <utility>
 #include <string>
 #include <thread>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "proxy/fault.h"
