@@ -79,7 +79,9 @@ struct TransportOptions {
   int thread_index = 0;
   int gpu = -1;
   std::string provider;  // fabric: FI_PROVIDER-style name ("tcp", "shm", "sockets"); empty: libfabric's choice
-  std::string verbs_device;  // verbs: device name; empty: first
+  // The NIC this endpoint opens: verbs device name (mlx5_0, rdmap16s27) or libfabric domain name (the efa
+  // provider names its domains <device>-rdm); empty: the transport's own default (first device / domain).
+  std::string device;
   std::string job;           // ipc: job-unique prefix for shared-memory names
 };
 

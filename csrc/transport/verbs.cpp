@@ -96,7 +96,7 @@ class VerbsTransport final : public Transport {
       UCCL_THROW("verbs: no RDMA devices (run `uccl-ep-train doctor`); use the fabric or ipc transport");
     }
     auto list_guard = own(list, [](ibv_device** l) { ibv_free_device_list(l); });
-    std::string want = o.verbs_device.empty() ? env_str("UCCL_EP_VERBS_DEVICE") : o.verbs_device;
+    std::string want = o.device.empty() ? env_str("UCCL_EP_VERBS_DEVICE") : o.device;
     ibv_device* dev = nullptr;
     for (int i = 0; i < n && !dev; ++i)
       if (want.empty() || want == ibv_get_device_name(list[i])) dev = list[i];
