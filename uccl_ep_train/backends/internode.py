@@ -180,6 +180,12 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         before the first dispatch opened them (open_at_first_dispatch)."""
         return None if self._proxy is None else self._proxy.stats()
 
+    @property
+    def proxy_transport(self) -> Optional[str]:
+        """The transport the proxies carry the inter-node bytes on ('ipc', 'fabric', 'verbs'); None before the
+        first dispatch opened them."""
+        return None if self._proxy is None else self._proxy.transport
+
     def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)
         return {"communication": n, "side": 0, "total": n}
