@@ -205,6 +205,11 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         """The LL proxies' counters (None with one node: nothing goes through proxies)."""
         return None if self._proxy is None else self._proxy.stats()
 
+    @property
+    def proxy_transport(self) -> Optional[str]:
+        """The transport the proxies carry the other nodes' bytes on; None with every rank in one node."""
+        return None if self._proxy is None else self._proxy.transport
+
     # ---- calls ---------------------------------------------------------------------------------------
     def _layout(self, max_tokens: int, hidden: int, num_experts: int) -> LowLatencyLayout:
         lay = low_latency_layout(max_tokens, hidden, self.num_ranks, num_experts)
