@@ -361,7 +361,9 @@ class FabricTransport final : public Transport {
     attr.requested_key = requested_key;
     attr.iface = device ? kGpuIface : FI_HMEM_SYSTEM;
     if (device && kGpuIface == FI_HMEM_CUDA) attr.device.cuda = opts_.gpu;
-    const int rc = fi_mr_regattr(domain_p_, &attr, 0, &mr);
+    // Device-only memory (cudaMalloc / hipMalloc, never managed): shm may then move it device to device
+    // through IPC instead of bouncing it through host buffers.
+    const int rc = fi_mr_regattr(domain_p_, &attr, device ? FI_HMEM_DEVICE_ONLY : 0, &mr);
     if (rc != 0)
       UCCL_THROW("fabric: registering " << len << " bytes of " << (device ? "GPU" : "host") << " memory with provider "
                  << info_.get()->fabric_attr->prov_name << " failed: " << fi_strerror(-rc)
