@@ -5,9 +5,10 @@
 # providers refuse FI_HMEM registrations of device memory. This builds the pinned release below with
 # CUDA HMEM and the providers the fabric transport uses -- tcp + rxm (csrc/transport/fabric.cpp asks for
 # "tcp;ofi_rxm"), shm, sockets (tests/test_fabric.py), efa (compiled against rdma-core; it needs an EFA
-# device to run; a plugin in lib/libfabric/, so libfabric.so itself needs no libefa/libibverbs on machines
-# without them; found there through libfabric's built-in path or FI_PROVIDER_PATH) -- into a small prefix that the native module is then built against with
-# UCCL_EP_LIBFABRIC=<prefix> (see native_build.py, docs/proxy.md).
+# device to run) -- into a small prefix that the native module is then built against with
+# UCCL_EP_LIBFABRIC=<prefix> (see native_build.py, docs/proxy.md). efa is a plugin (lib/libfabric/, found
+# through libfabric's built-in path or FI_PROVIDER_PATH), so libfabric.so itself links libc alone and loads
+# on machines without rdma-core.
 #
 # Usage: scripts/build_libfabric.sh [SOURCE] [PREFIX]
 #   SOURCE  a libfabric source directory or tarball of the pinned release; without it the pinned tag is
@@ -26,8 +27,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Pinned: the newest libfabric release when this was written (2.x: tcp's native RDM, FI_HMEM for CUDA in
-# shm/tcp/rxm/efa). Change both together; the clone is checked against the commit.
+# Pinned: the newest libfabric release when this was written (2.x; CUDA FI_HMEM in shm and efa, in rxm over
+# a core provider that has it; tcp has none). Change both together; the clone is checked against the commit.
 LIBFABRIC_TAG=v2.6.0
 LIBFABRIC_COMMIT=5de2d6a2df83595bcc38531cb91bf59495559495
 LIBFABRIC_URL=https://github.com/ofiwg/libfabric.git
@@ -48,6 +49,7 @@ fi
 need() { command -v "$1" >/dev/null || die "'$1' not found: $2"; }
 need make "install make (apt-get install build-essential)"
 need cc "install a C compiler (apt-get install build-essential)"
+need objdump "install binutils (it checks what the built libraries link)"
 [ -f /usr/include/infiniband/efadv.h ] || die "infiniband/efadv.h not found: the efa provider needs rdma-core headers (apt-get install libibverbs-dev)"
 
 # The CUDA toolkit: the same discovery as the native module's build (native_build.py).
@@ -81,12 +83,18 @@ fetch_nvml_header() {
 }
 
 # The source tree: a directory, a tarball unpacked into $work, or a fresh clone of the pinned tag.
+if [ -n "$source_arg" ] && [ -e "$source_arg" ]; then
+  case "$(cd "$(dirname "$source_arg")" && pwd)/" in
+    "$work"/*) die "SOURCE '$source_arg' lies in $work, which this script clears: pass a source outside it" ;;
+  esac
+fi
 rm -rf "$work"
 mkdir -p "$work"
 if [ -z "$source_arg" ]; then
   need git "install git, or pass a libfabric $LIBFABRIC_TAG source directory or tarball"
   log "cloning $LIBFABRIC_URL at $LIBFABRIC_TAG"
-  git clone -q --depth 1 --branch "$LIBFABRIC_TAG" "$LIBFABRIC_URL" "$work/src"
+  git clone -q --depth 1 --branch "$LIBFABRIC_TAG" "$LIBFABRIC_URL" "$work/src" \
+    || die "could not clone $LIBFABRIC_URL: pass a libfabric $LIBFABRIC_TAG source directory or tarball"
   got=$(git -C "$work/src" rev-parse HEAD)
   [ "$got" = "$LIBFABRIC_COMMIT" ] || die "$LIBFABRIC_TAG is commit $got, expected $LIBFABRIC_COMMIT"
   src="$work/src"
@@ -113,10 +121,12 @@ if [ ! -x "$src/configure" ]; then  # a git tree: generate configure
   (cd "$src" && ./autogen.sh) >"$work/autogen.log" 2>&1 || { tail -20 "$work/autogen.log" >&2; die "autogen.sh failed (log: $work/autogen.log)"; }
 fi
 
-# Out-of-tree build, so a source directory passed in is left as it was (apart from autogen's outputs).
 nvml_cppflags=""
 [ -f "$cuda_home/include/nvml.h" ] || nvml_cppflags="-I$(fetch_nvml_header)"
 
+# Out-of-tree build, so a source directory passed in is left as it was (apart from autogen's outputs).
+# Optional libraries that configure would pick up when present (ROCm, numa, liburing, ...) are off: the
+# prefix must load on the GPU machine as built here.
 mkdir -p "$work/obj"
 cd "$work/obj"
 log "configure (log: $work/configure.log)"
