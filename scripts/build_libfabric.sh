@@ -93,7 +93,7 @@ mkdir -p "$work"
 if [ -z "$source_arg" ]; then
   need git "install git, or pass a libfabric $LIBFABRIC_TAG source directory or tarball"
   log "cloning $LIBFABRIC_URL at $LIBFABRIC_TAG"
-  git clone -q --depth 1 --branch "$LIBFABRIC_TAG" "$LIBFABRIC_URL" "$work/src" \
+  git -c advice.detachedHead=false clone -q --depth 1 --branch "$LIBFABRIC_TAG" "$LIBFABRIC_URL" "$work/src" \
     || die "could not clone $LIBFABRIC_URL: pass a libfabric $LIBFABRIC_TAG source directory or tarball"
   got=$(git -C "$work/src" rev-parse HEAD)
   [ "$got" = "$LIBFABRIC_COMMIT" ] || die "$LIBFABRIC_TAG is commit $got, expected $LIBFABRIC_COMMIT"
