@@ -274,6 +274,13 @@ def fabric_gpu_memory_missing():
 FABRIC_ENV = {"UCCL_EP_TRANSPORT": "fabric", "FI_PROVIDER": "shm"}
 
 
+def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
+    """The suite with every call issued from a stream of its own: shm's CUDA copies queue on the default stream
+    (Buffer refuses calls from it then)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _run_suite(rank, world, device, L, fault_seeds)
+
+
 @pytest.mark.parametrize("world,L,cq_bytes", [(2, 1, 8), (4, 2, 4), (6, 2, 4)])
 def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes):
     """The whole suite above (fresh, cached, FP8, num_worst_tokens, async, combine with weights and bias, 200
@@ -285,9 +292,38 @@ def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes):
     seeds = list(range(20)) if (world, L) == (4, 2) else []
     env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(L), UCCL_EP_TIMEOUT_S="60",
                UCCL_EP_FABRIC_CQ_DATA_BYTES=str(cq_bytes))
-    reports = run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600,
-                        env=env)
+    reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world,
+                        timeout=600, env=env)
     assert [r["transport"] for r in reports] == ["fabric"] * world
+
+
+def _from_the_default_stream(rank, world, device):
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    buf = Buffer(dist.new_group(list(range(world)), backend="gloo"), 0, 0)
+    x, idx, w = _routing(rank, 32, "random", world, 1, seed=3)
+    try:
+        _dispatch(buf, x, idx, w, EXPERTS, torch.device("cuda", torch.cuda.current_device()))
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        buf.destroy()
+
+
+def test_fabric_on_shm_refuses_calls_from_the_default_stream(mps):
+    """shm's CUDA copies queue on the legacy default stream; a dispatch issued from it would wait for copies
+    that wait for it. Every rank refuses it with a sentence instead of hanging until the deadline."""
+    why = _ready() or fabric_gpu_memory_missing()
+    if why:
+        pytest.skip(why)
+    env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE="1", UCCL_EP_TIMEOUT_S="20")
+    msgs = run_ranks(_from_the_default_stream, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120,
+                     env=env)
+    for rank, msg in enumerate(msgs):
+        assert f"rank {rank}:" in msg and "cannot be issued from the default stream" in msg, msg
 
 
 def _dead_proxy(rank, world, device):

@@ -38,6 +38,11 @@ def test_native_low_latency_matches_oracle(mps, world, per_node, fault, hidden):
     assert got == [(ll_checks(hidden), "NativeLowLatencyBackend")] * world
 
 
+def _check_ll_on_a_stream(rank, world, device, *args):
+    with torch.cuda.stream(torch.cuda.Stream()):  # shm's CUDA copies queue on the default stream
+        return _check_ll(rank, world, device, *args)
+
+
 @pytest.mark.parametrize("world,per_node,extra", [(2, 1, {}),
                                                   (4, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
                                                           "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"})])
@@ -50,7 +55,7 @@ def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, extra):
     if why:
         pytest.skip(why)
     env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(per_node), UCCL_EP_TIMEOUT_S="60", **extra)
-    got = run_ranks(_check_ll, world, 9, 512, 8, 3, env=env, timeout=300, **gpu_ranks(world))
+    got = run_ranks(_check_ll_on_a_stream, world, 9, 512, 8, 3, env=env, timeout=300, **gpu_ranks(world))
     assert got == [(ll_checks(512), "NativeLowLatencyBackend")] * world
 
 

@@ -487,6 +487,7 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
 Proxy::~Proxy() { stop(); }
 
 uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
+bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 
 void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
   if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");

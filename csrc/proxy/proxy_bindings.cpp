@@ -257,6 +257,7 @@ void register_proxy(py::module_& m) {
              d["fault"] = p.fault_spec();
              d["ring_publish"] = c.ring_publish;
              d["imm_seq_bits"] = p.imm_seq_bits();
+             d["waits_for_default_stream"] = p.waits_for_default_stream();
              return d;
            })
       .def("push",

@@ -122,6 +122,22 @@ int cq_data_bytes_for(const fi_info* info, int world) {
   return bytes;
 }
 
+// Providers that move GPU memory with CPU-driven copies through the CUDA runtime (shm's IPC and bounce
+// paths, tcp/sockets bounce buffers) rather than with a NIC's DMA: libfabric 2.x issues those as plain
+// cudaMemcpy, which for device-to-device copies returns before the copy ran and queues it on the legacy
+// default stream. Their arrivals are fenced (FabricTransport::fence_arrivals).
+#if defined(UCCL_EP_WITH_CUDA)
+constexpr bool kCudaBuild = true;
+#else
+constexpr bool kCudaBuild = false;
+#endif
+
+bool copies_through_cuda_runtime(const std::string& prov) {
+  for (const char* p : {"shm", "tcp", "sockets", "udp"})
+    if (prov.compare(0, std::strlen(p), p) == 0) return true;
+  return false;
+}
+
 // The transport's fi_info, or a sentence saying what is missing.
 InfoPtr select_info(const std::string& provider, const std::string& device, bool hmem) {
   const std::string prov = provider.empty() ? env_str("FI_PROVIDER") : provider;
@@ -158,6 +174,7 @@ FabricProbe probe_fabric(const std::string& provider, const std::string& device,
   p.cq_data_size = i->domain_attr->cq_data_size;
   p.cq_data_bytes = cq_data_bytes_for(i, 1);
   p.hmem = (i->caps & FI_HMEM) != 0;
+  p.waits_for_default_stream = kCudaBuild && hmem && copies_through_cuda_runtime(p.provider);
   p.mr_mode = uint64_t(i->domain_attr->mr_mode);
   p.max_msg_size = i->ep_attr->max_msg_size;
   p.inject_size = i->tx_attr->inject_size;
@@ -177,6 +194,7 @@ class FabricTransport final : public Transport {
     cq_data_bytes_ = cq_data_bytes_for(info, o.world);
     mr_mode_ = info->domain_attr->mr_mode;
     max_msg_ = info->ep_attr->max_msg_size;
+    copy_fence_ = kCudaBuild && hmem_ && copies_through_cuda_runtime(info->fabric_attr->prov_name);
 
     fid_fabric* fabric = nullptr;
     UCCL_CHECK_FI(fi_fabric(info->fabric_attr, &fabric, nullptr));
@@ -237,6 +255,15 @@ class FabricTransport final : public Transport {
 #if UCCL_EP_WITH_GPU
     copy_stream_.reset();
 #endif
+#if defined(UCCL_EP_WITH_CUDA)
+    for (gpuEvent_t ev : events_) {
+      const gpuError_t e = gpuEventDestroy(ev);
+      if (e != gpuSuccess) warn_release_gpu(e);
+    }
+    events_.clear();
+    free_events_.clear();
+    fences_.clear();
+#endif
   }
 
   const char* name() const override { return "fabric"; }
@@ -251,6 +278,8 @@ class FabricTransport final : public Transport {
   }
 
   uint32_t imm_seq_bits() const override { return cq_data_bytes_ == 4 ? kCompactSeqBits : kSeqBits; }
+
+  bool waits_for_default_stream() const override { return copy_fence_; }
 
   std::string register_region(const LocalRegion& r) override {
     if (r.id < 0 || r.id >= 256) UCCL_THROW("fabric: region id " << r.id << " out of range [0, 256)");
@@ -341,6 +370,7 @@ class FabricTransport final : public Transport {
       backlog_.pop_front();
     }
     if (n < max) n += read_cq(out + n, max - n);
+    if (copy_fence_) n += release_fenced(out + n, max - n);
     return n;
   }
 
@@ -545,6 +575,10 @@ class FabricTransport final : public Transport {
       const bool remote_write = (x.flags & FI_REMOTE_WRITE) ||
                                 ((x.flags & FI_REMOTE_CQ_DATA) && !(x.flags & (FI_WRITE | FI_SEND)) && !ctrl_recv);
       if (remote_write) {
+        if (copy_fence_) {
+          fenced_.push_back(arrival(x.data));
+          continue;
+        }
         out[n++] = arrival(x.data);
         continue;
       }
@@ -568,6 +602,52 @@ class FabricTransport final : public Transport {
         out[n++] = local_completion(c->wr_id);
       }
     }
+    if (copy_fence_ && fenced_marked_ < fenced_seen()) mark_fence();
+    return n;
+  }
+
+  // The copy fence (providers that copy GPU memory through the CUDA runtime): an arrival's bytes are in place
+  // only once the copy libfabric queued on the legacy default stream ran, so arrivals wait for an event
+  // recorded there after them. Kernels waiting for them must therefore not sit on that stream, nor may it wait
+  // for them (Transport::waits_for_default_stream; the Python backends refuse such calls).
+  uint64_t fenced_seen() const { return fenced_released_ + fenced_.size(); }
+
+  void mark_fence() {
+#if defined(UCCL_EP_WITH_CUDA)
+    gpuEvent_t ev = nullptr;
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    } else {
+      UCCL_CHECK_GPU(gpuEventCreateWithFlags(&ev, gpuEventDisableTiming));
+      events_.push_back(ev);
+    }
+    UCCL_CHECK_GPU(gpuEventRecord(ev, 0));  // the legacy default stream, where libfabric's copies queue
+    fences_.push_back({ev, fenced_seen()});
+    fenced_marked_ = fenced_seen();
+#endif
+  }
+
+  int release_fenced(Completion* out, int max) {
+    int n = 0;
+#if defined(UCCL_EP_WITH_CUDA)
+    while (!fences_.empty()) {
+      const gpuError_t e = gpuEventQuery(fences_.front().first);
+      if (e == gpuErrorNotReady) break;
+      UCCL_CHECK_GPU(e);
+      fence_done_ = fences_.front().second;
+      free_events_.push_back(fences_.front().first);
+      fences_.pop_front();
+    }
+    while (n < max && fenced_released_ < fence_done_) {
+      out[n++] = fenced_.front();
+      fenced_.pop_front();
+      ++fenced_released_;
+    }
+#else
+    (void)out;
+    (void)max;
+#endif
     return n;
   }
 
@@ -580,6 +660,13 @@ class FabricTransport final : public Transport {
   fid_ep* ep_p_ = nullptr;
   uint64_t mr_mode_ = 0;
   bool hmem_ = false;       // FI_HMEM granted: regions may be GPU memory
+  bool copy_fence_ = false; // arrivals wait for the provider's CUDA-runtime copies (mark_fence)
+  std::deque<Completion> fenced_;                            // arrivals not yet released, in CQ order
+  uint64_t fenced_released_ = 0, fenced_marked_ = 0, fence_done_ = 0;
+#if defined(UCCL_EP_WITH_CUDA)
+  std::deque<std::pair<gpuEvent_t, uint64_t>> fences_;       // (event, arrivals seen when it was recorded)
+  std::vector<gpuEvent_t> events_, free_events_;             // every event created / those not in flight
+#endif
   int cq_data_bytes_ = 8;   // 8: rank << 32 | imm; 4: transport.h's compact layout
 #if UCCL_EP_WITH_GPU
   Owned<gpuStream_t, void (*)(gpuStream_t)> copy_stream_;

@@ -91,6 +91,10 @@ class Transport {
   // How many low bits of an arrival's sequence number survive the wire: the ordering emulation compares
   // sequence numbers modulo 2^imm_seq_bits().
   virtual uint32_t imm_seq_bits() const { return kSeqBits; }
+  // True when the transport's GPU copies queue on the legacy default stream and its arrivals wait for them:
+  // kernels that wait for those arrivals must then run on other streams, and the default stream must not
+  // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
+  virtual bool waits_for_default_stream() const { return false; }
   // Releases everything (also done by the destructor); idempotent.
   virtual void close() {}
 };

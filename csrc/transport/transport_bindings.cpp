@@ -29,6 +29,7 @@ void register_transport(py::module_& m) {
     d["cq_data_size"] = p.cq_data_size;
     d["cq_data_bytes"] = p.cq_data_bytes;
     d["hmem"] = p.hmem;
+    d["waits_for_default_stream"] = p.waits_for_default_stream;
     d["mr_mode"] = p.mr_mode;
     d["max_msg_size"] = p.max_msg_size;
     d["inject_size"] = p.inject_size;
