@@ -25,6 +25,7 @@ class Host:
     def __init__(self, root):
         self.root = str(root)
         self._bus = 0
+        self._ports: dict[int, int] = {}
 
     def _next_bus(self) -> int:
         self._bus += 1
@@ -47,7 +48,8 @@ class Host:
 
     def root_port(self, domain_bus: int) -> list[str]:
         """A root port of root complex pci0000:<domain_bus>."""
-        return [f"pci0000:{domain_bus:02x}", f"0000:{domain_bus:02x}:{self._next_bus():02x}.0"]
+        self._ports[domain_bus] = self._ports.get(domain_bus, 0) + 1
+        return [f"pci0000:{domain_bus:02x}", f"0000:{domain_bus:02x}:{self._ports[domain_bus]:02x}.0"]
 
     def switch(self, parent: list[str]) -> list[str]:
         """A PCIe switch (upstream port) below `parent`; devices below it hang off downstream ports."""
@@ -135,7 +137,7 @@ def mi300x_thor2(root) -> tuple[Host, list[str]]:
 
 @pytest.fixture(autouse=True)
 def _no_setting(monkeypatch):
-    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK"):
+    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK", "UCCL_EP_VERBS_DEVICE"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -320,6 +322,16 @@ def test_setting_mixing_kinds_is_refused(tmp_path):
     assert N.choose_nics(gpu, 0, root=str(tmp_path)).devices == ("mlx5_0",)
 
 
+def test_verbs_device_setting_means_one_device_for_every_rank(tmp_path, monkeypatch):
+    _, gpus = dgx_h100(tmp_path)
+    monkeypatch.setenv("UCCL_EP_VERBS_DEVICE", "mlx5_9")
+    c = N.choose_nics(gpus[0], 0, root=str(tmp_path))
+    assert c.devices == ("mlx5_9",) and c.reason == N.REASON_SETTING
+    monkeypatch.setenv("UCCL_EP_NICS", "mlx5_0")
+    with pytest.raises(ValueError, match="both UCCL_EP_NICS and UCCL_EP_VERBS_DEVICE are set"):
+        N.choose_nics(gpus[0], 0, root=str(tmp_path))
+
+
 def test_setting_key_is_local_rank(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert N.local_rank(0) == 3
@@ -328,6 +340,22 @@ def test_setting_key_is_local_rank(monkeypatch):
         N.local_rank(0)
     monkeypatch.delenv("LOCAL_RANK")
     assert N.local_rank(2) == 2 and N.local_rank(-1) == 0
+
+
+# -- doctor --------------------------------------------------------------------------------------------------------
+def test_doctor_prints_each_gpus_nics_with_the_reason_and_the_transport(tmp_path, monkeypatch):
+    from uccl_ep_train.apps import doctor
+    _, gpus, pairs = p5en(tmp_path)
+    m = doctor._nic_map(["fabric", "ipc", "verbs"], root=str(tmp_path))
+    assert [g["devices"] for g in m["gpus"]] == [list(p) for p in pairs]
+    text = "\n".join(doctor._render_nics(m))
+    assert f"[0] {gpus[0]} -> {', '.join(pairs[0])} (efa): same PCIe switch" in text
+    assert f"transport across hosts: fabric (provider efa), threads open {pairs[0][0]}-rdm" in text
+    assert "on one host: ipc" in text
+    monkeypatch.setenv("UCCL_EP_NICS", "0=rdmap1s0")
+    text = "\n".join(doctor._render_nics(doctor._nic_map(["fabric"], root=str(tmp_path))))
+    assert f"[0] {gpus[0]}: ERROR UCCL_EP_NICS names rdmap1s0" in text
+    assert f"[1] {gpus[1]}: ERROR UCCL_EP_NICS has no entry for local rank 1" in text
 
 
 # -- devices reach the native proxy threads ---------------------------------------------------------------------

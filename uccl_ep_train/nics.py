@@ -349,10 +349,17 @@ def _resolve(setting: NicsSetting, local_rank: int, nics: list[Nic]) -> list[Nic
 def choose_nics(gpu_bus: Optional[str], local_rank: int, root: str = "/",
                 setting: Optional[str] = None) -> NicChoice:
     """This rank's NICs: the GPU at PCI address `gpu_bus` (None: no GPU, or its address is unknown), with
-    `setting` the value of UCCL_EP_NICS (None: read the environment). Raises ValueError naming the setting
+    `setting` the value of UCCL_EP_NICS (None: read the environment, where UCCL_EP_VERBS_DEVICE=DEV, the
+    older setting, means UCCL_EP_NICS=*=DEV). Raises ValueError naming the setting
     when it is malformed or names what the host does not have."""
     if setting is None:
         setting = os.environ.get(_SETTING)
+        legacy = os.environ.get("UCCL_EP_VERBS_DEVICE")
+        if legacy and setting is not None:
+            raise ValueError(f"both {_SETTING} and UCCL_EP_VERBS_DEVICE are set; keep {_SETTING} "
+                             f"({_SETTING}=*={legacy} says what UCCL_EP_VERBS_DEVICE={legacy} does)")
+        if legacy:  # the older setting: one device for every rank of the host
+            setting = f"*={legacy}"
     nics = read_nics(root)
     found = describe(nics)
     parsed = parse_nics_setting(setting) if setting is not None else None
