@@ -174,11 +174,12 @@ def _local_choices(gpu: int, requested: Optional[str], provider: Optional[str]) 
 
 def _agree(per_rank: list[Any], rank: int) -> tuple[TransportChoice, NicChoice]:
     """This rank's choice once every rank's is known; the same RuntimeError on every rank when any rank
-    failed to choose or the ranks chose different transports (or fabric providers)."""
+    failed to choose or the ranks chose different transports (the fabric transport itself refuses peers
+    of another provider, at connect)."""
     failed = [f"rank {r}: {c}" for r, c in enumerate(per_rank) if isinstance(c, str)]
     if failed:
         raise RuntimeError("ProxyGroup: no usable transport: " + "; ".join(failed))
-    kinds = {(c.transport, c.provider) for c, _ in per_rank}
+    kinds = {c.transport for c, _ in per_rank}
     if len(kinds) > 1:
         raise RuntimeError("ProxyGroup: ranks chose different transports: " + "; ".join(
             f"rank {r}: {c.transport}{f' ({c.provider})' if c.provider else ''}, {c.reason}"
