@@ -261,6 +261,18 @@ def test_ranks_that_disagree_or_fail_raise_the_same_error_everywhere():
     assert P._agree(per_rank[:1], 0)[0].devices == ("mlx5_0",)
 
 
+@pytest.mark.parametrize("profile, kind", [("cx7", "mlx5"), ("efa", "efa"), ("thor2", "bnxt_re"),
+                                           ("pollara", "ionic")])
+def test_launcher_nic_profiles_agree_with_the_automatic_choice(profile, kind):
+    from uccl_ep_train.apps.recipes import nic_env
+    env = nic_env(profile)
+    nics = N.NicChoice(("nic0", "nic1"), kind, N.REASON_SWITCH)
+    auto = P.choose_transport(nics, ["fabric", "verbs"], same_host=False, gpu=0)
+    assert auto.transport == ("fabric" if kind == "efa" else "verbs")
+    assert P.choose_transport(nics, ["fabric", "verbs"], same_host=False, gpu=0,
+                              requested=env.get("UCCL_EP_TRANSPORT"), provider=env.get("FI_PROVIDER")) == auto
+
+
 # -- UCCL_EP_NICS -----------------------------------------------------------------------------------------------
 def test_setting_map_ranges_and_default(tmp_path):
     _, gpus = dgx_h100(tmp_path)
