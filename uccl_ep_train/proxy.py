@@ -15,7 +15,8 @@ Opcodes: OP_WRITE, OP_WRITE_IMM (also bumps the receiver's imm_count), OP_ATOMIC
 addend, remote_off an 8-byte aligned int64 in a host region), OP_FLUSH, OP_BARRIER, OP_NOP. Channel c is
 served by ring c % num_threads. Knobs: UCCL_EP_PROXY_THREADS, UCCL_EP_DISABLE_CPU_AFFINITY,
 UCCL_IB_MAX_INFLIGHT_{BYTES,NORMAL,LOW_LATENCY}, UCCL_RDMA_ADAPTIVE_SLEEP, UCCL_EP_TIMEOUT_S, UCCL_EP_FAULT,
-UCCL_EP_TRANSPORT (fabric | ipc | verbs), FI_PROVIDER (tcp | shm | sockets).
+UCCL_EP_TRANSPORT (fabric | ipc | verbs; default by NIC kind, `choose_transport`), UCCL_EP_NICS (each GPU's
+NICs; default by PCI topology, uccl_ep_train/nics.py), FI_PROVIDER (tcp | shm | sockets | efa).
 """
 from __future__ import annotations
 
