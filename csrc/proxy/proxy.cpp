@@ -158,6 +158,7 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   to.thread_index = index;
   to.gpu = cfg.gpu;
   to.provider = cfg.provider;
+  to.device = cfg.device_for(index);
   to.job = cfg.job;
   transport_ = make_transport(cfg.transport, to);
   Proxy* p = owner;
@@ -444,6 +445,9 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
   if (cfg.num_threads < 1 || cfg.num_threads > kMaxChannels)
     UCCL_THROW("proxy: UCCL_EP_PROXY_THREADS=" << cfg.num_threads << " must be in [1, " << kMaxChannels << "]");
   if (cfg.max_inflight < 1) UCCL_THROW("proxy: in-flight limit must be >= 1, got " << cfg.max_inflight);
+  for (size_t i = 0; i < cfg.devices.size(); ++i)
+    if (cfg.devices[i].empty())
+      UCCL_THROW("proxy: devices[" << i << "] is empty; name a NIC (verbs device or libfabric domain) or pass no devices");
   cfg_.ring_publish = ring_publish_name(ring_publish_parse(cfg.ring_publish));  // resolved: "fence" | "vector"
   try {
     fault_ = FaultSpec::parse(cfg.fault);

@@ -191,7 +191,8 @@ void register_proxy(py::module_& m) {
       .def(py::init([](int rank, int world, int gpu, const std::string& transport, py::object num_threads,
                        uint32_t ring_capacity, py::object provider, bool low_latency, py::object max_inflight,
                        py::object max_inflight_bytes, py::object adaptive_sleep, py::object timeout_s, py::object fault,
-                       py::object pin_threads, const std::string& job, py::object ring_publish) {
+                       py::object pin_threads, const std::string& job, py::object ring_publish,
+                       const std::vector<std::string>& devices) {
              ProxyConfig c = ProxyConfig::from_env(rank, world, gpu);
              c.transport = transport;
              c.ring_capacity = ring_capacity;
@@ -211,6 +212,7 @@ void register_proxy(py::module_& m) {
              if (!fault.is_none()) c.fault = fault.cast<std::string>();
              if (!pin_threads.is_none()) c.pin_threads = pin_threads.cast<bool>();
              if (!ring_publish.is_none()) c.ring_publish = ring_publish.cast<std::string>();
+             c.devices = devices;
              return new Proxy(c);
            }),
            py::arg("rank"), py::arg("world"), py::arg("gpu") = -1, py::arg("transport") = "fabric",
@@ -218,7 +220,8 @@ void register_proxy(py::module_& m) {
            py::arg("low_latency") = false, py::arg("max_inflight") = py::none(),
            py::arg("max_inflight_bytes") = py::none(), py::arg("adaptive_sleep") = py::none(),
            py::arg("timeout_s") = py::none(), py::arg("fault") = py::none(), py::arg("pin_threads") = py::none(),
-           py::arg("job") = "", py::arg("ring_publish") = py::none())
+           py::arg("job") = "", py::arg("ring_publish") = py::none(),
+           py::arg("devices") = std::vector<std::string>())
       .def("register_region", &Proxy::register_region, py::arg("id"), py::arg("ptr"), py::arg("size"),
            py::arg("device") = false)
       .def("local_blob", [](Proxy& p, int t) { return py::bytes(p.local_blob(t)); })
@@ -258,6 +261,10 @@ void register_proxy(py::module_& m) {
              d["ring_publish"] = c.ring_publish;
              d["imm_seq_bits"] = p.imm_seq_bits();
              d["waits_for_default_stream"] = p.waits_for_default_stream();
+             d["devices"] = c.devices;
+             py::list per_thread;  // the NIC each thread opened ("" : the transport's default)
+             for (int t = 0; t < p.num_threads(); ++t) per_thread.append(c.device_for(t));
+             d["thread_devices"] = per_thread;
              return d;
            })
       .def("push",
