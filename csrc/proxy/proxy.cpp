@@ -159,6 +159,8 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   to.gpu = cfg.gpu;
   to.provider = cfg.provider;
   to.job = cfg.job;
+  to.max_inflight = cfg.max_inflight;
+  to.max_inflight_bytes = cfg.max_inflight_bytes;
   transport_ = make_transport(cfg.transport, to);
   Proxy* p = owner;
   emu_.reset(new OrderingEmulator(cfg.world, owner->sig_host_, [p](uint32_t region, uint64_t off, int64_t v, int src) {
