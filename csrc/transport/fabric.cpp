@@ -625,6 +625,9 @@ class FabricTransport final : public Transport {
     UCCL_CHECK_GPU(gpuEventRecord(ev, 0));  // the legacy default stream, where libfabric's copies queue
     fences_.push_back({ev, fenced_seen()});
     fenced_marked_ = fenced_seen();
+    if (debug_)
+      std::fprintf(stderr, "[fabric r%d] fence marked at %llu arrivals (%zu fences pending)\n", opts_.rank,
+                   (unsigned long long)fenced_marked_, fences_.size());
 #endif
   }
 
@@ -636,6 +639,9 @@ class FabricTransport final : public Transport {
       if (e == gpuErrorNotReady) break;
       UCCL_CHECK_GPU(e);
       fence_done_ = fences_.front().second;
+      if (debug_)
+        std::fprintf(stderr, "[fabric r%d] fence passed: %llu arrivals released\n", opts_.rank,
+                     (unsigned long long)fence_done_);
       free_events_.push_back(fences_.front().first);
       fences_.pop_front();
     }
