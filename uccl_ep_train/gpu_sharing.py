@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA clients look when CUDA_MPS_PIPE_DIRECTORY is unset
+# scripts/mps.sh's directories (its defaults), where the commands that start a daemon themselves put it too
+SCRIPT_PIPE_DIRECTORY = "/tmp/mps-pipe"
+SCRIPT_LOG_DIRECTORY = "/tmp/mps-log"
 ALLOW_SHARED_GPU_ENV = "UCCL_EP_ALLOW_SHARED_GPU"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 
