@@ -284,6 +284,7 @@ def test_compare_run_plots_both_curves_and_records_provenance(tmp_path):
     line = next(l for l in r.stdout.splitlines() if l.startswith("compared with "))
     assert line.startswith(f"compared with {ref_log} (alltoall): largest relative loss difference ")
     assert r.stdout.splitlines()[-1] == "loss curve: both.png" and (tmp_path / "both.png").is_file()
+    assert "MoE layers served by reference intranode; proxies 0.00 MB per step; buffer growths at steps " in r.stdout
     log = json.loads((tmp_path / "runs" / "train" / "uccl.json").read_text())
     assert log["command"] == "uccl-ep-train train " + " ".join(base[4:] + ["--compare", ref_log, "--plot", "both.png"])
     assert log["collectives"] == "gloo" and log["ranks_per_gpu"] == 0 and log["date"].endswith(" UTC")

@@ -47,7 +47,7 @@ def test_train_on_emulated_nodes_of_one_gpu_matches_the_comparison(mps, tmp_path
     run = _train(tmp_path, {"UCCL_EP_BACKEND": "native"}, *shape, "--compare", ref_log, "--plot")
     print(run.stdout)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
-    start = run.stderr.splitlines()[0]
+    start = next(line for line in run.stderr.splitlines() if line.startswith("uccl-ep-train train: "))
     assert f"{ranks} ranks on " in start and "on gloo with CUDA tensors (NCCL refuses two ranks on one GPU)" in start
     steps = json.loads((tmp_path / "runs" / "train" / "uccl.json").read_text())["steps"]
     assert len(steps) == STEPS

@@ -515,6 +515,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     first = sum(r["loss"] for r in steps[:k]) / k
     last = sum(r["loss"] for r in steps[-k:]) / k
     tok_s = sum(r["tokens_per_s"] for r in steps[-k:]) / k
+    backends = sorted({b for r in steps for b in r["moe_backends"]})
+    grown = [r["step"] for r in steps if r["buffer_growths"]]
+    print(f"MoE layers served by {', '.join(backends) or 'none'}; proxies "
+          f"{sum(r['proxy_bytes'] for r in steps) / len(steps) / 1e6:,.2f} MB per step; buffer growths at "
+          f"steps {grown or 'none'}")
     print(f"loss {first:.4f} -> {last:.4f} over {len(steps)} steps; {tok_s:,.0f} tokens/s; log {path}")
     failed = False
     if reference is not None:
