@@ -170,7 +170,8 @@ def test_quiet_libraries(rank, verbose):
 @pytest.mark.parametrize("local, gpus, per_gpu, collectives", [(4, 0, 0, "gloo"), (4, 4, 1, "nccl"), (2, 8, 1, "nccl"),
                                                               (4, 1, 4, "gloo"), (4, 2, 2, "gloo"), (3, 2, 2, "gloo")])
 def test_ranks_per_gpu_and_the_collectives_backend(local, gpus, per_gpu, collectives):
-    from uccl_ep_train.apps.train import collectives_of, ranks_per_gpu, shared_gpu_env
+    from uccl_ep_train.apps.train import collectives_of
+    from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
 
     assert ranks_per_gpu(local, gpus) == per_gpu
     assert collectives_of(per_gpu) == collectives

@@ -177,3 +177,19 @@ def group_device(group: Any) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError(f"{DEVICE_ENV}=cuda but CUDA is not available in this process")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
+    """How many of a host's `local_ranks` ranks share each of its `gpus` GPUs (consecutive ranks share one:
+    rank r uses GPU r // ranks_per_gpu); 0 without GPUs, 1 when every rank has a GPU of its own."""
+    if gpus < 1:
+        return 0
+    return max(1, -(-local_ranks // gpus))
+
+
+def shared_gpu_env(per_gpu: int) -> dict[str, str]:
+    """What ranks sharing a GPU need in their environment before CUDA starts: CUDA tensors in the Buffers over
+    a gloo group, and eager module loading (`sharing_verdict` says why); nothing otherwise."""
+    if per_gpu <= 1:
+        return {}
+    return {DEVICE_ENV: "cuda", "CUDA_MODULE_LOADING": "EAGER"}

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .launch import check_ranks_per_node, launched_world, run
-from uccl_ep_train.gpu_sharing import DEVICE_ENV
+from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 RUNS_DIR = os.path.join("runs", "train")  # the default home of the JSON log and the loss plot
@@ -336,27 +336,11 @@ class Progress:
             self.bar.close()
 
 
-def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
-    """How many of a host's `local_ranks` ranks share each of its `gpus` GPUs (consecutive ranks share one:
-    rank r uses GPU r // ranks_per_gpu); 0 without GPUs, 1 when every rank has a GPU of its own."""
-    if gpus < 1:
-        return 0
-    return max(1, -(-local_ranks // gpus))
-
-
 def collectives_of(per_gpu: int) -> str:
     """The process group's backend for the model's collectives (everything but the EP dispatch / combine):
     NCCL with a GPU per rank; gloo on CPU ranks, and on ranks sharing a GPU, which NCCL refuses (gloo then
     moves CUDA tensors, and the Buffers keep theirs on the GPU: UCCL_EP_DEVICE=cuda)."""
     return "nccl" if per_gpu == 1 else "gloo"
-
-
-def shared_gpu_env(per_gpu: int) -> dict[str, str]:
-    """What ranks sharing a GPU need in their environment before CUDA starts: CUDA tensors in the Buffers over
-    a gloo group, and eager module loading (gpu_sharing.sharing_verdict says why); nothing otherwise."""
-    if per_gpu <= 1:
-        return {}
-    return {DEVICE_ENV: "cuda", "CUDA_MODULE_LOADING": "EAGER"}
 
 
 def _device_for(local_rank: int, per_gpu: int) -> torch.device:
