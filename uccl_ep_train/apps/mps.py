@@ -44,7 +44,11 @@ def mps_for_ranks() -> Iterator[tuple[dict[str, str], str]]:
     for d in env.values():
         os.makedirs(d, exist_ok=True)
     daemon_env = {**os.environ, **env}
-    subprocess.run([CONTROL, "-d"], env=daemon_env, check=True, timeout=START_TIMEOUT_S)
+    started = subprocess.run([CONTROL, "-d"], env=daemon_env, capture_output=True, text=True,
+                             timeout=START_TIMEOUT_S)
+    if started.returncode != 0:
+        raise SystemExit(f"{CONTROL} -d failed ({started.returncode}): {(started.stderr or started.stdout).strip()} "
+                         f"(see {SCRIPT_LOG_DIRECTORY}/control.log; or start MPS with bash scripts/mps.sh start)")
     deadline = time.monotonic() + START_TIMEOUT_S
     while not mps_active(SCRIPT_PIPE_DIRECTORY):
         if time.monotonic() > deadline:
