@@ -21,7 +21,9 @@ os.environ.setdefault("FI_SOCKETS_IFACE", "lo")
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
 
 MPS_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "mps.sh"
-MPS_ENV = {"CUDA_MPS_PIPE_DIRECTORY": "/tmp/mps-pipe", "CUDA_MPS_LOG_DIRECTORY": "/tmp/mps-log"}  # mps.sh's
+from uccl_ep_train.gpu_sharing import SCRIPT_LOG_DIRECTORY, SCRIPT_PIPE_DIRECTORY  # noqa: E402 (env above first)
+
+MPS_ENV = {"CUDA_MPS_PIPE_DIRECTORY": SCRIPT_PIPE_DIRECTORY, "CUDA_MPS_LOG_DIRECTORY": SCRIPT_LOG_DIRECTORY}
 
 
 def pytest_collection_modifyitems(config, items):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 FAKE_PRETRAIN = textwrap.dedent('''
     # stands in for Megatron-LM's pretrain_gpt.py: parse args with Megatron's own parser, build a config
     import sys
@@ -41,3 +43,30 @@ def test_launcher_without_checkout_says_what_to_do(tmp_path):
     r = _run(["--moe-token-dispatcher-type", "uccl"], cwd=tmp_path)
     assert r.returncode != 0
     assert "no Megatron-LM checkout found" in r.stderr and "MEGATRON_LM_PATH" in r.stderr
+
+
+def test_ranks_sharing_a_gpu_get_its_index_as_local_rank_and_need_gloo(monkeypatch):
+    """4 ranks of a host with 1 GPU: rank 3's LOCAL_RANK becomes 0 (Megatron-LM sets that device), the ranks
+    keep CUDA tensors over gloo and load eagerly; without --distributed-backend gloo it stops, naming the
+    flag; with a GPU per rank nothing changes."""
+    import torch
+
+    from megatron_patch.pretrain_gpt import share_gpus
+
+    for var in ("UCCL_EP_DEVICE", "CUDA_MODULE_LOADING"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert share_gpus([]) == 1 and os.environ["LOCAL_RANK"] == "3" and "UCCL_EP_DEVICE" not in os.environ
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(SystemExit, match="4 ranks share 1 GPU.*pass --distributed-backend gloo \\(got nccl\\)"):
+        share_gpus(["--num-layers", "2"])
+    assert os.environ["LOCAL_RANK"] == "3"
+    assert share_gpus(["--distributed-backend", "gloo", "--num-layers", "2"]) == 4
+    assert os.environ["LOCAL_RANK"] == "0"
+    assert os.environ["UCCL_EP_DEVICE"] == "cuda" and os.environ["CUDA_MODULE_LOADING"] == "EAGER"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert share_gpus(["--distributed-backend=gloo"]) == 2 and os.environ["LOCAL_RANK"] == "1"

@@ -11,7 +11,7 @@ from uccl_ep_train.apps.recipes import (  # noqa: E402
     Recipe, list_recipes, load_recipe, megatron_cli_args, nic_env, parse_moe_layer_freq)
 from uccl_ep_train.apps.plan import count_params  # noqa: E402
 
-RECIPES = ["deepseek-v3", "deepseek-v2-lite", "tiny"]
+RECIPES = ["deepseek-v3", "deepseek-v2-lite", "tiny", "deepseek-v3-small"]
 
 
 def test_builtin_recipes_are_listed_and_select_uccl():

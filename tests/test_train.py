@@ -164,3 +164,128 @@ def test_quiet_libraries(rank, verbose):
         assert handler.messages == ["a warning of ours ...", "an error"]
     else:
         assert shown == [] and handler.messages == ["an error"]
+
+
+# ---- ranks sharing GPUs, the step record, --compare ----------------------------------------------------------
+@pytest.mark.parametrize("local, gpus, per_gpu, collectives", [(4, 0, 0, "gloo"), (4, 4, 1, "nccl"), (2, 8, 1, "nccl"),
+                                                              (4, 1, 4, "gloo"), (4, 2, 2, "gloo"), (3, 2, 2, "gloo")])
+def test_ranks_per_gpu_and_the_collectives_backend(local, gpus, per_gpu, collectives):
+    from uccl_ep_train.apps.train import collectives_of
+    from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
+
+    assert ranks_per_gpu(local, gpus) == per_gpu
+    assert collectives_of(per_gpu) == collectives
+    env = shared_gpu_env(per_gpu)
+    assert env == ({"UCCL_EP_DEVICE": "cuda", "CUDA_MODULE_LOADING": "EAGER"} if per_gpu > 1 else {})
+
+
+def test_start_line_says_what_carries_the_traffic():
+    from uccl_ep_train.apps.train import describe_ranks
+
+    shared = describe_ranks(4, 1, 4, 2, "MPS: started", "uccl")
+    assert shared.startswith("4 ranks on 1 GPU(s), 4 per GPU (MPS: started); EP dispatch/combine through uccl's")
+    assert "on gloo with CUDA tensors (NCCL refuses two ranks on one GPU)" in shared
+    assert shared.endswith(", 2 nodes x 2 ranks per node (UCCL_EP_RANKS_PER_NODE=2)")
+    assert "Megatron's alltoall dispatch/combine and the model's other collectives on gloo" in describe_ranks(
+        4, 1, 4, None, "MPS", "alltoall")
+    assert describe_ranks(2, 0, 0, None, "", "uccl") == "2 ranks (gloo/CPU)"
+    assert describe_ranks(2, 2, 1, None, "", "uccl") == "2 ranks (NCCL/GPU)"
+
+
+def test_compare_losses():
+    from uccl_ep_train.apps.train import COMPARE_RTOL, compare_losses
+
+    ref = [{"step": s, "loss": 2.0} for s in (1, 2, 3)]
+    run = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 2.0 * (1 + COMPARE_RTOL / 2)},
+           {"step": 3, "loss": 2.0 * (1 + 2 * COMPARE_RTOL)}]
+    worst, bad = compare_losses(run, ref)
+    assert bad == [3] and worst == pytest.approx(2 * COMPARE_RTOL)
+    with pytest.raises(SystemExit, match="different steps"):
+        compare_losses(run[:2], ref)
+
+
+def test_compare_with_a_missing_log_stops_before_any_rank(monkeypatch, tmp_path):
+    from uccl_ep_train.apps.train import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="--compare .*no such log"):
+        main(["--ranks", "2", "--steps", "1", "--compare", str(tmp_path / "none.json")])
+
+
+def test_mps_is_used_started_or_explained(monkeypatch):
+    """A daemon that answers is used as it is (nothing to stop); without one and without the control binary,
+    the error says what to install or start."""
+    from uccl_ep_train.apps import mps
+
+    monkeypatch.setattr(mps, "mps_active", lambda pipe=None: pipe is None)
+    with mps.mps_for_ranks() as (env, note):
+        assert env == {} and "already running" in note
+    monkeypatch.setattr(mps, "mps_active", lambda pipe=None: pipe == mps.SCRIPT_PIPE_DIRECTORY)
+    with mps.mps_for_ranks() as (env, note):
+        assert env["CUDA_MPS_PIPE_DIRECTORY"] == mps.SCRIPT_PIPE_DIRECTORY and mps.SCRIPT_PIPE_DIRECTORY in note
+    monkeypatch.setattr(mps, "mps_active", lambda pipe=None: False)
+    monkeypatch.setattr(mps.shutil, "which", lambda name: None)
+    with pytest.raises(SystemExit, match="need NVIDIA MPS, and nvidia-cuda-mps-control is not on PATH"):
+        with mps.mps_for_ranks():
+            pass
+
+
+def _v3_small_uccl_and_alltoall(rank: int, world: int, device: str) -> tuple[list[dict], list[dict]]:
+    """deepseek-v3-small, 3 steps, on 2 emulated nodes x 2 ranks with the uccl dispatcher, then Megatron's
+    alltoall dispatcher with the same seeds."""
+    import torch
+
+    from uccl_ep_train.apps.train import build_parser, train_rank, use_ranks_per_node
+
+    runs = []
+    for dispatcher in ("uccl", "alltoall"):
+        args = build_parser().parse_args(["--recipe", "deepseek-v3-small", "--ranks", str(world), "--steps", "3",
+                                          "--ranks-per-node", "2", "--dispatcher", dispatcher, "--quiet"])
+        use_ranks_per_node(args.ranks_per_node)
+        runs.append(train_rank(rank, world, args, torch.device(device)))
+    return runs[0], runs[1]
+
+
+def test_v3_small_on_two_emulated_nodes_matches_alltoall_and_records_each_step():
+    """The V3-shaped recipe (top-8 of 64, node-limited groups, shared expert, aux loss) through the uccl
+    dispatcher across 2 emulated nodes: every step's loss within COMPARE_RTOL of Megatron's alltoall run, and
+    each record names the backend of every MoE layer (3), the proxies' bytes (none on CPU: the reference
+    backend has no proxies) and the growths."""
+    from dist_utils import run_ranks
+
+    from uccl_ep_train.apps.train import COMPARE_RTOL, compare_losses
+
+    uccl, alltoall = run_ranks(_v3_small_uccl_and_alltoall, 4, timeout=600)[0]
+    worst, bad = compare_losses(uccl, alltoall)
+    assert bad == [], (worst, [r["loss"] for r in uccl], [r["loss"] for r in alltoall])
+    for record in uccl:
+        assert record["moe_backends"] == ["reference internode"] * 3
+        assert record["proxy_bytes"] == 0 and isinstance(record["buffer_growths"], int)
+        assert record["dispatch_ms"] > 0 and record["combine_ms"] > 0
+    assert alltoall[0]["moe_backends"] == ["MoEAlltoAllTokenDispatcher (torch.distributed)"] * 3
+
+
+def test_compare_run_plots_both_curves_and_records_provenance(tmp_path):
+    """The comparison as the README runs it, on 2 CPU ranks: alltoall first, then uccl with --compare and
+    --plot: exit 0, the comparison line, one figure, and the log's command / date / commit."""
+    import uccl_ep_train
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(uccl_ep_train.__file__)))
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONPATH=os.pathsep.join(
+        p for p in (root, os.environ.get("PYTHONPATH")) if p))
+    base = [sys.executable, "-m", "uccl_ep_train.apps.cli", "train", "--ranks", "2", "--steps", "3", "--quiet",
+            "--no-loss-check"]
+    ref = subprocess.run(base + ["--dispatcher", "alltoall"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=400)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    ref_log = os.path.join("runs", "train", "alltoall.json")
+    r = subprocess.run(base + ["--compare", ref_log, "--plot", "both.png"], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-3000:]
+    line = next(l for l in r.stdout.splitlines() if l.startswith("compared with "))
+    assert line.startswith(f"compared with {ref_log} (alltoall): largest relative loss difference ")
+    assert r.stdout.splitlines()[-1] == "loss curve: both.png" and (tmp_path / "both.png").is_file()
+    assert "MoE layers served by reference intranode; proxies 0.00 MB per step; buffer growths at steps " in r.stdout
+    log = json.loads((tmp_path / "runs" / "train" / "uccl.json").read_text())
+    assert log["command"] == "uccl-ep-train train " + " ".join(base[4:] + ["--compare", ref_log, "--plot", "both.png"])
+    assert log["collectives"] == "gloo" and log["ranks_per_gpu"] == 0 and log["date"].endswith(" UTC")

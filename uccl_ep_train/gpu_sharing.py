@@ -23,6 +23,9 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_PIPE_DIRECTORY = "/tmp/nvidia-mps"  # where CUDA clients look when CUDA_MPS_PIPE_DIRECTORY is unset
+# scripts/mps.sh's directories (its defaults), where the commands that start a daemon themselves put it too
+SCRIPT_PIPE_DIRECTORY = "/tmp/mps-pipe"
+SCRIPT_LOG_DIRECTORY = "/tmp/mps-log"
 ALLOW_SHARED_GPU_ENV = "UCCL_EP_ALLOW_SHARED_GPU"
 DEVICE_ENV = "UCCL_EP_DEVICE"
 
@@ -174,3 +177,19 @@ def group_device(group: Any) -> torch.device:
     if not torch.cuda.is_available():
         raise RuntimeError(f"{DEVICE_ENV}=cuda but CUDA is not available in this process")
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
+    """How many of a host's `local_ranks` ranks share each of its `gpus` GPUs (consecutive ranks share one:
+    rank r uses GPU r // ranks_per_gpu); 0 without GPUs, 1 when every rank has a GPU of its own."""
+    if gpus < 1:
+        return 0
+    return max(1, -(-local_ranks // gpus))
+
+
+def shared_gpu_env(per_gpu: int) -> dict[str, str]:
+    """What ranks sharing a GPU need in their environment before CUDA starts: CUDA tensors in the Buffers over
+    a gloo group, and eager module loading (`sharing_verdict` says why); nothing otherwise."""
+    if per_gpu <= 1:
+        return {}
+    return {DEVICE_ENV: "cuda", "CUDA_MODULE_LOADING": "EAGER"}

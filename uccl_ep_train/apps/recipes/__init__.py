@@ -8,7 +8,7 @@ launcher. Every recipe sets `moe_token_dispatcher_type="uccl"`. `env` holds UCCL
 the tests (total / active parameters).
 
     from uccl_ep_train.apps.recipes import load_recipe
-    r = load_recipe("deepseek-v3")                   # or "deepseek-v2-lite", "tiny", or a .py/.json/.toml path
+    r = load_recipe("deepseek-v3")                   # or "deepseek-v2-lite", "tiny", "deepseek-v3-small", or a path
     r = r.with_args(expert_model_parallel_size=64)   # a new Recipe; the original is unchanged
     r.megatron_args()   # ['--num-layers', '61', ..., '--moe-token-dispatcher-type', 'uccl', ...]
     r.model_config()    # {'num_layers': 61, 'num_moe_experts': 256, 'moe_layer_freq': [0, 0, 0, 1, ...], ...}
@@ -29,7 +29,8 @@ from uccl_ep_train.config import NIC_FLOW_CONTROL
 __all__ = ["Recipe", "list_recipes", "load_recipe", "megatron_cli_args", "parse_moe_layer_freq", "nic_env",
            "NIC_PROFILES", "STORE_FALSE_FLAGS"]
 
-_BUILTIN = {"deepseek-v3": "deepseek_v3", "deepseek-v2-lite": "deepseek_v2_lite", "tiny": "tiny"}
+_BUILTIN = {"deepseek-v3": "deepseek_v3", "deepseek-v2-lite": "deepseek_v2_lite", "tiny": "tiny",
+            "deepseek-v3-small": "deepseek_v3_small"}
 
 # Megatron-LM arguments whose flag stores False (dest -> flag), and dests whose flag is not --<dest>.
 STORE_FALSE_FLAGS = {
