@@ -402,9 +402,12 @@ void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
   UCCL_CHECK(dtype >= 0 && dtype <= 2, "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
-  // A rank that received no rows passes its (0, num_topk) weights, whose data pointer may be null: nothing is
-  // read from them, and refusing here alone would leave the peers, already in the call, spinning.
-  UCCL_CHECK(topk_w != 0 || num_topk == 0 || num_recv == 0, "combine: num_topk " << num_topk << " without weights");
+  // Presence is num_topk (the weights' columns, the same on every rank: it sizes every rank's combine rows),
+  // never the pointer: a rank that received no rows passes a [0, num_topk] tensor, whose data pointer is 0.
+  // The pointer is needed only for rows this rank reads (Buffer.combine checked their count beforehand).
+  UCCL_CHECK(topk_w != 0 || num_topk == 0 || num_recv == 0,
+             "combine: topk_weights has " << num_topk << " columns but no data for the " << num_recv
+                                          << " received rows");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   CombineArgs a{};
   Layout me;

@@ -277,9 +277,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)
         recv_per_rank = counts.sum(axis=0)
         num_recv = int(recv_per_rank[me])
-        if num_worst_tokens and num_recv > num_worst_tokens:
-            raise RuntimeError(f"dispatch: rank {me} receives {num_recv} tokens, more than "
-                               f"num_worst_tokens={num_worst_tokens}")
+        check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)
         out_rows = int(num_worst_tokens) or num_recv
         starts = np.cumsum(counts, axis=0) - counts  # first receive row of source s on rank r
         state = InternodeState(rd.reshape(-1).tolist(), num_recv, send_positions(is_token_in_rank),
@@ -378,6 +376,19 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         return out, out_w
 
 
+def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
+    """Raises unless num_worst_tokens (0: not given) bounds what every rank receives. It takes every rank's
+    receive count (notify gives each rank all of them), not this rank's, so every rank raises, before its
+    kernels, or none does: a rank refusing alone would leave its peers' kernels waiting for it until the
+    timeout (UCCL_EP_TIMEOUT_S)."""
+    if not num_worst_tokens:
+        return
+    busiest = max(range(len(recv_per_rank)), key=lambda r: recv_per_rank[r])
+    if recv_per_rank[busiest] > num_worst_tokens:
+        raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
+                           f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
+
+
 def rdma_bytes_needed(num_tokens: int, hidden_bytes: int, num_ranks: int, ranks_per_node: int,
                       num_topk: int) -> Optional[int]:
     """RDMA-region bytes the native internode kernels need for a dispatch (rows of hidden_bytes) and a combine
@@ -416,4 +427,8 @@ def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int, proxy_groups: int) 
 
 
 def _ptr(t: Optional[torch.Tensor]) -> int:
+    """A tensor's address for the native module: 0 for None, and for no elements (an empty tensor's data_ptr()
+    is 0 anyway). What the ranks must agree on never rides on it: row layouts and checks take counts (num_topk,
+    scale bytes, the shape header's weights bit), so a 0 from an empty tensor only ever stands for zero rows,
+    which no kernel reads or writes (a rank that received nothing passes [0, K] weights to combine)."""
     return 0 if t is None or t.numel() == 0 else t.data_ptr()
