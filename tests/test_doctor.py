@@ -2,6 +2,8 @@
 table (config.SETTINGS) is the one list of environment settings: the code reads no other, the README lists all."""
 import json
 import re
+
+import pytest
 from pathlib import Path
 
 from uccl_ep_train.apps import doctor
@@ -105,3 +107,27 @@ def test_a_gpu_machine_without_usable_kernels_is_told_why(monkeypatch, caplog):
     warnings = [r.getMessage() for r in caplog.records if "REFERENCE backend" in r.getMessage()]
     assert len(warnings) == 1 and why in warnings[0]
     assert doctor.collect()["native"]["problem"] == why
+
+
+def test_doctor_says_what_the_fabric_transport_would_open_or_why_not(monkeypatch):
+    """The fabric line runs the transport's own provider selection: for a GPU's proxies (GPU memory asked) on
+    tcp, the system libfabric refuses with the transport's sentence; without GPUs it names provider and layout."""
+    from uccl_ep_train import proxy
+    from uccl_ep_train.apps import doctor
+
+    if "fabric" not in proxy.compiled_transports():
+        pytest.skip("the fabric transport is not compiled in")
+    from uccl_ep_train import _native
+
+    monkeypatch.setenv("FI_PROVIDER", "tcp")
+    monkeypatch.setenv("FI_TCP_IFACE", "lo")
+    host = doctor._fabric_probe(_native, ["fabric"], gpus=False)
+    assert host["provider"] == "tcp;ofi_rxm" and not host["gpu_memory_asked"]
+    assert "provider tcp;ofi_rxm domain lo" in doctor._render_fabric(host)
+    gpu = doctor._fabric_probe(_native, ["fabric"], gpus=True)
+    line = doctor._render_fabric(gpu)
+    if "error" in gpu:
+        assert "cannot register GPU memory" in line and "UCCL_EP_TRANSPORT=ipc" in line, line
+    else:
+        assert gpu["hmem"] and "GPU memory yes (FI_HMEM)" in line, line
+    assert "not compiled in" in doctor._fabric_probe(_native, [], gpus=True)["error"]

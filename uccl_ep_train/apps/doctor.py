@@ -106,6 +106,7 @@ def collect() -> dict:
         report["native"]["problem"] = f"cannot check ({e})"
     report["nics"] = _nic_map(report["native"]["transports"])
     report["fabric_providers"] = _fabric_providers()
+    report["fabric"] = _fabric_probe(native, report["native"]["transports"], bool(report["gpus"]))
     from uccl_ep_train.config import SETTINGS
 
     report["settings"] = {k: os.environ[k] for k in [*SETTINGS, *OTHER_VARS] if k in os.environ}
@@ -207,6 +208,29 @@ def _verbs_has_dmabuf() -> bool:
         return False
 
 
+def _fabric_probe(native, transports: list[str], gpus: bool) -> dict:
+    """What the fabric transport's endpoints would open here (FI_PROVIDER's provider, else libfabric's choice),
+    for GPU memory when GPUs are visible: the transport's own selection (`_native.fabric_probe`), or its
+    refusal, word for word."""
+    if native is None or "fabric" not in transports:
+        return {"error": "the fabric transport is not compiled in (libfabric headers: libfabric-dev, or "
+                         "UCCL_EP_LIBFABRIC=<prefix>)"}
+    try:
+        return dict(native.fabric_probe(os.environ.get("FI_PROVIDER", ""), "", gpus), gpu_memory_asked=gpus)
+    except RuntimeError as e:
+        return {"error": str(e), "gpu_memory_asked": gpus}
+
+
+def _render_fabric(f: dict) -> str:
+    if "error" in f:
+        return f"fabric transport: {f['error']}"
+    return (f"fabric transport: provider {f['provider']} domain {f['domain']} (libfabric {f['library_version']}, "
+            f"API {f['api_version']}), {f['cq_data_bytes']}-byte CQ data (provider offers {f['cq_data_size']}), "
+            f"GPU memory {'yes (FI_HMEM)' if f['hmem'] else 'not asked' if not f['gpu_memory_asked'] else 'no'}"
+            + ("; its CUDA copies queue on the default stream: issue EP calls from a stream of your own"
+               if f.get("waits_for_default_stream") else ""))
+
+
 def _fabric_providers() -> list[str]:
     exe = shutil.which("fi_info")
     if not exe:
@@ -252,6 +276,7 @@ def render(r: dict) -> str:
     if n.get("problem"):
         lines.append(f"  NATIVE KERNELS UNUSABLE HERE: {n['problem']} (Buffer falls back to the reference backend)")
     lines.append(f"libfabric providers (fi_info -l): {', '.join(r['fabric_providers']) or 'fi_info not found'}")
+    lines.append(_render_fabric(r["fabric"]))
     lines.append("settings: " + (", ".join(f"{k}={v}" for k, v in r["settings"].items()) or "none set (defaults)"))
     if r["unread_settings"]:
         lines.append("set but read by nothing here (typo? see the README's settings table): "
