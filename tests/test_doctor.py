@@ -2,9 +2,9 @@
 table (config.SETTINGS) is the one list of environment settings: the code reads no other, the README lists all."""
 import json
 import re
+from pathlib import Path
 
 import pytest
-from pathlib import Path
 
 from uccl_ep_train.apps import doctor
 from uccl_ep_train.apps.cli import main as cli_main
