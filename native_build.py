@@ -42,7 +42,7 @@ def _cuda_home(nvcc: str) -> str:
     return home
 
 
-def libfabric_prefix() -> str | None:
+def _libfabric_prefix() -> str | None:
     """The libfabric prefix of UCCL_EP_LIBFABRIC (absolute), checked to hold headers and library; None when
     unset (the system libfabric, if its headers are installed). Fails the build at once when the setting
     cannot be honoured, rather than silently building against the system's libfabric."""
@@ -253,7 +253,7 @@ def native_build_kwargs() -> dict:
         define_macros.append(("UCCL_EP_WITH_HIP", "1"))
         libraries += ["amdhip64"]
     extra_compile_args = ["-O3", "-std=c++17", "-fvisibility=hidden"]
-    fabric_prefix = libfabric_prefix()
+    fabric_prefix = _libfabric_prefix()
     if fabric_prefix:
         # -I for the host sources only (no kernel includes libfabric): the kernels' objects stay valid.
         extra_compile_args.append(f"-I{os.path.join(fabric_prefix, 'include')}")
