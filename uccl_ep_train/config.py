@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import KW_ONLY, dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from .topology import ranks_per_node_from_env
 
@@ -188,14 +188,15 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_EP_CHECK_VALUES": ("unset: on the host unless the kernels check them", "`1`: check values on the host before any communication (a sync per call), `0`: never"),
     "UCCL_EP_FAULT": ("off", "fault injection: `reorder=P,delay_us=D,seed=S,die_after=N` (docs/proxy.md)"),
     # proxies and transports
-    "UCCL_EP_TRANSPORT": ("ipc on one host, verbs with RDMA NICs, else fabric", "`ipc`, `verbs` or `fabric`"),
+    "UCCL_EP_TRANSPORT": ("by NIC kind: ipc on one host, fabric (efa) on EFA, verbs on RC NICs, fabric (tcp) without", "`ipc`, `verbs` or `fabric` (docs/proxy.md)"),
+    "UCCL_EP_NICS": ("by PCI topology: the GPU's PCIe switch, else NUMA node", "NICs per local rank: `0=mlx5_0;1-2=mlx5_1,mlx5_2;*=mlx5_3`, or `mlx5_0,mlx5_1` / `^mlx5_8` to filter (docs/proxy.md)"),
     "UCCL_EP_PROXY_THREADS": ("4 (ranks sharing a GPU: by cores)", "proxy threads (channels) per rank"),
     "UCCL_EP_DISABLE_CPU_AFFINITY": ("0", "`1`: do not pin proxy threads to cores near the GPU"),
     "UCCL_EP_RDMA_CHUNK_BYTES": ("2 MiB on a NIC, 8 MiB on ipc", "bytes per internode write"),
     "UCCL_EP_START_PROXIES": ("0", "`1`: start proxies on CPU runs too (initialize_uccl)"),
     "UCCL_EP_RING_PUBLISH": ("by CPU", "`fence` or `vector`: how the GPU publishes ring commands"),
     "UCCL_RDMA_ADAPTIVE_SLEEP": ("0 with GPUs, 1 on CPU runs", "`1`: idle proxy threads sleep instead of spinning"),
-    "UCCL_EP_VERBS_DEVICE": ("the first RDMA device", "RDMA device for the verbs transport"),
+    "UCCL_EP_VERBS_DEVICE": ("unset (UCCL_EP_NICS)", "one RDMA device for every rank: the older form of `UCCL_EP_NICS=*=DEV`"),
     "UCCL_EP_VERBS_NATIVE_ATOMICS": ("0", "`1`: RDMA atomics instead of the ordered emulation"),
     # verbs QP settings (NCCL_IB_* twins: slurm/launch.sh copies those over; read by csrc/transport/verbs_policy.cpp,
     # whose defaults tests/test_verbs_policy.py checks against the first number of each default here)
@@ -211,6 +212,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
     "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 = no limit (Thor-2: 1572864, Pollara: 2097152)",
                                    "bytes in flight per (proxy thread, destination)"),
+    "UCCL_EP_FABRIC_CQ_DATA_BYTES": ("what the provider offers (8, efa 4)", "`4`: the fabric transport packs rank and immediate into 4 bytes of CQ data on any provider (tests EFA's layout)"),
     "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
 }
 
@@ -239,19 +241,18 @@ NIC_FLOW_CONTROL: dict[str, NicFlowControl] = {
 }
 
 
-def nic_flow_control(devices: list[dict], low_latency: bool = False,
+def nic_flow_control(devices: list[dict], used: Sequence[str] = (), low_latency: bool = False,
                      env: Optional[Mapping[str, str]] = None) -> tuple[dict[str, int], str]:
-    """The proxy options (`max_inflight_bytes`, and `max_inflight` for normal proxies) that the verbs NICs of
-    this host need and the environment does not set, and a note naming the vendor ("" when none applies).
+    """The proxy options (`max_inflight_bytes`, and `max_inflight` for normal proxies) that the verbs NICs a
+    rank uses need and the environment does not set, and a note naming the vendor ("" when none applies).
 
-    `devices`: dicts with "name" and "vendor_id" (`_native.verbs_devices()`). When UCCL_EP_VERBS_DEVICE
-    names one, only it counts; otherwise every device of the host does and the strictest limits win (the
-    transport may open any of them). A variable the user set always wins over the vendor default."""
+    `devices`: dicts with "name" and "vendor_id" (`_native.verbs_devices()`); `used`: the names this rank's
+    proxy threads open (`ProxyGroup.devices`); empty: the transport's default, so every device of the host
+    counts. The strictest limits of the devices that count win. A variable the user set always wins."""
     env = os.environ if env is None else env
-    want = env.get("UCCL_EP_VERBS_DEVICE") or None
     found = []
     for d in devices:
-        if want is not None and d.get("name") != want:
+        if used and d.get("name") not in used:
             continue
         for driver, fc in NIC_FLOW_CONTROL.items():
             if str(d.get("name", "")).startswith(driver) or int(d.get("vendor_id") or 0) == fc.pci_vendor_id:

@@ -15,7 +15,8 @@ Opcodes: OP_WRITE, OP_WRITE_IMM (also bumps the receiver's imm_count), OP_ATOMIC
 addend, remote_off an 8-byte aligned int64 in a host region), OP_FLUSH, OP_BARRIER, OP_NOP. Channel c is
 served by ring c % num_threads. Knobs: UCCL_EP_PROXY_THREADS, UCCL_EP_DISABLE_CPU_AFFINITY,
 UCCL_IB_MAX_INFLIGHT_{BYTES,NORMAL,LOW_LATENCY}, UCCL_RDMA_ADAPTIVE_SLEEP, UCCL_EP_TIMEOUT_S, UCCL_EP_FAULT,
-UCCL_EP_TRANSPORT (fabric | ipc | verbs), FI_PROVIDER (tcp | shm | sockets).
+UCCL_EP_TRANSPORT (fabric | ipc | verbs; default by NIC kind, `choose_transport`), UCCL_EP_NICS (each GPU's
+NICs; default by PCI topology, uccl_ep_train/nics.py), FI_PROVIDER (tcp | shm | sockets | efa).
 """
 from __future__ import annotations
 
@@ -23,11 +24,13 @@ import logging
 import os
 import socket
 import uuid
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
 from .config import nic_flow_control
+from .nics import EFA_KIND, RC_KINDS, NicChoice, choose_nics, gpu_bus_id, local_rank
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -88,17 +91,118 @@ def _region_of(obj: Any) -> tuple[int, int, bool]:
     raise TypeError(f"regions: expected a tensor, numpy array or (ptr, nbytes[, device]) tuple, got {type(obj).__name__}")
 
 
-def _default_transport(gpu: int, hostnames: Optional[list[str]]) -> str:
-    env = os.environ.get("UCCL_EP_TRANSPORT")
-    if env:
-        return env
+@dataclass(frozen=True)
+class TransportChoice:
+    """The transport a rank runs, the fabric provider it asks for, the NICs its threads open, and why."""
+
+    transport: str                    # fabric | ipc | verbs
+    provider: Optional[str]           # fabric provider; None: FI_PROVIDER, else libfabric's choice
+    devices: tuple[str, ...]          # verbs device names or libfabric domain names; () : the default
+    reason: str
+
+
+_TRANSPORTS = ("fabric", "ipc", "verbs")
+_BUILD_HINT = {"verbs": "rebuild with rdma-core's headers (infiniband/verbs.h)",
+               "fabric": "rebuild with libfabric's headers (rdma/fabric.h)",
+               "ipc": "rebuild with CUDA or HIP"}
+
+
+def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu: int,
+                     requested: Optional[str] = None, provider: Optional[str] = None) -> TransportChoice:
+    """One rank's transport from what its NICs are (docs/proxy.md, "How the transport is chosen").
+
+    `requested`: the caller's or UCCL_EP_TRANSPORT's transport (None: automatic); `provider`: the caller's
+    or FI_PROVIDER's fabric provider. Automatic: GPUs whose ranks all share one host -> ipc; EFA -> fabric
+    (efa provider); RC NICs (mlx5, bnxt_re, ionic, irdma) -> verbs; no RDMA NIC -> fabric over tcp.
+    Raises ValueError, naming what was found and what to set, for a choice that cannot work."""
+    kind = nics.kind or "none"
+    found = f"this rank's NICs: {', '.join(nics.devices) or 'none'} ({kind}; {nics.reason})"
+    if requested:
+        if requested not in _TRANSPORTS:
+            raise ValueError(f"UCCL_EP_TRANSPORT / transport= must be one of {', '.join(_TRANSPORTS)}, got "
+                             f"{requested!r}")
+        transport, why = requested, "requested (UCCL_EP_TRANSPORT or transport=)"
+    elif gpu >= 0 and same_host and "ipc" in compiled:
+        transport, why = "ipc", "every rank on one host, with GPUs"
+    elif nics.kind == EFA_KIND:
+        transport, why = "fabric", "EFA NICs (SRD, no RC queue pairs): libfabric's efa provider"
+    elif nics.devices:
+        known = nics.kind in RC_KINDS
+        transport, why = "verbs", (f"{nics.kind} NICs: RC verbs" if known else
+                                   f"{nics.kind} NICs (kind unknown here, assumed RC): verbs; set "
+                                   "UCCL_EP_TRANSPORT=fabric if they have no RC queue pairs")
+    else:
+        transport, why = "fabric", "no RDMA NIC: libfabric over tcp"
+    if transport not in compiled:
+        raise ValueError(f"transport {transport} ({why}) is not compiled in (native module's transports: "
+                         f"{', '.join(compiled) or 'none'}; {found}): {_BUILD_HINT[transport]}, or set "
+                         "UCCL_EP_TRANSPORT to a compiled one")
+    if transport == "verbs" and nics.kind == EFA_KIND:
+        raise ValueError(f"transport verbs cannot run on EFA devices ({found}): EFA offers no RC queue pairs or "
+                         "SRQ; unset UCCL_EP_TRANSPORT (or set it to fabric): fabric with the efa provider")
+    if transport == "verbs" and not nics.devices:
+        raise ValueError(f"transport verbs found no RDMA devices with an ACTIVE port (host: "
+                         f"{', '.join(nics.found) or 'none'}; {found}); set UCCL_EP_TRANSPORT=fabric (tcp) or "
+                         "bring a port up")
+    devices: tuple[str, ...] = ()
+    if transport == "fabric":
+        if not provider:
+            provider = "efa" if nics.kind == EFA_KIND else ("tcp" if not nics.devices else None)
+        if provider == "efa" and nics.kind == EFA_KIND:
+            devices = tuple(f"{d}-rdm" for d in nics.devices)  # the efa provider's domain names
+    elif transport == "verbs":
+        devices = nics.devices
+    else:
+        provider = None
+    return TransportChoice(transport, provider, devices, why)
+
+
+def _local_choices(gpu: int, requested: Optional[str], provider: Optional[str]) -> dict[bool, Any]:
+    """This rank's TransportChoice (or error text) for both answers to "are all ranks on one host?", so
+    that one exchange settles the transport (the answer is known only once every host name is in)."""
+    try:
+        nics = choose_nics(gpu_bus_id(gpu), local_rank(gpu))
+    except ValueError as exc:
+        return {True: str(exc), False: str(exc)}
     compiled = compiled_transports()
-    same_host = hostnames is None or len(set(hostnames)) == 1
-    if gpu >= 0 and "ipc" in compiled and same_host:
-        return "ipc"
-    if "verbs" in compiled and _native.verbs_devices():
-        return "verbs"
-    return "fabric"
+    out: dict[bool, Any] = {}
+    for same_host in (True, False):
+        try:
+            out[same_host] = (choose_transport(nics, compiled, same_host, gpu, requested, provider), nics)
+        except ValueError as exc:
+            out[same_host] = str(exc)
+    return out
+
+
+def _agree(per_rank: list[Any], rank: int) -> tuple[TransportChoice, NicChoice]:
+    """This rank's choice once every rank's is known; the same RuntimeError on every rank when any rank
+    failed to choose or the ranks chose different transports (the fabric transport itself refuses peers
+    of another provider, at connect)."""
+    failed = [f"rank {r}: {c}" for r, c in enumerate(per_rank) if isinstance(c, str)]
+    if failed:
+        raise RuntimeError("ProxyGroup: no usable transport: " + "; ".join(failed))
+    kinds = {c.transport for c, _ in per_rank}
+    if len(kinds) > 1:
+        raise RuntimeError("ProxyGroup: ranks chose different transports: " + "; ".join(
+            f"rank {r}: {c.transport}{f' ({c.provider})' if c.provider else ''}, {c.reason}"
+            for r, (c, _) in enumerate(per_rank)) + "; set UCCL_EP_TRANSPORT (and FI_PROVIDER) on every rank")
+    return per_rank[rank]
+
+
+def check_caller_stream(waits_for_default_stream: bool, device: Any, rank: int) -> None:
+    """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.
+    waits_for_default_stream`: the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a
+    call issued from that stream: its kernels, or the default stream waiting for them, would hold those copies
+    back until the kernels time out."""
+    if not waits_for_default_stream:
+        return
+    import torch
+    if torch.cuda.current_stream(device).cuda_stream == 0:
+        raise RuntimeError(
+            f"rank {rank}: the proxies use the fabric transport on a provider that copies GPU memory with the "
+            "CUDA runtime on the default stream (libfabric's shm), so EP calls cannot be issued from the default "
+            "stream: issue them on a stream of your own (`with torch.cuda.stream(s):`), or use "
+            "UCCL_EP_TRANSPORT=ipc with every rank on one host (a NIC provider such as efa needs neither)")
 
 
 def _all_gather(obj: Any, group: Any, world: int) -> list:
@@ -120,8 +224,8 @@ class ProxyGroup:
         regions: {region_id: buffer}; buffers are symmetric (same id and size on every rank). A buffer is a
             torch tensor, numpy array or (ptr, nbytes[, is_device]). Atomic targets must be host memory.
         group: torch.distributed process group used for the bootstrap (None: the default group).
-        transport: 'fabric' | 'ipc' | 'verbs'; default UCCL_EP_TRANSPORT, else ipc for GPUs on one host,
-            verbs when RDMA devices exist, else fabric.
+        transport: 'fabric' | 'ipc' | 'verbs'; default UCCL_EP_TRANSPORT, else chosen by what this rank's
+            NICs are (`choose_transport`); `devices` / `transport_reason` / `nics` say what was chosen and why.
         gpu: CUDA/HIP device whose kernels feed the rings, or -1 for CPU producers (`push`).
         exchange: optional callable(obj) -> list of every rank's obj, replacing torch.distributed.
         **options: num_threads, ring_capacity, provider, low_latency, max_inflight, max_inflight_bytes,
@@ -136,36 +240,45 @@ class ProxyGroup:
                                "(run `python setup.py build_ext --inplace`)")
         if not (0 <= rank < world):
             raise ValueError(f"ProxyGroup: rank {rank} out of range for world {world}")
+        if transport is not None and transport not in _TRANSPORTS:
+            raise ValueError(f"ProxyGroup: transport must be one of {', '.join(_TRANSPORTS)}, got {transport!r}")
         gather = exchange or (lambda obj: _all_gather(obj, group, world))
         self.rank, self.world, self.gpu = rank, world, gpu
         self._closed = False
-        job, hostnames = None, None
-        # Phase 1: job id (rank 0's) and host names, so every rank picks the same transport.
-        info = gather((uuid.uuid4().hex[:12], socket.gethostname()))
+        self._native = None
+        # Phase 1: job id (rank 0's), host names and each rank's transport choice for either answer to "one
+        # host?", so every rank settles the same transport, or raises the same error, before any endpoint.
+        requested = transport or os.environ.get("UCCL_EP_TRANSPORT") or None
+        provider = options.pop("provider", None) or os.environ.get("FI_PROVIDER") or None
+        info = gather((uuid.uuid4().hex[:12], socket.gethostname(), _local_choices(gpu, requested, provider)))
         job = info[0][0]
-        hostnames = [h for _, h in info]
-        self.transport = transport or _default_transport(gpu, hostnames)
-        if self.transport not in ("fabric", "ipc", "verbs"):
-            raise ValueError(f"ProxyGroup: transport must be 'fabric', 'ipc' or 'verbs', got {self.transport!r}")
+        same_host = len({h for _, h, _ in info}) == 1
+        choice, self.nics = _agree([c[same_host] for _, _, c in info], rank)
+        self.transport, self.transport_reason, self.devices = choice.transport, choice.reason, choice.devices
+        if choice.provider:
+            options["provider"] = choice.provider
         # Phase 2: endpoint addresses + memory keys of every thread of every rank. A rank that fails to
         # build its endpoints still takes part in the exchange, carrying its error, so no peer hangs.
-        self._native = None
         self._keepalive = dict(regions)  # the buffers must outlive the registrations
         mine: Any
         try:
             if self.transport == "verbs":  # Thor-2 / Pollara flow control unless the user set it
-                flow, note = nic_flow_control(_native.verbs_devices(), bool(options.get("low_latency")))
+                flow, note = nic_flow_control(_native.verbs_devices(), self.devices, bool(options.get("low_latency")))
                 options = {**flow, **options}
                 if note:
                     log.info("uccl_ep_train: %s", note)
-            self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job, **options)
+            self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job,
+                                         devices=list(self.devices), **options)
             for rid, buf in regions.items():
                 ptr, nbytes, device = _region_of(buf)
                 self._native.register_region(int(rid), ptr, nbytes, device)
             mine = [self._native.local_blob(t) for t in range(self._native.num_threads)]
         except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers heard of it
+            exc.add_note(f"(transport {self.transport}: {self.transport_reason}; devices "
+                         f"{', '.join(self.devices) or 'default'})")
             mine = exc
-        everyone = gather(mine if not isinstance(mine, Exception) else f"{type(mine).__name__}: {mine}")
+        everyone = gather(mine if not isinstance(mine, Exception) else
+                          f"{type(mine).__name__}: {mine} {' '.join(getattr(mine, '__notes__', []))}")
         if isinstance(mine, Exception):
             self.close()
             raise mine
@@ -185,6 +298,9 @@ class ProxyGroup:
         if failed:
             self.close()
             raise RuntimeError("ProxyGroup: connect failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
+        # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
+        # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp).
+        self.waits_for_default_stream = bool(self._native.config()["waits_for_default_stream"])
         if start:
             self._native.start()
 

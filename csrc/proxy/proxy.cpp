@@ -158,6 +158,7 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   to.thread_index = index;
   to.gpu = cfg.gpu;
   to.provider = cfg.provider;
+  to.device = cfg.device_for(index);
   to.job = cfg.job;
   to.max_inflight = cfg.max_inflight;
   to.max_inflight_bytes = cfg.max_inflight_bytes;
@@ -169,7 +170,7 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
     if (r->device) UCCL_THROW("atomic from peer " << src << " targets GPU region " << region << "; counters must live in host memory");
     if (off + 8 > r->size || (off & 7)) UCCL_THROW("atomic from peer " << src << " at bad offset " << off << " of region " << region);
     __atomic_fetch_add(reinterpret_cast<int64_t*>(r->base + off), v, __ATOMIC_RELEASE);
-  }));
+  }, transport_->imm_seq_bits()));
   next_seq_.assign(size_t(cfg.world) * kMaxChannels, 0);
   inflight_.assign(cfg.world, 0);
   inflight_bytes_.assign(cfg.world, 0);
@@ -446,6 +447,9 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
   if (cfg.num_threads < 1 || cfg.num_threads > kMaxChannels)
     UCCL_THROW("proxy: UCCL_EP_PROXY_THREADS=" << cfg.num_threads << " must be in [1, " << kMaxChannels << "]");
   if (cfg.max_inflight < 1) UCCL_THROW("proxy: in-flight limit must be >= 1, got " << cfg.max_inflight);
+  for (size_t i = 0; i < cfg.devices.size(); ++i)
+    if (cfg.devices[i].empty())
+      UCCL_THROW("proxy: devices[" << i << "] is empty; name a NIC (verbs device or libfabric domain) or pass no devices");
   cfg_.ring_publish = ring_publish_name(ring_publish_parse(cfg.ring_publish));  // resolved: "fence" | "vector"
   try {
     fault_ = FaultSpec::parse(cfg.fault);
@@ -487,6 +491,9 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
 }
 
 Proxy::~Proxy() { stop(); }
+
+uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
+bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 
 void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
   if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");

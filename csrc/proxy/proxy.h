@@ -65,6 +65,10 @@ struct ProxyConfig {
   int gpu = -1;                 // CUDA/HIP device, -1: CPU producers (tests)
   std::string transport = "fabric";
   std::string provider;         // fabric provider
+  // NICs this rank's threads open (uccl_ep_train/nics.py picks them from the PCI topology, UCCL_EP_NICS
+  // overrides): verbs device names or libfabric domain names; thread t opens device_for(t). Empty: the
+  // transport's own default.
+  std::vector<std::string> devices;
   bool pin_threads = true;      // !UCCL_EP_DISABLE_CPU_AFFINITY
   bool low_latency = false;     // selects UCCL_IB_MAX_INFLIGHT_LOW_LATENCY over _NORMAL
   int max_inflight = 8;         // per (thread, destination)
@@ -76,6 +80,8 @@ struct ProxyConfig {
   std::string ring_publish;     // UCCL_EP_RING_PUBLISH: "fence" | "vector" | "" (default: ring_publish_default)
 
   static ProxyConfig from_env(int rank, int world, int gpu);
+  // The NIC proxy thread t opens: devices[t % devices.size()], "" when no device was chosen.
+  std::string device_for(int t) const { return devices.empty() ? std::string() : devices[size_t(t) % devices.size()]; }
 };
 
 struct ProxyStats {
@@ -198,6 +204,9 @@ class Proxy {
     return (id < regions_.size() && regions_[id].id >= 0) ? &regions_[id] : nullptr;
   }
   std::string fault_spec() const { return fault_.str(); }
+  // Sequence-number bits the transport carries (24, or 17 in fabric's 4-byte CQ-data layout).
+  uint32_t imm_seq_bits() const;
+  bool waits_for_default_stream() const;  // Transport::waits_for_default_stream
   const FaultSpec& fault() const { return fault_; }
 
  private:

@@ -2,8 +2,9 @@
 
 Lists RDMA devices (ports, state, link layer, GIDs, atomics, peer-memory and DMA-BUF support) through
 pyverbs when it loads, else through the native module's libibverbs queries, and says plainly when there
-are none; then GPUs, the native module, compiled transports, libfabric providers with FI_EP_RDM, and the
-settings in effect (and UCCL_* variables that nothing reads). `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
+are none; then GPUs, the NIC(s) each GPU's rank would use and why (uccl_ep_train/nics.py: same PCIe switch,
+same NUMA node, fallback, UCCL_EP_NICS), the transport that choice leads to and why, the native module,
+compiled transports, libfabric providers with FI_EP_RDM, and the settings in effect (and UCCL_* variables that nothing reads). `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
 module is required (`--require-native`) and missing.
 """
 from __future__ import annotations
@@ -103,6 +104,7 @@ def collect() -> dict:
         report["native"]["problem"] = native_problem()
     except Exception as e:  # pragma: no cover - torch missing or broken
         report["native"]["problem"] = f"cannot check ({e})"
+    report["nics"] = _nic_map(report["native"]["transports"])
     report["fabric_providers"] = _fabric_providers()
     from uccl_ep_train.config import SETTINGS
 
@@ -111,6 +113,43 @@ def collect() -> dict:
     report["unread_settings"] = sorted(k for k in os.environ if k.startswith(("UCCL_EP_", "UCCL_IB_", "UCCL_RDMA_"))
                                        and k not in SETTINGS and k not in OTHER_VARS)
     return report
+
+
+def _nic_map(compiled: list[str], root: str = "/") -> dict:
+    """What ProxyGroup would choose for each GPU of this host: its NICs (with the reason) and the transport
+    across hosts; on one host, GPU ranks take ipc when it is compiled in. Torch's device numbering when CUDA
+    is up (CUDA_VISIBLE_DEVICES respected), else every GPU sysfs (under `root`) lists, in PCI order."""
+    from uccl_ep_train import nics as N
+    from uccl_ep_train.proxy import choose_transport
+
+    buses: list = []
+    try:
+        import torch
+        if root == "/" and torch.cuda.is_available():
+            buses = [N.gpu_bus_id(i) for i in range(torch.cuda.device_count())]
+    except Exception:  # pragma: no cover - torch missing or broken
+        pass
+    if not buses:
+        buses = [g.bus_id for g in N.read_gpus(root)]
+    out: dict = {"gpus": [], "found": list(N.describe(N.read_nics(root)))}
+    requested = os.environ.get("UCCL_EP_TRANSPORT") or None
+    provider = os.environ.get("FI_PROVIDER") or None
+    for i, bus in enumerate(buses or [None]):
+        entry: dict = {"index": i if bus else -1, "bus_id": bus}
+        try:
+            c = N.choose_nics(bus, i, root=root)
+            entry.update(devices=list(c.devices), kind=c.kind, reason=c.reason)
+            t = choose_transport(c, compiled, same_host=False, gpu=i if bus else -1, requested=requested,
+                                 provider=provider)
+            entry["transport"] = {"name": t.transport, "provider": t.provider, "devices": list(t.devices),
+                                  "reason": t.reason}
+        except ValueError as e:
+            entry["error"] = str(e)
+        out["gpus"].append(entry)
+    gpu_ranks = any(buses)
+    out["one_host"] = "ipc (every rank on one host, with GPUs)" if "ipc" in compiled and gpu_ranks and not requested \
+        else "the same as across hosts"
+    return out
 
 
 # Peer-memory clients that let ibv_reg_mr take GPU pointers: NVIDIA's only. amdgpu is AMD's GPU driver, not a
@@ -202,6 +241,8 @@ def render(r: dict) -> str:
     lines.append("GPUs:" if r["gpus"] else "GPUs: none visible to torch")
     for g in r["gpus"]:
         lines.append(f"  [{g['index']}] {g['name']} {g['memory_gib']} GiB, {g['sms']} SMs")
+    lines.append("")
+    lines.extend(_render_nics(r["nics"]))
     n = r["native"]
     lines.append("")
     lines.append(f"native module: {'importable' if n['importable'] else n['status']}"
@@ -216,6 +257,25 @@ def render(r: dict) -> str:
         lines.append("set but read by nothing here (typo? see the README's settings table): "
                      + ", ".join(r["unread_settings"]))
     return "\n".join(lines)
+
+
+def _render_nics(m: dict) -> list[str]:
+    lines = ["GPU -> NIC (PCI topology: same PCIe switch, else same NUMA node, else any; UCCL_EP_NICS overrides):"]
+    for g in m["gpus"]:
+        who = f"[{g['index']}] {g['bus_id']}" if g["bus_id"] else "no GPU (CPU ranks)"
+        if "error" in g:
+            lines.append(f"  {who}: ERROR {g['error']}")
+            continue
+        t = g["transport"]
+        nics = ", ".join(g["devices"]) or "none"
+        kind = f" ({g['kind']})" if g["kind"] else ""
+        lines.append(f"  {who} -> {nics}{kind}: "
+                     f"{g['reason']}")
+        lines.append(f"      transport across hosts: {t['name']}"
+                     + (f" (provider {t['provider']})" if t["provider"] else "")
+                     + (f", threads open {', '.join(t['devices'])}" if t["devices"] else "") + f": {t['reason']}")
+    lines.append(f"  on one host: {m['one_host']}; RDMA devices: {', '.join(m['found']) or 'none'}")
+    return lines
 
 
 def main(argv=None) -> int:

@@ -308,7 +308,8 @@ def check_layout(recipe: Recipe, nodes: int, gpus_per_node: int) -> Layout:
     if experts and lay.ep * lay.etp > gpus_per_node:
         lay.notes.append(f"each EP group spans {math.ceil(lay.ep_nodes)} nodes: dispatch/combine move tokens inside "
                          "a node over NVLink/xGMI and between nodes through the CPU proxies (RDMA writes: verbs "
-                         "on RDMA NICs, libfabric on EFA, UCCL_EP_TRANSPORT overrides; RoCE: UCCL_IB_GID_INDEX); "
+                         "on RC NICs, libfabric's efa provider on EFA, each GPU on the NICs of its PCIe switch; "
+                         "UCCL_EP_TRANSPORT / UCCL_EP_NICS override; RoCE: UCCL_IB_GID_INDEX); "
                          "docs/internode.md")
     return lay
 

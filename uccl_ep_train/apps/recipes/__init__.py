@@ -51,10 +51,13 @@ _ARG_TO_CONFIG = {
 
 # NIC-specific settings: Broadcom Thor-2 and AMD Pollara want strict flow control (the proxy also applies
 # it by itself when it sees their devices: config.NIC_FLOW_CONTROL, the one table of those limits); EFA and
-# ConnectX run with the defaults.
+# ConnectX run with the defaults. The transport is not a profile's business: each rank
+# picks it from its NICs' kind (uccl_ep_train/proxy.py choose_transport: verbs on cx7 / thor2 / pollara,
+# fabric on efa); the efa profile names the efa provider that choice asks libfabric for, so that every
+# libfabric user of the job (NCCL's aws-ofi-nccl too) takes the same one.
 NIC_PROFILES: dict[str, dict[str, str]] = {
     "cx7": {},
-    "efa": {"NCCL_MAX_NCHANNELS": "8"},
+    "efa": {"NCCL_MAX_NCHANNELS": "8", "FI_PROVIDER": "efa"},
     "thor2": NIC_FLOW_CONTROL["bnxt_re"].env(),
     "pollara": NIC_FLOW_CONTROL["ionic"].env(),
 }
