@@ -126,7 +126,8 @@ def test_vendor_flow_control_comes_from_the_device_and_the_user_wins():
     assert nic_flow_control(cx7, env={}) == ({}, "")
     assert nic_flow_control(pollara, low_latency=True, env={})[0] == {"max_inflight_bytes": 2097152}
     assert nic_flow_control(thor, env={"UCCL_IB_MAX_INFLIGHT_BYTES": "1048576"})[0] == {"max_inflight": 1}
-    assert nic_flow_control(cx7 + thor, env={"UCCL_EP_VERBS_DEVICE": "mlx5_0"})[0] == {}
+    assert nic_flow_control(cx7 + thor, ["mlx5_0"], env={})[0] == {}  # only the rank's own NICs count
+    assert nic_flow_control(cx7 + thor, ["bnxt_re1"], env={})[0]["max_inflight"] == 1
     assert nic_flow_control(cx7 + thor + pollara, env={})[0]["max_inflight_bytes"] == 1572864  # the strictest
     assert "Broadcom Thor-2" in nic_flow_control(thor, env={})[1]
 

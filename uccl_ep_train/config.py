@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import KW_ONLY, dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
 from .topology import ranks_per_node_from_env
 
@@ -241,19 +241,18 @@ NIC_FLOW_CONTROL: dict[str, NicFlowControl] = {
 }
 
 
-def nic_flow_control(devices: list[dict], low_latency: bool = False,
+def nic_flow_control(devices: list[dict], used: Sequence[str] = (), low_latency: bool = False,
                      env: Optional[Mapping[str, str]] = None) -> tuple[dict[str, int], str]:
-    """The proxy options (`max_inflight_bytes`, and `max_inflight` for normal proxies) that the verbs NICs of
-    this host need and the environment does not set, and a note naming the vendor ("" when none applies).
+    """The proxy options (`max_inflight_bytes`, and `max_inflight` for normal proxies) that the verbs NICs a
+    rank uses need and the environment does not set, and a note naming the vendor ("" when none applies).
 
-    `devices`: dicts with "name" and "vendor_id" (`_native.verbs_devices()`). When UCCL_EP_VERBS_DEVICE
-    names one, only it counts; otherwise every device of the host does and the strictest limits win (the
-    transport may open any of them). A variable the user set always wins over the vendor default."""
+    `devices`: dicts with "name" and "vendor_id" (`_native.verbs_devices()`); `used`: the names this rank's
+    proxy threads open (`ProxyGroup.devices`); empty: the transport's default, so every device of the host
+    counts. The strictest limits of the devices that count win. A variable the user set always wins."""
     env = os.environ if env is None else env
-    want = env.get("UCCL_EP_VERBS_DEVICE") or None
     found = []
     for d in devices:
-        if want is not None and d.get("name") != want:
+        if used and d.get("name") not in used:
             continue
         for driver, fc in NIC_FLOW_CONTROL.items():
             if str(d.get("name", "")).startswith(driver) or int(d.get("vendor_id") or 0) == fc.pci_vendor_id:

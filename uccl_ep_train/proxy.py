@@ -263,7 +263,7 @@ class ProxyGroup:
         mine: Any
         try:
             if self.transport == "verbs":  # Thor-2 / Pollara flow control unless the user set it
-                flow, note = nic_flow_control(_native.verbs_devices(), bool(options.get("low_latency")))
+                flow, note = nic_flow_control(_native.verbs_devices(), self.devices, bool(options.get("low_latency")))
                 options = {**flow, **options}
                 if note:
                     log.info("uccl_ep_train: %s", note)

@@ -288,10 +288,12 @@ class VerbsTransport final : public Transport {
       const char* source = "hsa_amd_portable_export_dmabuf";
       const char* via = "DMA-BUF (hsa_amd_portable_export_dmabuf + ibv_reg_dmabuf_mr)";
 #endif
+      int dmabuf_errno = 0;
       if (fd >= 0) {
         const uint64_t iova = uint64_t(reinterpret_cast<uintptr_t>(r.base));
         mr = reg(pd_.get(), offset, r.size, iova, fd, access | IBV_ACCESS_RELAXED_ORDERING);
         if (!mr) mr = reg(pd_.get(), offset, r.size, iova, fd, access);
+        dmabuf_errno = errno;
         ::close(fd);
         if (mr) how = via;
       }
@@ -300,7 +302,7 @@ class VerbsTransport final : public Transport {
                    << " failed: peer memory (ibv_reg_mr: " << std::strerror(peer_errno) << ") and DMA-BUF ("
                    << (!reg ? "this libibverbs has no ibv_reg_dmabuf_mr: rdma-core >= 34 needed"
                             : fd < 0 ? std::string(source) + " gave no fd: driver / ROCm or CUDA too old"
-                                     : std::string("ibv_reg_dmabuf_mr: ") + std::strerror(errno))
+                                     : std::string("ibv_reg_dmabuf_mr: ") + std::strerror(dmabuf_errno))
                    << "); load nvidia_peermem (NVIDIA) or use a kernel, driver and NIC with DMA-BUF "
                       "(`uccl-ep-train doctor` reports both)");
     }

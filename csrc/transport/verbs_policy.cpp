@@ -107,7 +107,7 @@ VerbsSettings parse_verbs_settings(const std::function<const char*(const char*)>
   s.rnr_retry = setting(get, "UCCL_IB_RNR_RETRY", d.rnr_retry, 0, 7, "receiver-not-ready retries, 7 = forever");
   s.sl = setting(get, "UCCL_IB_SL", d.sl, 0, 15, "InfiniBand service level");
   s.tc = setting(get, "UCCL_IB_TC", d.tc, 0, 255, "traffic class");
-  s.gid_index = setting(get, "UCCL_IB_GID_INDEX", d.gid_index, -1, 65535, "GID table entry, -1 = choose");
+  s.gid_index = setting(get, "UCCL_IB_GID_INDEX", d.gid_index, -1, 255, "GID table entry, -1 = choose");
   return s;
 }
 

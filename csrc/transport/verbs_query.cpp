@@ -28,12 +28,16 @@ bool verbs_compiled() { return true; }
 std::vector<GidEntry> read_gid_table(ibv_context* ctx, const std::string& ibdev_path, int port, int table_len,
                                      bool ethernet) {
   std::vector<GidEntry> out;
-  for (int i = 0; i < table_len && i < 1024; ++i) {
+  for (int i = 0; i < table_len && i < 256; ++i) {
     GidEntry e;
     e.index = i;
     ibv_gid gid{};
-    if (ibv_query_gid(ctx, uint8_t(port), i, &gid) != 0) continue;  // unreadable: as good as empty
-    std::memcpy(e.raw.data(), gid.raw, 16);
+    // an empty entry reads as zeros, or (rdma-core >= 32) fails: both stay a zero entry in the table
+    if (ibv_query_gid(ctx, uint8_t(port), i, &gid) == 0) std::memcpy(e.raw.data(), gid.raw, 16);
+    if (gid_is_zero(e.raw)) {
+      out.push_back(e);
+      continue;
+    }
     if (!ethernet) {
       e.type = GidType::kIB;
     } else {

@@ -36,9 +36,9 @@ std::vector<VerbsDevice> query_verbs_devices();
 bool nvidia_peer_memory_loaded();
 
 #if defined(UCCL_EP_WITH_VERBS)
-// The GID table of `port` (up to 1024 entries): addresses through ibv_query_gid (an empty entry reads as
-// zeros), types from sysfs <ibdev_path>/ports/<port>/gid_attrs/types/<i> (kUnknown where unreadable; IB
-// link layer: kIB).
+// The GID table of `port` (up to 256 entries, the most an address handle can name): addresses through
+// ibv_query_gid (an empty or unreadable entry stays zero), types from sysfs
+// <ibdev_path>/ports/<port>/gid_attrs/types/<i> (kUnknown where unreadable; IB link layer: kIB).
 std::vector<GidEntry> read_gid_table(ibv_context* ctx, const std::string& ibdev_path, int port, int table_len,
                                      bool ethernet);
 #endif
