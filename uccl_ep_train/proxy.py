@@ -396,6 +396,7 @@ def start_proxies(runtime: Any, **kw: Any) -> tuple[list, list]:
     if "adaptive_sleep" not in kw and "UCCL_RDMA_ADAPTIVE_SLEEP" not in os.environ:
         kw["adaptive_sleep"] = True
     group = ProxyGroup(runtime.rank, runtime.num_ranks, regions, group=runtime.group, gpu=gpu, **kw)
-    log.info("uccl_ep_train: %d proxy threads on %s transport (cpus %s)", group.num_threads, group.transport,
+    log.info("uccl_ep_train: %d proxy threads on %s transport (%s; NICs %s: %s; cpus %s)", group.num_threads,
+             group.transport, group.transport_reason, ", ".join(group.nics.devices) or "none", group.nics.reason,
              group.thread_cpus())
     return [group], []
