@@ -137,7 +137,7 @@ def mi300x_thor2(root) -> tuple[Host, list[str]]:
 
 @pytest.fixture(autouse=True)
 def _no_setting(monkeypatch):
-    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK", "UCCL_EP_VERBS_DEVICE"):
+    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK", "UCCL_EP_VERBS_DEVICE", "FI_PROVIDER"):
         monkeypatch.delenv(var, raising=False)
 
 
