@@ -3,6 +3,10 @@
 Sources: csrc/**/*.cpp (host: proxy, transports, bindings) always; csrc/**/*.cu (kernels) only when nvcc
 or hipcc is found. Optional transports are switched on by the headers present:
   UCCL_EP_WITH_FABRIC (rdma/fabric.h), UCCL_EP_WITH_VERBS (infiniband/verbs.h), UCCL_EP_WITH_CUDA / _HIP.
+UCCL_EP_LIBFABRIC=<prefix> builds the fabric transport against the libfabric installed there (its
+include/ and lib/, with that lib/ as the module's run path, also relative to the module when the prefix is
+inside the tree, so a copy of the tree elsewhere finds it) instead of the system's: a CUDA-enabled one
+from scripts/build_libfabric.sh (default prefix build/libfabric) for FI_HMEM tests. Changing it relinks.
 Nothing is linked statically that torch also carries (libstdc++ stays shared).
 """
 from __future__ import annotations
@@ -36,6 +40,36 @@ def _cuda_home(nvcc: str) -> str:
         if os.path.exists(os.path.join(cand, "include", "cuda_runtime.h")):
             return cand
     return home
+
+
+def libfabric_prefix() -> str | None:
+    """The libfabric prefix of UCCL_EP_LIBFABRIC (absolute), checked to hold headers and library; None when
+    unset (the system libfabric, if its headers are installed). Fails the build at once when the setting
+    cannot be honoured, rather than silently building against the system's libfabric."""
+    prefix = os.environ.get("UCCL_EP_LIBFABRIC")
+    if not prefix:
+        return None
+    prefix = os.path.abspath(prefix)
+    missing = [p for p in ("include/rdma/fabric.h", "lib/libfabric.so") if not os.path.exists(os.path.join(prefix, p))]
+    if missing:
+        raise SystemExit(f"UCCL_EP_LIBFABRIC={prefix}: no {' or '.join(missing)} there; set it to a libfabric install "
+                         "prefix, e.g. the one scripts/build_libfabric.sh installs (build/libfabric)")
+    if os.environ.get("UCCL_EP_NO_FABRIC") == "1":
+        raise SystemExit("UCCL_EP_LIBFABRIC and UCCL_EP_NO_FABRIC=1 contradict each other: unset one of them")
+    return prefix
+
+
+def _setting_stamp(name: str, value: str) -> str:
+    """A file under build/ holding a build setting's value, rewritten only when the value changes: listed in
+    the extension's depends, so setuptools relinks the module when the setting changes (it compares only
+    file times)."""
+    path = os.path.join(ROOT, "build", f"setting-{name}")
+    old = open(path).read() if os.path.exists(path) else None
+    if old != value:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.write(value)
+    return path
 
 
 def _torch():
@@ -218,7 +252,17 @@ def native_build_kwargs() -> dict:
     elif kind == "hip":
         define_macros.append(("UCCL_EP_WITH_HIP", "1"))
         libraries += ["amdhip64"]
-    if _have_header("rdma/fabric.h") and os.environ.get("UCCL_EP_NO_FABRIC") != "1":
+    extra_compile_args = ["-O3", "-std=c++17", "-fvisibility=hidden"]
+    fabric_prefix = libfabric_prefix()
+    if fabric_prefix:
+        # -I for the host sources only (no kernel includes libfabric): the kernels' objects stay valid.
+        extra_compile_args.append(f"-I{os.path.join(fabric_prefix, 'include')}")
+        fabric_lib = os.path.join(fabric_prefix, "lib")
+        library_dirs.append(fabric_lib)
+        runtime_library_dirs.append(fabric_lib)
+        if fabric_lib.startswith(ROOT + os.sep):  # a prefix inside the tree travels with it (to a GPU machine)
+            runtime_library_dirs.append("$ORIGIN/" + os.path.relpath(fabric_lib, os.path.join(ROOT, "uccl_ep_train")))
+    if (fabric_prefix or _have_header("rdma/fabric.h")) and os.environ.get("UCCL_EP_NO_FABRIC") != "1":
         define_macros.append(("UCCL_EP_WITH_FABRIC", "1"))
         libraries.append("fabric")
     if _have_header("infiniband/verbs.h") and os.environ.get("UCCL_EP_NO_VERBS") != "1":
@@ -227,6 +271,7 @@ def native_build_kwargs() -> dict:
     # Any header or kernel change must relink: setuptools compares these with the built module.
     depends = sorted(p for pat in ("csrc/**/*.h", "csrc/**/*.cuh", "csrc/**/*.cu")
                      for p in glob.glob(pat, recursive=True) if keep(p))
+    depends.append(_setting_stamp("UCCL_EP_LIBFABRIC", fabric_prefix or ""))
     ext = Extension(
         "uccl_ep_train._native",
         sources=sources,
@@ -236,7 +281,7 @@ def native_build_kwargs() -> dict:
         libraries=libraries,
         library_dirs=library_dirs,
         runtime_library_dirs=runtime_library_dirs,
-        extra_compile_args=["-O3", "-std=c++17", "-fvisibility=hidden"],
+        extra_compile_args=extra_compile_args,
         language="c++",
     )
     return {"ext_modules": [ext], "cmdclass": {"build_ext": NativeBuildExt}}

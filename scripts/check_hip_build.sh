@@ -46,8 +46,12 @@ PY="${PYTHON:-.venv/bin/python}"
 [ -x "$PY" ] || PY=python3
 incs=(-Icsrc "-I$("$PY" -c 'import pybind11; print(pybind11.get_include())')"
       "-I$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')")
+# The optional transports' HIP paths (FI_HMEM_ROCR, DMA-BUF through HSA) are checked where their headers exist.
+transports=()
+[ -e /usr/include/rdma/fabric.h ] && transports+=(-DUCCL_EP_WITH_FABRIC=1)
+[ -e /usr/include/infiniband/verbs.h ] && transports+=(-DUCCL_EP_WITH_VERBS=1)
 while IFS= read -r src; do
-  if g++ -std=c++17 -fPIC -fsyntax-only -DUCCL_EP_WITH_HIP=1 -D__HIP_PLATFORM_AMD__ "${incs[@]}" "$src" \
+  if g++ -std=c++17 -fPIC -fsyntax-only -DUCCL_EP_WITH_HIP=1 -D__HIP_PLATFORM_AMD__ "${transports[@]}" "${incs[@]}" "$src" \
       >"$OUT/host.log" 2>&1; then
     echo "check_hip_build: ok    $src (host, HIP runtime)"
   else

@@ -55,6 +55,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
+        assert r["transport"] is None  # ... and no proxies to name a transport for
         assert r["sms_occupied"] is None  # the reference backend runs torch collectives, no SMs of its own
         if r["op"] == "alltoall":
             assert r["backend"] == "gloo" and r["sms"] == 0

@@ -92,14 +92,15 @@ def _exchange_round(rank, world, fault, provider, threads):
                     n = _length(k)
                     np.testing.assert_array_equal(buf[off: off + n], _pattern(s, rank, c, k, n))
                     assert not buf[off + n: off + S].any(), "bytes beyond the write were touched"
-        stats = g.stats()
+        stats = dict(g.stats(), imm_seq_bits=g.config()["imm_seq_bits"])
         dist.barrier()  # peers finished reading our completions before anyone tears down
         return stats
     finally:
         g.close()
 
 
-def _worker(rank, world, provider, faults, threads):
+def _worker(rank, world, provider, faults, threads, env):
+    os.environ.update(env)
     os.environ["FI_PROVIDER"] = provider
     os.environ["FI_TCP_IFACE"] = "lo"
     os.environ["FI_SOCKETS_IFACE"] = "lo"
@@ -109,14 +110,14 @@ def _worker(rank, world, provider, faults, threads):
     return [_exchange_round(rank, world, f, provider, threads) for f in faults]
 
 
-def _run(world, provider, faults, threads=2, timeout=150):
-    return spawn(_worker, world, provider, faults, threads, timeout=timeout)
+def _run(world, provider, faults, threads=2, timeout=150, env=None):
+    return spawn(_worker, world, provider, faults, threads, env or {}, timeout=timeout)
 
 
 def test_tcp_two_ranks_every_byte_once():
     out = _run(2, "tcp", [""])
     for rank, (stats,) in enumerate(out):
-        assert stats["rejected"] == 0 and stats["arrivals"] > 0
+        assert stats["rejected"] == 0 and stats["arrivals"] > 0 and stats["imm_seq_bits"] == 24
 
 
 def test_shm_two_ranks_fault_injection_many_seeds():
@@ -131,6 +132,35 @@ def test_tcp_three_ranks_reorder_and_four_threads():
     out = _run(3, "tcp", ["reorder=0.5,delay_us=20,seed=11"], threads=4)
     for rank, (stats,) in enumerate(out):
         assert stats["out_of_order"] > 0
+
+
+@pytest.mark.parametrize("provider", ["shm", "tcp"])
+def test_four_byte_cq_data_layout_under_reordering(provider):
+    """EFA's efa provider carries 4 bytes of remote CQ data: the writer's rank and the immediate then share
+    them (17-bit sequence numbers). Forced on providers that offer 8, every byte still lands once and every
+    count is exact with completions reordered and delayed, loopback writes included."""
+    faults = [f"reorder=0.5,delay_us=30,seed={s}" for s in range(1, 4)]
+    out = _run(3, provider, faults, threads=2, env={"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4"})
+    for rank, stats in enumerate(out):
+        assert all(s["rejected"] == 0 and s["fault_held"] > 0 and s["imm_seq_bits"] == 17 for s in stats)
+        assert sum(s["out_of_order"] for s in stats) > 0
+
+
+def _mixed_layout_worker(rank, world):
+    os.environ.update(FI_PROVIDER="tcp", FI_TCP_IFACE="lo", UCCL_EP_FABRIC_CQ_DATA_BYTES="4" if rank else "8")
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    try:
+        P.ProxyGroup(rank, 2, {0: np.zeros(4096, np.uint8)}, transport="fabric", num_threads=1, pin_threads=False)
+    except Exception as e:  # noqa: BLE001
+        return str(e)
+    return "no error"
+
+
+def test_ranks_disagreeing_on_the_cq_data_layout_fail_at_bootstrap():
+    res = spawn(_mixed_layout_worker, 2, timeout=90)
+    for msg in res:
+        assert "UCCL_EP_FABRIC_CQ_DATA_BYTES" in msg and "bytes of CQ data" in msg, msg
 
 
 def test_sockets_provider_two_ranks():
@@ -276,3 +306,34 @@ def test_first_write_after_an_idle_spell_longer_than_the_timeout():
     completion: a thread idle for longer than UCCL_EP_TIMEOUT_S must not fail its next write at once."""
     res = spawn(_idle_then_write_worker, 2, timeout=90)
     assert res == [True, True]
+
+
+def test_probe_says_whether_gpu_memory_can_be_registered():
+    """`fabric_probe` runs the transport's own provider selection. Asked for GPU memory, it either grants FI_HMEM
+    or refuses with a sentence naming the provider and what to install (the system libfabric's tcp here)."""
+    from uccl_ep_train import _native as N
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    host = N.fabric_probe("tcp")
+    assert host["provider"] == "tcp;ofi_rxm" and not host["hmem"] and host["cq_data_bytes"] in (4, 8)
+    try:
+        gpu = N.fabric_probe("tcp", hmem=True)
+    except RuntimeError as e:
+        msg = str(e)
+        for part in ("provider 'tcp'", "cannot register GPU memory", "FI_HMEM", "libfabric >= 1.18",
+                     "UCCL_EP_TRANSPORT=ipc", f"libfabric {host['library_version']}"):
+            assert part in msg, msg
+    else:
+        assert gpu["hmem"] and gpu["provider"] == "tcp;ofi_rxm"
+
+
+def test_cq_data_setting_is_checked():
+    from uccl_ep_train import _native as N
+    os.environ.setdefault("FI_TCP_IFACE", "lo")
+    os.environ["UCCL_EP_FABRIC_CQ_DATA_BYTES"] = "6"
+    try:
+        with pytest.raises(RuntimeError, match="UCCL_EP_FABRIC_CQ_DATA_BYTES=6 must be 4 or 8"):
+            N.fabric_probe("tcp")
+        os.environ["UCCL_EP_FABRIC_CQ_DATA_BYTES"] = "4"
+        assert N.fabric_probe("tcp")["cq_data_bytes"] == 4
+    finally:
+        del os.environ["UCCL_EP_FABRIC_CQ_DATA_BYTES"]

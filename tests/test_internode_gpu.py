@@ -179,6 +179,7 @@ def _run_suite(rank, world, device, L, fault_seeds):
         torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2, msg=f"{tag}: combine")
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=f"{tag}: combined weights")
         report[f"case{case}"] = int(rx.size(0))
+    report["transport"] = native.backend.proxy_transport
 
     # FP8 pairs, num_worst_tokens, async with previous_event, expert alignment
     x, idx, w = _routing(rank, 64, "random", world, L, seed=7)
@@ -252,6 +253,77 @@ def test_internode_one_gpu(mps, world, L):
     if (world, L) == (2, 1):  # Megatron's setting with tensor-parallel overlap: one hardware queue per process,
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # so anything queued behind the kernels shares it with them
     run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600, env=env)
+
+
+def fabric_gpu_memory_missing():
+    """Why the fabric transport cannot carry GPU memory here (shm provider), or None when it can: it needs a
+    libfabric built with CUDA (scripts/build_libfabric.sh, UCCL_EP_LIBFABRIC)."""
+    from uccl_ep_train import _native, proxy
+
+    if "fabric" not in proxy.compiled_transports():
+        return "fabric transport not compiled in (no libfabric headers; UCCL_EP_LIBFABRIC names a libfabric prefix)"
+    try:
+        _native.fabric_probe("shm", hmem=True)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+# The fabric transport on libfabric's shm provider: GPU memory registered through FI_HMEM, every inter-node byte
+# through libfabric instead of the ipc copy agents.
+FABRIC_ENV = {"UCCL_EP_TRANSPORT": "fabric", "FI_PROVIDER": "shm"}
+
+
+def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
+    """The suite with every call issued from a stream of its own: shm's CUDA copies queue on the default stream
+    (Buffer refuses calls from it then)."""
+    with torch.cuda.stream(torch.cuda.Stream()):
+        return _run_suite(rank, world, device, L, fault_seeds)
+
+
+@pytest.mark.parametrize("world,L,cq_bytes", [(2, 1, 8), (4, 2, 4), (6, 2, 4)])
+def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes):
+    """The whole suite above (fresh, cached, FP8, num_worst_tokens, async, combine with weights and bias, 200
+    calls, per-destination byte counts exact) with the proxies on the fabric transport, region 0 GPU memory; at
+    4 x 2 with the 4-byte CQ-data layout of EFA forced and 20 fault-injection seeds (reorder + delay)."""
+    why = _ready() or fabric_gpu_memory_missing()
+    if why:
+        pytest.skip(why)
+    seeds = list(range(20)) if (world, L) == (4, 2) else []
+    env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(L), UCCL_EP_TIMEOUT_S="60",
+               UCCL_EP_FABRIC_CQ_DATA_BYTES=str(cq_bytes))
+    reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world,
+                        timeout=600, env=env)
+    assert [r["transport"] for r in reports] == ["fabric"] * world
+
+
+def _from_the_default_stream(rank, world, device):
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    buf = Buffer(dist.new_group(list(range(world)), backend="gloo"), 0, 0)
+    x, idx, w = _routing(rank, 32, "random", world, 1, seed=3)
+    try:
+        _dispatch(buf, x, idx, w, EXPERTS, torch.device("cuda", torch.cuda.current_device()))
+        return "no error"
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        buf.destroy()
+
+
+def test_fabric_on_shm_refuses_calls_from_the_default_stream(mps):
+    """shm's CUDA copies queue on the legacy default stream; a dispatch issued from it would wait for copies
+    that wait for it. Every rank refuses it with a sentence instead of hanging until the deadline."""
+    why = _ready() or fabric_gpu_memory_missing()
+    if why:
+        pytest.skip(why)
+    env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE="1", UCCL_EP_TIMEOUT_S="20")
+    msgs = run_ranks(_from_the_default_stream, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120,
+                     env=env)
+    for rank, msg in enumerate(msgs):
+        assert f"rank {rank}:" in msg and "cannot be issued from the default stream" in msg, msg
 
 
 def _dead_proxy(rank, world, device):

@@ -38,6 +38,27 @@ def test_native_low_latency_matches_oracle(mps, world, per_node, fault, hidden):
     assert got == [(ll_checks(hidden), "NativeLowLatencyBackend")] * world
 
 
+def _check_ll_on_a_stream(rank, world, device, *args):
+    with torch.cuda.stream(torch.cuda.Stream()):  # shm's CUDA copies queue on the default stream
+        return _check_ll(rank, world, device, *args)
+
+
+@pytest.mark.parametrize("world,per_node,extra", [(2, 1, {}),
+                                                  (4, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
+                                                          "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"})])
+def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, extra):
+    """Every LL mode against the oracle with the other nodes' bytes on the fabric transport (shm provider, GPU
+    memory through FI_HMEM); at 2 x 2 with EFA's 4-byte CQ-data layout and reordered, delayed completions."""
+    from test_internode_gpu import FABRIC_ENV, fabric_gpu_memory_missing
+
+    why = _ready() or fabric_gpu_memory_missing()
+    if why:
+        pytest.skip(why)
+    env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(per_node), UCCL_EP_TIMEOUT_S="60", **extra)
+    got = run_ranks(_check_ll_on_a_stream, world, 9, 512, 8, 3, env=env, timeout=300, **gpu_ranks(world))
+    assert got == [(ll_checks(512), "NativeLowLatencyBackend")] * world
+
+
 M, H, E, K = 32, 512, 8, 3
 
 

@@ -1,6 +1,7 @@
 """OrderingEmulator and fault injection: arrivals in any order are applied strictly in sequence order.
 
-Every operation from (source, channel) carries a 24-bit sequence number; the receiver applies effects
+Every operation from (source, channel) carries a 24-bit sequence number (17 bits in the fabric transport's
+4-byte CQ-data layout); the receiver applies effects
 (tail advance, signalled-write count, atomic add, barrier marker) in that order whatever the delivery
 order, and rejects duplicates.
 """
@@ -169,3 +170,49 @@ def test_fault_spec_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("UCCL_EP_FAULT", "reorder=0.25,delay_us=5,seed=9")
     with P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="fabric", num_threads=1, pin_threads=False) as g:
         assert g.config()["fault"] == "reorder=0.25,delay_us=5,seed=9"
+
+
+def test_compact_cq_data_round_trips_rank_channel_signal_and_17_sequence_bits():
+    """The 4-byte CQ data of the fabric transport (efa carries only 4): the writer's rank, channel and signal bit
+    survive whole, the sequence number modulo 2^17."""
+    from uccl_ep_train import _native as N
+    assert N.COMPACT_SEQ_BITS == 17 and N.SEQ_BITS == 24
+    rng = random.Random(5)
+    for _ in range(2000):
+        sender, ch, seq, signal = rng.randrange(256), rng.randrange(64), rng.randrange(1 << 24), rng.random() < 0.5
+        data = N.pack_compact_cq_data(sender, N.make_imm(ch, seq, signal))
+        assert 0 <= data < (1 << 32)
+        assert N.unpack_compact_cq_data(data) == (sender, N.make_imm(ch, seq & ((1 << 17) - 1), signal))
+
+
+def test_17_bit_sequences_wrap_under_reordering():
+    """A stream longer than the 17-bit sequence space, delivered out of order within windows of 64, through the
+    compact CQ data: every arrival is applied once, in order, across two wraps."""
+    from uccl_ep_train import _native as N
+    emu = N.OrderingEmulator(4, seq_bits=17)
+    n = (1 << 18) + 777
+    rng = random.Random(3)
+    order = list(range(n))
+    for i in range(0, n, 64):
+        window = order[i:i + 64]
+        rng.shuffle(window)
+        order[i:i + 64] = window
+    for i in order:
+        sender, imm = N.unpack_compact_cq_data(N.pack_compact_cq_data(3, N.make_imm(7, i, i % 3 == 0)))
+        emu.on_arrival(N.KIND_ARRIVAL, sender, imm)
+    assert emu.seq_tail(3, 7) == n and emu.imm_count(3, 7) == (n + 2) // 3
+    assert emu.waiting == 0 and emu.out_of_order > 0
+    with pytest.raises(RuntimeError, match="duplicate or stale"):  # seq n - 1 again: from the past
+        emu.on_arrival(N.KIND_ARRIVAL, 3, N.make_imm(7, (n - 1) & ((1 << 17) - 1)))
+
+
+def test_compact_sequences_hold_at_most_half_their_space():
+    from uccl_ep_train import _native as N
+    emu = N.OrderingEmulator(2, seq_bits=9)  # 512 numbers: an arrival 256 or more ahead reads as a stale one
+    for seq in range(1, 256):
+        emu.on_arrival(N.KIND_ARRIVAL, 1, N.make_imm(0, seq))
+    assert emu.waiting == 255
+    with pytest.raises(RuntimeError, match="duplicate or stale"):
+        emu.on_arrival(N.KIND_ARRIVAL, 1, N.make_imm(0, 256))
+    with pytest.raises(RuntimeError, match="sequence bits"):
+        N.OrderingEmulator(2, seq_bits=30)

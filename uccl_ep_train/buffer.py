@@ -30,6 +30,7 @@ from .events import EventHandle, EventOverlap, capturing, current_raw_stream
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
+from .proxy import check_caller_stream
 from .topology import Topology, detect_topology
 
 log = logging.getLogger("uccl_ep_train")
@@ -322,6 +323,12 @@ class Buffer:
         return tensor[: torch.Size(size).numel()].view(size)
 
     # ---- stream/event plumbing -------------------------------------------------------------------------
+    def _check_caller_stream(self) -> None:
+        """Refuses a call from the legacy default stream when this Buffer's proxies copy GPU memory on it
+        (`proxy.check_caller_stream`)."""
+        waits = any(getattr(b, "waits_for_default_stream", False) for b in (self._backend, self._ll_backend))
+        check_caller_stream(waits, self.device, self.rank)
+
     def _run(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
              async_finish: bool, allocate_on_comm_stream: bool,
              checks: Optional[Callable[[], None]] = None) -> tuple[Any, EventOverlap]:
@@ -334,6 +341,7 @@ class Buffer:
         Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
         not reused while either stream may still use it (`allocate_on_comm_stream` is accepted as in DeepEP:
         ownership is on the comm stream either way)."""
+        self._check_caller_stream()
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
                             f"got {type(previous_event).__name__}")

@@ -204,5 +204,6 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_IB_MAX_INFLIGHT_NORMAL": ("8", "writes in flight per (proxy thread, destination)"),
     "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
     "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 (no limit)", "bytes in flight per (proxy thread, destination)"),
+    "UCCL_EP_FABRIC_CQ_DATA_BYTES": ("what the provider offers (8, efa 4)", "`4`: the fabric transport packs rank and immediate into 4 bytes of CQ data on any provider (tests EFA's layout)"),
     "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
 }

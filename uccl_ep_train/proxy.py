@@ -188,6 +188,22 @@ def _agree(per_rank: list[Any], rank: int) -> tuple[TransportChoice, NicChoice]:
     return per_rank[rank]
 
 
+def check_caller_stream(waits_for_default_stream: bool, device: Any, rank: int) -> None:
+    """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.
+    waits_for_default_stream`: the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a
+    call issued from that stream: its kernels, or the default stream waiting for them, would hold those copies
+    back until the kernels time out."""
+    if not waits_for_default_stream:
+        return
+    import torch
+    if torch.cuda.current_stream(device).cuda_stream == 0:
+        raise RuntimeError(
+            f"rank {rank}: the proxies use the fabric transport on a provider that copies GPU memory with the "
+            "CUDA runtime on the default stream (libfabric's shm), so EP calls cannot be issued from the default "
+            "stream: issue them on a stream of your own (`with torch.cuda.stream(s):`), or use "
+            "UCCL_EP_TRANSPORT=ipc with every rank on one host (a NIC provider such as efa needs neither)")
+
+
 def _all_gather(obj: Any, group: Any, world: int) -> list:
     if world == 1:
         return [obj]
@@ -266,6 +282,9 @@ class ProxyGroup:
             raise RuntimeError("ProxyGroup: bootstrap failed on " +
                                "; ".join(f"rank {r}: {e}" for r, e in failed))
         self._native.connect(everyone)
+        # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
+        # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp).
+        self.waits_for_default_stream = bool(self._native.config()["waits_for_default_stream"])
         if start:
             self._native.start()
 

@@ -1,7 +1,8 @@
 // OrderingEmulator: in-order application of remote arrivals for transports that deliver out of order
 // (EFA SRD, fault injection) or have no atomics.
 //
-// Every operation from (source rank, channel) carries a 24-bit sequence number in its immediate. The
+// Every operation from (source rank, channel) carries a sequence number in its immediate (24 bits, or the
+// low 17 where the transport packs the writer's rank into 4-byte CQ data: Transport::imm_seq_bits). The
 // receiver applies effects strictly in sequence order: arrivals ahead of the next expected number wait
 // in a small per-(source, channel) window; each applied arrival advances seq_tail[src][channel] (release
 // store into GPU-visible memory), a signalled write also advances imm_count[src][channel], an emulated
@@ -39,9 +40,8 @@ class OrderingEmulator {
   // apply_atomic(region, offset, value) performs the local add; it runs in sequence order.
   using AtomicFn = std::function<void(uint32_t region, uint64_t offset, int64_t value, int src)>;
 
-  OrderingEmulator(int world, SignalBlock signals, AtomicFn apply_atomic)
-      : world_(world), sig_(signals), apply_atomic_(std::move(apply_atomic)),
-        expected_(size_t(world) * kMaxChannels, 0), pending_(size_t(world) * kMaxChannels) {}
+  // seq_bits: how many low bits of the sequence number the transport delivers (Transport::imm_seq_bits).
+  OrderingEmulator(int world, SignalBlock signals, AtomicFn apply_atomic, uint32_t seq_bits = kSeqBits);
 
   // Feeds one remote completion (kArrival / kAtomic / kMarker). Throws on duplicates or bad channels.
   void on_arrival(const Completion& c);
@@ -55,7 +55,9 @@ class OrderingEmulator {
   int world_;
   SignalBlock sig_;
   AtomicFn apply_atomic_;
-  std::vector<uint64_t> expected_;                       // applied count per (src, ch); low 24 bits = next seq
+  uint32_t seq_mask_;                                    // (1 << seq_bits) - 1
+  size_t max_held_;                                      // kMaxHeld, below half the sequence space
+  std::vector<uint64_t> expected_;                       // applied count per (src, ch); low bits = next seq
   std::vector<std::map<uint64_t, Completion>> pending_;  // held arrivals keyed by unwrapped sequence
   uint64_t applied_ = 0;
   uint64_t out_of_order_ = 0;

@@ -168,7 +168,7 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
     if (r->device) UCCL_THROW("atomic from peer " << src << " targets GPU region " << region << "; counters must live in host memory");
     if (off + 8 > r->size || (off & 7)) UCCL_THROW("atomic from peer " << src << " at bad offset " << off << " of region " << region);
     __atomic_fetch_add(reinterpret_cast<int64_t*>(r->base + off), v, __ATOMIC_RELEASE);
-  }));
+  }, transport_->imm_seq_bits()));
   next_seq_.assign(size_t(cfg.world) * kMaxChannels, 0);
   inflight_.assign(cfg.world, 0);
   inflight_bytes_.assign(cfg.world, 0);
@@ -489,6 +489,9 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
 }
 
 Proxy::~Proxy() { stop(); }
+
+uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
+bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 
 void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
   if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");

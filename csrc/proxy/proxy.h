@@ -204,6 +204,9 @@ class Proxy {
     return (id < regions_.size() && regions_[id].id >= 0) ? &regions_[id] : nullptr;
   }
   std::string fault_spec() const { return fault_.str(); }
+  // Sequence-number bits the transport carries (24, or 17 in fabric's 4-byte CQ-data layout).
+  uint32_t imm_seq_bits() const;
+  bool waits_for_default_stream() const;  // Transport::waits_for_default_stream
   const FaultSpec& fault() const { return fault_; }
 
  private:

@@ -55,7 +55,7 @@ unsigned long long load(const unsigned long long* p) { return __atomic_load_n(p,
 
 // Test harness around OrderingEmulator: its own signal block and 64 int64 counters as region 0.
 struct OrderingHarness {
-  explicit OrderingHarness(int world)
+  OrderingHarness(int world, uint32_t seq_bits)
       : world(world), seq(size_t(world) * kMaxChannels), imm(size_t(world) * kMaxChannels), bar(size_t(world)),
         counters(64, 0) {
     SignalBlock s;
@@ -68,7 +68,7 @@ struct OrderingHarness {
       // Record what had been applied on that stream when the atomic ran (checks "in order").
       counters[off / 8] += v;
       log.push_back(v);
-    }));
+    }, seq_bits));
   }
   int world;
   std::vector<unsigned long long> seq, imm, bar;
@@ -93,6 +93,12 @@ void register_proxy(py::module_& m) {
   m.attr("KIND_MARKER") = int(Completion::kMarker);
 
   m.def("make_imm", &make_imm, py::arg("channel"), py::arg("seq"), py::arg("signal") = false);
+  m.attr("SEQ_BITS") = kSeqBits;
+  m.attr("COMPACT_SEQ_BITS") = kCompactSeqBits;
+  m.def("pack_compact_cq_data", &pack_compact_cq_data, py::arg("sender"), py::arg("imm"),
+        "the 4-byte remote CQ data the fabric transport sends where the provider carries only 4 bytes");
+  m.def("unpack_compact_cq_data", [](uint32_t data) { return py::make_tuple(compact_cq_sender(data), compact_cq_imm(data)); },
+        py::arg("data"), "(sender rank, immediate) of 4-byte CQ data");
   m.def("parse_fault", [](const std::string& s) {
     FaultSpec f;
     try {
@@ -253,6 +259,8 @@ void register_proxy(py::module_& m) {
              d["timeout_s"] = c.timeout_s;
              d["fault"] = p.fault_spec();
              d["ring_publish"] = c.ring_publish;
+             d["imm_seq_bits"] = p.imm_seq_bits();
+             d["waits_for_default_stream"] = p.waits_for_default_stream();
              d["devices"] = c.devices;
              py::list per_thread;  // the NIC each thread opened ("" : the transport's default)
              for (int t = 0; t < p.num_threads(); ++t) per_thread.append(c.device_for(t));
@@ -307,7 +315,7 @@ void register_proxy(py::module_& m) {
 
   py::class_<OrderingHarness>(m, "OrderingEmulator",
                               "OrderingEmulator with its own signal block and 64 int64 counters as region 0 (tests)")
-      .def(py::init<int>(), py::arg("world"))
+      .def(py::init<int, uint32_t>(), py::arg("world"), py::arg("seq_bits") = kSeqBits)
       .def("on_arrival",
            [](OrderingHarness& h, int kind, int peer, uint32_t imm, uint32_t region, uint64_t offset, int64_t value) {
              Completion c;

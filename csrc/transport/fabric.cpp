@@ -1,7 +1,11 @@
-// FabricTransport: libfabric RDM endpoint. Writes go out as fi_writedata (64-bit remote CQ data: the
-// 32-bit immediate plus the sender's rank); atomics, zero-length writes and markers go out as small
-// two-sided messages that the receiver turns into ordered local updates (the transport has no atomics
-// on tcp/shm, and EFA has none either). Runs on tcp;ofi_rxm, shm and sockets here; efa on AWS.
+// FabricTransport: libfabric RDM endpoint. Writes go out as fi_writedata with remote CQ data: 8 bytes (the
+// 32-bit immediate plus the writer's rank) where the provider carries them, else 4 bytes packed as
+// transport.h's compact layout (libfabric's efa offers 4). Atomics, zero-length writes and markers go out as
+// small two-sided messages that the receiver turns into ordered local updates (the transport has no
+// atomics on tcp/shm, and EFA has none either). Regions may be GPU memory (FI_HMEM: CUDA, or ROCr on AMD),
+// registered with fi_mr_regattr and their descriptors passed on every operation; a proxy fed by a GPU asks
+// for FI_HMEM at creation and refuses, naming the provider, when the libfabric cannot carry device memory.
+// Runs on tcp;ofi_rxm, shm and sockets here; efa on AWS.
 #include "transport/transport.h"
 
 #if defined(UCCL_EP_WITH_FABRIC)
@@ -21,7 +25,9 @@
 
 #include "common/check.h"
 #include "common/env.h"
+#include "common/portability.h"
 #include "common/raii.h"
+#include "transport/fabric_info.h"
 
 namespace uccl {
 namespace {
@@ -56,42 +62,139 @@ void close_fid(fid_t f) {
   if (f) warn_release("fi_close", fi_close(f));
 }
 
+// The newest API the headers we were built with know: HMEM on several providers needs >= 1.18.
+constexpr uint32_t kApiVersion = FI_VERSION(FI_MAJOR_VERSION, FI_MINOR_VERSION);
+
+#if defined(UCCL_EP_WITH_HIP)
+constexpr fi_hmem_iface kGpuIface = FI_HMEM_ROCR;
+constexpr const char* kGpuRuntime = "ROCm (--with-rocr)";
+#else
+constexpr fi_hmem_iface kGpuIface = FI_HMEM_CUDA;
+constexpr const char* kGpuRuntime = "CUDA (--with-cuda)";
+#endif
+
+std::string version_str(uint32_t v) { return std::to_string(FI_MAJOR(v)) + "." + std::to_string(FI_MINOR(v)); }
+
+using InfoPtr = Owned<fi_info*, void (*)(fi_info*)>;
+
+// fi_getinfo for an RDM endpoint with messages + RMA (+ FI_HMEM when `hmem`): delivery-complete local
+// completions where the provider offers them, transmit-complete otherwise. nullptr when nothing fits.
+fi_info* query_info(const std::string& prov, const std::string& device, bool hmem) {
+  fi_info* hints = fi_allocinfo();
+  UCCL_CHECK(hints != nullptr, "fi_allocinfo failed");
+  auto hints_guard = own(hints, [](fi_info* h) { fi_freeinfo(h); });
+  hints->ep_attr->type = FI_EP_RDM;
+  hints->caps = FI_MSG | FI_RMA | (hmem ? FI_HMEM : 0);
+  hints->mode = FI_CONTEXT | FI_CONTEXT2;
+  // Every mode we honour: descriptors on every operation (FI_MR_LOCAL, FI_MR_HMEM), remote virtual addresses,
+  // provider keys, registration of allocated memory only, registrations bound to the endpoint.
+  hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT |
+                                (hmem ? FI_MR_HMEM : 0);
+  hints->domain_attr->threading = FI_THREAD_DOMAIN;
+  hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
+  if (!device.empty()) hints->domain_attr->name = strdup(device.c_str());
+  if (!prov.empty()) hints->fabric_attr->prov_name = strdup(prov == "tcp" ? "tcp;ofi_rxm" : prov.c_str());
+  fi_info* info = nullptr;
+  for (uint64_t op_flags : {uint64_t(FI_DELIVERY_COMPLETE), uint64_t(0)}) {
+    hints->tx_attr->op_flags = op_flags;
+    if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0 && info) return info;
+  }
+  return nullptr;
+}
+
+// The CQ-data layout: UCCL_EP_FABRIC_CQ_DATA_BYTES (4 or 8) forces one; unset, 8 where the provider carries 8.
+int cq_data_bytes_for(const fi_info* info, int world) {
+  const long want = env_long("UCCL_EP_FABRIC_CQ_DATA_BYTES", 0);
+  const size_t offered = info->domain_attr->cq_data_size;
+  const char* prov = info->fabric_attr->prov_name;
+  if (want != 0 && want != 4 && want != 8)
+    UCCL_THROW("fabric: UCCL_EP_FABRIC_CQ_DATA_BYTES=" << want << " must be 4 or 8 (unset: what the provider offers)");
+  if (offered < 4)
+    UCCL_THROW("fabric: provider " << prov << " carries " << offered << " bytes of remote CQ data; the transport needs "
+               "at least 4 (pick another provider with FI_PROVIDER)");
+  if (want == 8 && offered < 8)
+    UCCL_THROW("fabric: UCCL_EP_FABRIC_CQ_DATA_BYTES=8 but provider " << prov << " carries only " << offered
+               << " bytes of remote CQ data; unset it (the 4-byte layout is used there)");
+  const int bytes = (want == 4 || offered < 8) ? 4 : 8;
+  if (bytes == 4 && world > kCompactMaxRanks)
+    UCCL_THROW("fabric: the 4-byte CQ-data layout of provider " << prov << " names at most " << kCompactMaxRanks
+               << " ranks, this job has " << world);
+  return bytes;
+}
+
+// Providers that move GPU memory with CPU-driven copies through the CUDA runtime (shm's IPC and bounce
+// paths, tcp/sockets bounce buffers) rather than with a NIC's DMA: libfabric 2.x issues those as plain
+// cudaMemcpy, which for device-to-device copies returns before the copy ran and queues it on the legacy
+// default stream. Their arrivals are fenced (FabricTransport::fence_arrivals).
+#if defined(UCCL_EP_WITH_CUDA)
+constexpr bool kCudaBuild = true;
+#else
+constexpr bool kCudaBuild = false;
+#endif
+
+bool copies_through_cuda_runtime(const std::string& prov) {
+  for (const char* p : {"shm", "tcp", "sockets", "udp"})
+    if (prov.compare(0, std::strlen(p), p) == 0) return true;
+  return false;
+}
+
+// The transport's fi_info, or a sentence saying what is missing.
+InfoPtr select_info(const std::string& provider, const std::string& device, bool hmem) {
+  const std::string prov = provider.empty() ? env_str("FI_PROVIDER") : provider;
+  const std::string lib = version_str(fi_version());
+  fi_info* info = query_info(prov, device, hmem);
+  if (!info) {
+    const std::string which = prov.empty() ? std::string("any provider") : "provider '" + prov + "'";
+    const std::string on = device.empty() ? std::string() : " on domain '" + device + "'";
+    fi_info* plain = hmem ? query_info(prov, device, false) : nullptr;
+    if (plain) {  // the provider is there, but not for GPU memory
+      const std::string got = plain->fabric_attr->prov_name;
+      fi_freeinfo(plain);
+      UCCL_THROW("fabric: " << which << on << " (found '" << got << "', libfabric " << lib << ") cannot register GPU "
+                 "memory (no FI_HMEM): the proxies of a GPU need it. Install a libfabric >= 1.18 built with "
+                 << kGpuRuntime << " (scripts/build_libfabric.sh builds one; UCCL_EP_LIBFABRIC points the build at "
+                 "it), or, with every rank on one host, set UCCL_EP_TRANSPORT=ipc");
+    }
+    UCCL_THROW("fabric: no libfabric provider offers an RDM endpoint with FI_MSG|FI_RMA for " << which << on
+               << " (libfabric " << lib << "; try FI_PROVIDER=tcp, shm or sockets; tcp needs FI_TCP_IFACE, e.g. lo)");
+  }
+  return InfoPtr(info, [](fi_info* i) { fi_freeinfo(i); });
+}
+
 }  // namespace
+
+FabricProbe probe_fabric(const std::string& provider, const std::string& device, bool hmem) {
+  InfoPtr info = select_info(provider, device, hmem);
+  const fi_info* i = info.get();
+  FabricProbe p;
+  p.provider = i->fabric_attr->prov_name ? i->fabric_attr->prov_name : "";
+  p.domain = i->domain_attr->name ? i->domain_attr->name : "";
+  p.library_version = version_str(fi_version());
+  p.api_version = version_str(kApiVersion);
+  p.cq_data_size = i->domain_attr->cq_data_size;
+  p.cq_data_bytes = cq_data_bytes_for(i, 1);
+  p.hmem = (i->caps & FI_HMEM) != 0;
+  p.waits_for_default_stream = kCudaBuild && hmem && copies_through_cuda_runtime(p.provider);
+  p.mr_mode = uint64_t(i->domain_attr->mr_mode);
+  p.max_msg_size = i->ep_attr->max_msg_size;
+  p.inject_size = i->tx_attr->inject_size;
+  return p;
+}
 
 class FabricTransport final : public Transport {
  public:
   explicit FabricTransport(const TransportOptions& o) : opts_(o), peers_(o.world), remote_(o.world) {
-    fi_info* hints = fi_allocinfo();
-    UCCL_CHECK(hints != nullptr, "fi_allocinfo failed");
-    auto hints_guard = own(hints, [](fi_info* h) { fi_freeinfo(h); });
-    hints->ep_attr->type = FI_EP_RDM;
-    hints->caps = FI_MSG | FI_RMA;
-    hints->mode = FI_CONTEXT | FI_CONTEXT2;
-    hints->domain_attr->mr_mode = FI_MR_LOCAL | FI_MR_VIRT_ADDR | FI_MR_ALLOCATED | FI_MR_PROV_KEY | FI_MR_ENDPOINT;
-    hints->domain_attr->threading = FI_THREAD_DOMAIN;
-    hints->domain_attr->data_progress = FI_PROGRESS_MANUAL;
-    hints->tx_attr->op_flags = FI_DELIVERY_COMPLETE;
-    std::string prov = o.provider.empty() ? env_str("FI_PROVIDER") : o.provider;
-    if (!prov.empty()) hints->fabric_attr->prov_name = strdup(prov == "tcp" ? "tcp;ofi_rxm" : prov.c_str());
-    // Delivery-complete local completions when the provider offers them, transmit-complete otherwise.
-    // The writer's rank travels in the upper 32 bits of the 64-bit CQ data (FI_SOURCE addresses proved
-    // unreliable across providers), the immediate in the lower 32.
-    fi_info* info = nullptr;
-    int rc = fi_getinfo(FI_VERSION(1, 10), nullptr, nullptr, 0, hints, &info);
-    if (rc != 0 || !info) {
-      hints->tx_attr->op_flags = 0;
-      rc = fi_getinfo(FI_VERSION(1, 10), nullptr, nullptr, 0, hints, &info);
-    }
-    if (rc != 0 || !info)
-      UCCL_THROW("fabric: no libfabric provider offers FI_EP_RDM with FI_MSG|FI_RMA"
-                 << (prov.empty() ? std::string() : " for provider '" + prov + "'") << ": " << fi_strerror(-rc)
-                 << " (try FI_PROVIDER=tcp, shm or sockets; tcp needs FI_TCP_IFACE, e.g. lo)");
-    info_ = Owned<fi_info*, void (*)(fi_info*)>(info, [](fi_info* i) { fi_freeinfo(i); });
-    if (info->domain_attr->cq_data_size < 8)
-      UCCL_THROW("fabric: provider " << info->fabric_attr->prov_name << " carries only "
-                 << info->domain_attr->cq_data_size << " bytes of remote CQ data (need 8)");
+    // The efa provider forks safely only when told before it opens a device (data loaders fork).
+    if (o.provider == "efa" || env_str("FI_PROVIDER") == "efa") setenv("FI_EFA_FORK_SAFE", "1", 0);
+    // A proxy fed by a GPU moves GPU memory: ask for FI_HMEM now, so a libfabric without it fails here, at
+    // Buffer creation on every rank (the bootstrap carries the error), not inside a call.
+    hmem_ = o.gpu >= 0;
+    info_ = select_info(o.provider, o.device, hmem_);
+    fi_info* info = info_.get();
+    cq_data_bytes_ = cq_data_bytes_for(info, o.world);
     mr_mode_ = info->domain_attr->mr_mode;
     max_msg_ = info->ep_attr->max_msg_size;
+    copy_fence_ = kCudaBuild && hmem_ && copies_through_cuda_runtime(info->fabric_attr->prov_name);
 
     fid_fabric* fabric = nullptr;
     UCCL_CHECK_FI(fi_fabric(info->fabric_attr, &fabric, nullptr));
@@ -128,7 +231,7 @@ class FabricTransport final : public Transport {
 
     // Control-message buffers: kRecv posted receives + kSend send slots, one registration.
     ctrl_.resize(kRecv + kSend);
-    ctrl_mr_ = register_raw(ctrl_.data(), ctrl_.size() * sizeof(CtrlMsg), 1000, &ctrl_desc_);
+    ctrl_mr_ = register_raw(ctrl_.data(), ctrl_.size() * sizeof(CtrlMsg), 1000, false, &ctrl_desc_);
     ctx_.resize(kRecv + kSend);
     for (int i = 0; i < kRecv; ++i) post_recv(i);
     for (int i = 0; i < kSend; ++i) free_send_.push_back(kRecv + i);
@@ -149,6 +252,18 @@ class FabricTransport final : public Transport {
     domain_.reset();
     fabric_.reset();
     info_.reset();
+#if UCCL_EP_WITH_GPU
+    copy_stream_.reset();
+#endif
+#if defined(UCCL_EP_WITH_CUDA)
+    for (gpuEvent_t ev : events_) {
+      const gpuError_t e = gpuEventDestroy(ev);
+      if (e != gpuSuccess) warn_release_gpu(e);
+    }
+    events_.clear();
+    free_events_.clear();
+    fences_.clear();
+#endif
   }
 
   const char* name() const override { return "fabric"; }
@@ -157,15 +272,22 @@ class FabricTransport final : public Transport {
     char buf[256];
     size_t len = sizeof(buf);
     UCCL_CHECK_FI(fi_getname(&ep_p_->fid, buf, &len));
+    // provider NUL cq-data-bytes NUL raw address: peers check both before they talk.
     std::string prov = info_.get()->fabric_attr->prov_name;
-    return prov + '\0' + std::string(buf, len);
+    return prov + '\0' + std::to_string(cq_data_bytes_) + '\0' + std::string(buf, len);
   }
 
+  uint32_t imm_seq_bits() const override { return cq_data_bytes_ == 4 ? kCompactSeqBits : kSeqBits; }
+
+  bool waits_for_default_stream() const override { return copy_fence_; }
+
   std::string register_region(const LocalRegion& r) override {
-    if (r.device) UCCL_THROW("fabric: region " << r.id << " is GPU memory; this libfabric build has no FI_HMEM path");
     if (r.id < 0 || r.id >= 256) UCCL_THROW("fabric: region id " << r.id << " out of range [0, 256)");
+    if (r.device && !hmem_)
+      UCCL_THROW("fabric: region " << r.id << " is GPU memory but this endpoint was opened for host memory only "
+                 "(a proxy with gpu=-1); create the proxy with the GPU that owns the region");
     void* desc = nullptr;
-    auto mr = register_raw(r.base, r.size, uint64_t(r.id) + 1, &desc);
+    auto mr = register_raw(r.base, r.size, uint64_t(r.id) + 1, r.device, &desc);
     RegionKey k{};
     k.base = (mr_mode_ & FI_MR_VIRT_ADDR) ? uint64_t(reinterpret_cast<uintptr_t>(r.base)) : 0;
     k.key = fi_mr_key(reinterpret_cast<fid_mr*>(mr.get()));
@@ -183,11 +305,17 @@ class FabricTransport final : public Transport {
     UCCL_CHECK(peer >= 0 && peer < opts_.world, "fabric: peer " << peer << " out of range");
     auto zero = address.find('\0');
     UCCL_CHECK(zero != std::string::npos, "fabric: malformed address blob from peer " << peer);
-    std::string prov = address.substr(0, zero), raw = address.substr(zero + 1);
+    auto zero2 = address.find('\0', zero + 1);
+    UCCL_CHECK(zero2 != std::string::npos, "fabric: malformed address blob from peer " << peer);
+    std::string prov = address.substr(0, zero), layout = address.substr(zero + 1, zero2 - zero - 1),
+                raw = address.substr(zero2 + 1);
     std::string mine = info_.get()->fabric_attr->prov_name;
     if (prov != mine)
       UCCL_THROW("fabric: rank " << opts_.rank << " uses provider '" << mine << "' but peer " << peer << " uses '"
                  << prov << "'; set the same FI_PROVIDER on every rank");
+    if (layout != std::to_string(cq_data_bytes_))
+      UCCL_THROW("fabric: rank " << opts_.rank << " sends " << cq_data_bytes_ << " bytes of CQ data but peer " << peer
+                 << " sends " << layout << "; set the same UCCL_EP_FABRIC_CQ_DATA_BYTES on every rank");
     if (peer != opts_.rank) {
       fi_addr_t a = FI_ADDR_UNSPEC;
       int n = fi_av_insert(av_p_, raw.data(), 1, &a, 0, nullptr);
@@ -212,18 +340,14 @@ class FabricTransport final : public Transport {
                  << " of " << lr.size << ", remote " << remote_off << "+" << len << " of " << rk.size << ")");
     if (len == 0) return send_ctrl(peer, Completion::kArrival, imm, kNoRegion, 0, 0, wr_id);
     if (len > max_msg_) UCCL_THROW("fabric: write of " << len << " bytes exceeds the provider's max message size " << max_msg_);
-    if (peer == opts_.rank) {  // loopback without the wire
-      std::memcpy(local_[region].base + remote_off, lr.base + local_off, len);
+    if (peer == opts_.rank) {  // loopback without the wire, through the same CQ-data encoding
+      copy_local(local_[region].base + remote_off, lr.base + local_off, len, lr.device);
       backlog_.push_back(local_completion(wr_id));
-      Completion a;
-      a.kind = Completion::kArrival;
-      a.peer = peer;
-      a.imm = imm;
-      backlog_.push_back(a);
+      backlog_.push_back(arrival(cq_data(imm)));
       return;
     }
     OpCtx* ctx = new_ctx(kCtxWrite, wr_id, -1);
-    const uint64_t data = (uint64_t(uint32_t(opts_.rank)) << 32) | imm;
+    const uint64_t data = cq_data(imm);
     post_retry([&] {
       return fi_writedata(ep_p_, lr.base + local_off, len, descs_[region], data, peers_[peer], rk.base + remote_off,
                           rk.key, ctx);
@@ -246,6 +370,7 @@ class FabricTransport final : public Transport {
       backlog_.pop_front();
     }
     if (n < max) n += read_cq(out + n, max - n);
+    if (copy_fence_) n += release_fenced(out + n, max - n);
     return n;
   }
 
@@ -255,10 +380,25 @@ class FabricTransport final : public Transport {
 
   using Fid = Owned<fid_t, void (*)(fid_t)>;
 
-  Fid register_raw(void* buf, size_t len, uint64_t requested_key, void** desc) {
+  // Registers host memory, or GPU memory of opts_.gpu (FI_HMEM), as one region.
+  Fid register_raw(void* buf, size_t len, uint64_t requested_key, bool device, void** desc) {
     fid_mr* mr = nullptr;
-    UCCL_CHECK_FI(fi_mr_reg(domain_p_, buf, len, FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV,
-                            0, requested_key, 0, &mr, nullptr));
+    iovec iov{buf, len};
+    fi_mr_attr attr{};
+    attr.mr_iov = &iov;
+    attr.iov_count = 1;
+    attr.access = FI_READ | FI_WRITE | FI_REMOTE_READ | FI_REMOTE_WRITE | FI_SEND | FI_RECV;
+    attr.requested_key = requested_key;
+    attr.iface = device ? kGpuIface : FI_HMEM_SYSTEM;
+    if (device && kGpuIface == FI_HMEM_CUDA) attr.device.cuda = opts_.gpu;
+    // Device-only memory (cudaMalloc / hipMalloc, never managed): shm may then move it device to device
+    // through IPC instead of bouncing it through host buffers.
+    const int rc = fi_mr_regattr(domain_p_, &attr, device ? FI_HMEM_DEVICE_ONLY : 0, &mr);
+    if (rc != 0)
+      UCCL_THROW("fabric: registering " << len << " bytes of " << (device ? "GPU" : "host") << " memory with provider "
+                 << info_.get()->fabric_attr->prov_name << " failed: " << fi_strerror(-rc)
+                 << (device ? " (GPU memory needs a libfabric built with GPU support and, on a NIC, peer memory or "
+                              "DMA-BUF)" : ""));
     Fid owned(&mr->fid, close_fid);
     if (mr_mode_ & FI_MR_ENDPOINT) {
       UCCL_CHECK_FI(fi_mr_bind(mr, &ep_p_->fid, 0));
@@ -278,6 +418,47 @@ class FabricTransport final : public Transport {
   const LocalRegion& local_region(uint32_t region) const {
     if (region >= local_.size() || local_[region].id < 0) UCCL_THROW("fabric: local region " << region << " not registered");
     return local_[region];
+  }
+
+  // Remote CQ data of a write carrying `imm` from this rank: 8 bytes (rank << 32 | imm) or the 4-byte layout.
+  uint64_t cq_data(uint32_t imm) const {
+    return cq_data_bytes_ == 4 ? uint64_t(pack_compact_cq_data(opts_.rank, imm))
+                               : (uint64_t(uint32_t(opts_.rank)) << 32) | imm;
+  }
+
+  // The arrival a remote write's CQ data announces (writer and immediate), checked.
+  Completion arrival(uint64_t data) const {
+    Completion a;
+    a.kind = Completion::kArrival;
+    a.peer = cq_data_bytes_ == 4 ? compact_cq_sender(uint32_t(data)) : int(data >> 32);
+    a.imm = cq_data_bytes_ == 4 ? compact_cq_imm(uint32_t(data)) : uint32_t(data);
+    if (a.peer < 0 || a.peer >= opts_.world)
+      UCCL_THROW("fabric: remote write carries sender rank " << a.peer << " (CQ data 0x" << std::hex << data << ")");
+    return a;
+  }
+
+  // A loopback write: host memcpy, or a copy on a stream of our own for GPU memory (never the legacy default
+  // stream, which would wait for kernels of this process that spin until this very write lands).
+  void copy_local(char* dst, const char* src, uint64_t len, bool device) {
+    if (!device) {
+      std::memcpy(dst, src, len);
+      return;
+    }
+#if UCCL_EP_WITH_GPU
+    if (!copy_stream_) {
+      gpuStream_t st = nullptr;
+      UCCL_CHECK_GPU(gpuStreamCreateWithFlags(&st, gpuStreamNonBlocking));
+      copy_stream_ = Owned<gpuStream_t, void (*)(gpuStream_t)>(
+          st, [](gpuStream_t x) {
+            const gpuError_t e = gpuStreamDestroy(x);
+            if (e != gpuSuccess) warn_release_gpu(e);
+          });
+    }
+    UCCL_CHECK_GPU(gpuMemcpyAsync(dst, src, len, gpuMemcpyDefault, copy_stream_.get()));
+    UCCL_CHECK_GPU(gpuStreamSynchronize(copy_stream_.get()));
+#else
+    UCCL_THROW("fabric: a loopback write of GPU memory in a build without GPU support");
+#endif
   }
 
   Completion local_completion(uint64_t wr_id) {
@@ -394,13 +575,11 @@ class FabricTransport final : public Transport {
       const bool remote_write = (x.flags & FI_REMOTE_WRITE) ||
                                 ((x.flags & FI_REMOTE_CQ_DATA) && !(x.flags & (FI_WRITE | FI_SEND)) && !ctrl_recv);
       if (remote_write) {
-        Completion a;
-        a.kind = Completion::kArrival;
-        a.peer = int(x.data >> 32);
-        if (a.peer < 0 || a.peer >= opts_.world)
-          UCCL_THROW("fabric: remote write carries sender rank " << a.peer << " (CQ data 0x" << std::hex << x.data << ")");
-        a.imm = uint32_t(x.data);
-        out[n++] = a;
+        if (copy_fence_) {
+          fenced_.push_back(arrival(x.data));
+          continue;
+        }
+        out[n++] = arrival(x.data);
         continue;
       }
       if (!c) UCCL_THROW("fabric: completion without context (flags 0x" << std::hex << x.flags << ")");
@@ -423,17 +602,75 @@ class FabricTransport final : public Transport {
         out[n++] = local_completion(c->wr_id);
       }
     }
+    if (copy_fence_ && fenced_marked_ < fenced_seen()) mark_fence();
+    return n;
+  }
+
+  // The copy fence (providers that copy GPU memory through the CUDA runtime): an arrival's bytes are in place
+  // only once the copy libfabric queued on the legacy default stream ran, so arrivals wait for an event
+  // recorded there after them. Kernels waiting for them must therefore not sit on that stream, nor may it wait
+  // for them (Transport::waits_for_default_stream; the Python backends refuse such calls).
+  uint64_t fenced_seen() const { return fenced_released_ + fenced_.size(); }
+
+  void mark_fence() {
+#if defined(UCCL_EP_WITH_CUDA)
+    gpuEvent_t ev = nullptr;
+    if (!free_events_.empty()) {
+      ev = free_events_.back();
+      free_events_.pop_back();
+    } else {
+      UCCL_CHECK_GPU(gpuEventCreateWithFlags(&ev, gpuEventDisableTiming));
+      events_.push_back(ev);
+    }
+    UCCL_CHECK_GPU(gpuEventRecord(ev, 0));  // the legacy default stream, where libfabric's copies queue
+    fences_.push_back({ev, fenced_seen()});
+    fenced_marked_ = fenced_seen();
+#endif
+  }
+
+  int release_fenced(Completion* out, int max) {
+    int n = 0;
+#if defined(UCCL_EP_WITH_CUDA)
+    while (!fences_.empty()) {
+      const gpuError_t e = gpuEventQuery(fences_.front().first);
+      if (e == gpuErrorNotReady) break;
+      UCCL_CHECK_GPU(e);
+      fence_done_ = fences_.front().second;
+      free_events_.push_back(fences_.front().first);
+      fences_.pop_front();
+    }
+    while (n < max && fenced_released_ < fence_done_) {
+      out[n++] = fenced_.front();
+      fenced_.pop_front();
+      ++fenced_released_;
+    }
+#else
+    (void)out;
+    (void)max;
+#endif
     return n;
   }
 
   TransportOptions opts_;
-  Owned<fi_info*, void (*)(fi_info*)> info_;
+  InfoPtr info_;
   Fid fabric_, domain_, cq_, av_, ep_, ctrl_mr_;
   fid_domain* domain_p_ = nullptr;
   fid_cq* cq_p_ = nullptr;
   fid_av* av_p_ = nullptr;
   fid_ep* ep_p_ = nullptr;
   uint64_t mr_mode_ = 0;
+  bool hmem_ = false;       // FI_HMEM granted: regions may be GPU memory
+  bool copy_fence_ = false; // arrivals wait for the provider's CUDA-runtime copies (mark_fence)
+  std::deque<Completion> fenced_;                            // arrivals not yet released, in CQ order
+  uint64_t fenced_released_ = 0, fenced_marked_ = 0, fence_done_ = 0;
+#if defined(UCCL_EP_WITH_CUDA)
+  std::deque<std::pair<gpuEvent_t, uint64_t>> fences_;       // (event, arrivals seen when it was recorded)
+  std::vector<gpuEvent_t> events_, free_events_;             // every event created / those not in flight
+#endif
+  int cq_data_bytes_ = 8;   // 8: rank << 32 | imm; 4: transport.h's compact layout
+#if UCCL_EP_WITH_GPU
+  Owned<gpuStream_t, void (*)(gpuStream_t)> copy_stream_;
+#endif
   bool debug_ = env_long("UCCL_EP_DEBUG_FABRIC", 0) != 0;
   size_t max_msg_ = 0;
   std::map<int, Fid> mrs_;
@@ -461,8 +698,13 @@ std::unique_ptr<Transport> make_fabric_transport(const TransportOptions& o) {
 
 #include "common/check.h"
 
+#include "transport/fabric_info.h"
+
 namespace uccl {
 std::unique_ptr<Transport> make_fabric_transport(const TransportOptions&) {
+  UCCL_THROW("fabric transport not compiled in: install libfabric-dev (rdma/fabric.h) and rebuild");
+}
+FabricProbe probe_fabric(const std::string&, const std::string&, bool) {
   UCCL_THROW("fabric transport not compiled in: install libfabric-dev (rdma/fabric.h) and rebuild");
 }
 }  // namespace uccl

@@ -23,6 +23,25 @@ inline uint32_t imm_channel(uint32_t imm) { return imm >> 25; }
 inline uint32_t imm_seq(uint32_t imm) { return imm & kSeqMask; }
 inline bool imm_signal(uint32_t imm) { return (imm & kImmSignalBit) != 0; }
 
+// The 4-byte remote CQ data some providers offer (libfabric's efa: cq_data_size 4) cannot hold the 32-bit
+// immediate plus the writer's rank, so the fabric transport packs both into 32 bits there: bits 31..24 the
+// writer's rank (a proxy world is at most 256 ranks), 23..18 the channel (kMaxChannels = 64), 17 the signal
+// bit, 16..0 the low 17 bits of the sequence number. The receiver's ordering emulation then compares sequence
+// numbers modulo 2^17 (Transport::imm_seq_bits): 65536 operations of one (rank, channel) may be in flight,
+// far more than a proxy ring holds.
+constexpr uint32_t kCompactSeqBits = 17;
+constexpr int kCompactMaxRanks = 256;
+
+inline uint32_t pack_compact_cq_data(int sender, uint32_t imm) {
+  return (uint32_t(sender) << 24) | ((imm_channel(imm) & 63u) << 18) | (imm_signal(imm) ? 1u << 17 : 0u) |
+         (imm_seq(imm) & ((1u << kCompactSeqBits) - 1));
+}
+// The writer's rank and the immediate (sequence number truncated to kCompactSeqBits) of packed CQ data.
+inline int compact_cq_sender(uint32_t data) { return int(data >> 24); }
+inline uint32_t compact_cq_imm(uint32_t data) {
+  return make_imm((data >> 18) & 63u, data & ((1u << kCompactSeqBits) - 1), (data >> 17) & 1u);
+}
+
 // Region id meaning "no memory effect" (ordering markers, barriers).
 constexpr uint32_t kNoRegion = 0xffffffffu;
 
@@ -69,6 +88,13 @@ class Transport {
                           uint64_t wr_id) = 0;
   // Drains up to `max` completions (local and remote).
   virtual int poll(Completion* out, int max) = 0;
+  // How many low bits of an arrival's sequence number survive the wire: the ordering emulation compares
+  // sequence numbers modulo 2^imm_seq_bits().
+  virtual uint32_t imm_seq_bits() const { return kSeqBits; }
+  // True when the transport's GPU copies queue on the legacy default stream and its arrivals wait for them:
+  // kernels that wait for those arrivals must then run on other streams, and the default stream must not
+  // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
+  virtual bool waits_for_default_stream() const { return false; }
   // Releases everything (also done by the destructor); idempotent.
   virtual void close() {}
 };

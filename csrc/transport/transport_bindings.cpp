@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "bindings.h"
+#include "transport/fabric_info.h"
 #include "transport/ipc_agent.h"
 #include "transport/transport.h"
 #include "transport/verbs_query.h"
@@ -18,6 +19,24 @@ void register_transport(py::module_& m) {
         py::call_guard<py::gil_scoped_release>(),
         "main of the ipc transport's copy agent process (spawned by the transport itself; returns its exit code)");
 #endif
+  m.def("fabric_probe", [](const std::string& provider, const std::string& device, bool hmem) {
+    const uccl::FabricProbe p = uccl::probe_fabric(provider, device, hmem);
+    py::dict d;
+    d["provider"] = p.provider;
+    d["domain"] = p.domain;
+    d["library_version"] = p.library_version;
+    d["api_version"] = p.api_version;
+    d["cq_data_size"] = p.cq_data_size;
+    d["cq_data_bytes"] = p.cq_data_bytes;
+    d["hmem"] = p.hmem;
+    d["waits_for_default_stream"] = p.waits_for_default_stream;
+    d["mr_mode"] = p.mr_mode;
+    d["max_msg_size"] = p.max_msg_size;
+    d["inject_size"] = p.inject_size;
+    return d;
+  }, py::arg("provider") = "", py::arg("device") = "", py::arg("hmem") = false,
+        "what the fabric transport would open (provider, domain, CQ data, FI_HMEM); raises the transport's own "
+        "sentence when nothing fits");
   m.def("verbs_devices", []() {
     py::list out;
     for (const auto& d : uccl::query_verbs_devices()) {

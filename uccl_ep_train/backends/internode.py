@@ -32,6 +32,7 @@ import torch.distributed as dist
 from ..config import Config, env_number, timeout_s
 from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
+from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend, WithoutLowLatency
 from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce,
@@ -180,6 +181,18 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         before the first dispatch opened them (open_at_first_dispatch)."""
         return None if self._proxy is None else self._proxy.stats()
 
+    @property
+    def proxy_transport(self) -> Optional[str]:
+        """The transport the proxies carry the inter-node bytes on ('ipc', 'fabric', 'verbs'); None before the
+        first dispatch opened them."""
+        return None if self._proxy is None else self._proxy.transport
+
+    @property
+    def waits_for_default_stream(self) -> bool:
+        """True when the proxies' GPU copies queue on the legacy default stream (fabric on shm): the caller's
+        stream must then be another one (Buffer refuses calls from the default stream)."""
+        return self._proxy is not None and self._proxy.waits_for_default_stream
+
     def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)
         return {"communication": n, "side": 0, "total": n}
@@ -254,6 +267,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             except Exception as exc:  # the ranks that got further wait on this one: no second try
                 self._failed = f"opening the buffers and proxies in the first dispatch failed: {exc}"
                 raise
+            # The Buffer checks the caller's stream before each call, but learns what the proxies need only now.
+            check_caller_stream(self.waits_for_default_stream, dev, me)
         rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
         h = int(self._native.INTERNODE_HEADER_INTS)
         counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r

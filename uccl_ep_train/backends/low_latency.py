@@ -205,6 +205,17 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         """The LL proxies' counters (None with one node: nothing goes through proxies)."""
         return None if self._proxy is None else self._proxy.stats()
 
+    @property
+    def proxy_transport(self) -> Optional[str]:
+        """The transport the proxies carry the other nodes' bytes on; None with every rank in one node."""
+        return None if self._proxy is None else self._proxy.transport
+
+    @property
+    def waits_for_default_stream(self) -> bool:
+        """True when the proxies' GPU copies queue on the legacy default stream (fabric on shm): the caller's
+        stream must then be another one (Buffer refuses calls from the default stream)."""
+        return self._proxy is not None and self._proxy.waits_for_default_stream
+
     # ---- calls ---------------------------------------------------------------------------------------
     def _layout(self, max_tokens: int, hidden: int, num_experts: int) -> LowLatencyLayout:
         lay = low_latency_layout(max_tokens, hidden, self.num_ranks, num_experts)

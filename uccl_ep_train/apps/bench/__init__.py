@@ -42,6 +42,18 @@ def add_ranks_arg(p: argparse.ArgumentParser, default_help: str) -> None:
                    help=f"ranks to spawn (default: {default_help})")
 
 
+def add_transport_arg(p: argparse.ArgumentParser) -> None:
+    """`--transport`: the proxies' transport for the bytes between nodes (UCCL_EP_TRANSPORT in every rank;
+    default: the automatic choice, `ipc` when every rank is on one host)."""
+    p.add_argument("--transport", default=None, choices=("ipc", "fabric", "verbs"),
+                   help="proxy transport between nodes (UCCL_EP_TRANSPORT; default: the automatic choice)")
+
+
+def transport_env(args: argparse.Namespace) -> dict:
+    """The ranks' environment for `--transport` (empty: the automatic choice)."""
+    return {} if args.transport is None else {"UCCL_EP_TRANSPORT": args.transport}
+
+
 def int_list(text: str) -> list[int]:
     """A comma-separated list of ints (`--sms 8,16,24`), the list spelling of every benchmark."""
     try:

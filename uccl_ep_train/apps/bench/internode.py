@@ -37,8 +37,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, int_list, publish,
-               rank_records, run_context, warn_without_mps)
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_transport_arg, gpus_used, init_rank_group,
+               int_list, publish, rank_records, run_context, transport_env, warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 FP8_BLOCK = 128
@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ranks_arg(p, "visible GPUs, at least 2; 4 on CPU")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: half the ranks)")
+    add_transport_arg(p)
     add_layer_shape_args(p)
     p.set_defaults(**{k: None for k in LAYER_SHAPE})  # resolved per device: DeepSeek-V3 on GPUs, small on CPU
     p.add_argument("--sms", type=int_list, default="24", help="comma-separated SM counts (Config.num_sms) to sweep")
@@ -194,7 +195,8 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     gpus = gpus_used(device, group)
     common = {"bench": "internode", "ranks": world, "ranks_per_node": L, "nodes": nodes, "device": name,
-              "gpus": gpus, "timing": "api", "group": str(dist.get_backend(group)), **shape}
+              "gpus": gpus, "timing": "api", "group": str(dist.get_backend(group)),
+              "transport": getattr(buf.backend, "proxy_transport", None), **shape}
     records = []
     for sms in sms_list:
         dcfg = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms)
@@ -274,7 +276,8 @@ def _print(summary: list[dict]) -> None:
         return
     s = next((r for r in summary if r["op"] != "alltoall"), summary[0])
     print(f"[internode] {s['ranks']} ranks = {s['nodes']} nodes x {s['ranks_per_node']}, {s['gpus']} GPUs "
-          f"({s['device']}), {s['group']} group, backend {s['backend']}, tokens {s['num_tokens']}, "
+          f"({s['device']}), {s['group']} group, backend {s['backend']}, transport {s.get('transport')}, "
+          f"tokens {s['num_tokens']}, "
           f"hidden {s['hidden']}, experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
     print(f"{'op':<15}{'SMs':>5}{'µs':>11}{'RDMA GB/s':>17}{'NVL GB/s':>17}{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
     for r in summary:
@@ -310,7 +313,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     context = run_context("bench internode", argv)
     if cuda:
         warn_without_mps(world, "internode")
-    env = {} if args.ranks_per_node is None else {"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)}
+    env = transport_env(args)
+    if args.ranks_per_node is not None:
+        env["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     records = rank_records(_rank, world, args, shape, env=env)
     if records is None:  # a launched rank other than 0
         return 0

@@ -28,7 +28,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_ranks_arg, gpus_used, init_rank_group, publish, rank_records, run_context, warn_without_mps
+from . import (add_ranks_arg, add_transport_arg, gpus_used, init_rank_group, publish, rank_records, run_context,
+               transport_env, warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_ranks_arg(p, "visible GPUs, at least 2")
     p.add_argument("--ranks-per-node", type=int, default=None,
                    help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: all ranks on one node)")
+    add_transport_arg(p)
     for name, default in SHAPE.items():
         p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=default)
     p.add_argument("--iters", type=int, default=50)
@@ -149,7 +151,8 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
         native = served == "NativeLowLatencyBackend"  # (the kernel timing names its kernels)
         common = {"rank": rank, "backend": backend, "served_by": served, "ranks": world,
                   "ranks_per_node": int(os.environ["UCCL_EP_RANKS_PER_NODE"]), "gpus": gpus,
-                  "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group), **shape}
+                  "device": torch.cuda.get_device_name(device), "group": dist.get_backend(group),
+                  "transport": getattr(buf.low_latency_backend, "proxy_transport", None), **shape}
         for use_fp8 in (False, True):
             for hook in (False, True):
                 pieces = _round(buf, x, idx, w, shape, use_fp8, hook)
@@ -216,7 +219,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_ranks_per_node(args.ranks_per_node, world)
     context = run_context("bench low-latency", argv)
     warn_without_mps(world, "low-latency")
-    records = rank_records(_rank, world, args, env={"UCCL_EP_RANKS_PER_NODE": str(args.ranks_per_node)})
+    records = rank_records(_rank, world, args, env=dict(transport_env(args),
+                                                         UCCL_EP_RANKS_PER_NODE=str(args.ranks_per_node)))
     if records is None:  # a launched rank other than 0
         return 0
     publish(summarise(records), context, _print, args.json, "low-latency")
