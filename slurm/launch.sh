@@ -19,6 +19,7 @@
 #   MASTER_ADDR / MASTER_PORT / NODE_RANK / NNODES / LOCAL_WORLD_SIZE   override what Slurm gives
 #   UCCL_SOCKET_IFNAME    bootstrap interface (default: NCCL_SOCKET_IFNAME, else the route to MASTER_ADDR)
 #   UCCL_IB_GID_INDEX     RoCE GID index (default: NCCL_IB_GID_INDEX); the two are kept equal
+#   UCCL_IB_TIMEOUT / _RETRY_CNT / _SL / _TC   verbs QP settings (default: NCCL_IB_TIMEOUT / ... when set)
 #   UCCL_PYTHON           Python with uccl_ep_train installed (default: python3)
 #   UCCL_TORCHRUN         torchrun command (default: torchrun if on PATH, else "$UCCL_PYTHON -m torch.distributed.run")
 #   UCCL_SKIP_DOCTOR=1    skip the pre-flight check;  UCCL_DOCTOR_CMD  replace it (a shell command)
@@ -111,6 +112,11 @@ if [ -n "${UCCL_IB_GID_INDEX:-}" ] || [ -n "${NCCL_IB_GID_INDEX:-}" ]; then
   [ "$UCCL_IB_GID_INDEX" = "$NCCL_IB_GID_INDEX" ] \
     || log "warning: UCCL_IB_GID_INDEX=$UCCL_IB_GID_INDEX differs from NCCL_IB_GID_INDEX=$NCCL_IB_GID_INDEX"
 fi
+# The proxies' QPs take the NCCL settings a cluster is already tuned with, unless the UCCL_* name is set.
+for v in TIMEOUT RETRY_CNT SL TC; do
+  u=UCCL_IB_$v n=NCCL_IB_$v
+  if [ -z "${!u:-}" ] && [ -n "${!n:-}" ]; then export "$u=${!n}"; fi
+done
 
 # ---- Megatron-LM checkout ---------------------------------------------------------------------------------
 if [ "$ENTRY" = pretrain-gpt ]; then

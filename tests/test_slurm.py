@@ -87,6 +87,32 @@ def test_user_settings_win_and_gid_twin_is_copied(tmp_path):
     assert seen["UCCL_IB_MAX_INFLIGHT_NORMAL"] == "4"
 
 
+def test_nccl_qp_settings_carry_over_to_uccl_unless_set(tmp_path):
+    dump = tmp_path / "env"
+    env = base_env(tmp_path, SLURM_JOB_ID=7, SLURM_JOB_NUM_NODES=2, SLURM_NODEID=0,
+                   SLURM_JOB_NODELIST="a-node,b-node", SLURM_GPUS_PER_NODE="h100:8", UCCL_SOCKET_IFNAME="eth9",
+                   NCCL_IB_TIMEOUT=22, NCCL_IB_RETRY_CNT=5, NCCL_IB_SL=3, NCCL_IB_TC=106, NCCL_IB_GID_INDEX=3,
+                   UCCL_IB_TC=41, MEGATRON_LM_PATH=fake_megatron(tmp_path),
+                   UCCL_DOCTOR_CMD=f"env > {shlex.quote(str(dump))}")
+    res = launch(tmp_path, env, "deepseek-v2-lite")
+    assert res.returncode == 0, res.stderr
+    seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert (seen["UCCL_IB_TIMEOUT"], seen["UCCL_IB_RETRY_CNT"], seen["UCCL_IB_SL"]) == ("22", "5", "3")
+    assert seen["UCCL_IB_GID_INDEX"] == "3"
+    assert seen["UCCL_IB_TC"] == "41" and seen["NCCL_IB_TC"] == "106"  # the user's UCCL value wins
+
+
+def test_without_nccl_settings_the_uccl_qp_settings_stay_unset(tmp_path):
+    dump = tmp_path / "env"
+    env = base_env(tmp_path, SLURM_JOB_ID=7, SLURM_JOB_NUM_NODES=2, SLURM_NODEID=0,
+                   SLURM_JOB_NODELIST="a-node,b-node", SLURM_GPUS_PER_NODE="h100:8", UCCL_SOCKET_IFNAME="eth9",
+                   MEGATRON_LM_PATH=fake_megatron(tmp_path), UCCL_DOCTOR_CMD=f"env > {shlex.quote(str(dump))}")
+    res = launch(tmp_path, env, "deepseek-v2-lite")
+    assert res.returncode == 0, res.stderr
+    seen = dict(line.split("=", 1) for line in dump.read_text().splitlines() if "=" in line)
+    assert not {"UCCL_IB_TIMEOUT", "UCCL_IB_RETRY_CNT", "UCCL_IB_SL", "UCCL_IB_TC"} & set(seen)
+
+
 def test_without_slurm_it_runs_on_one_node(tmp_path):
     env = base_env(tmp_path, LOCAL_WORLD_SIZE=2, UCCL_SKIP_DOCTOR=1)
     res = launch(tmp_path, env, "tiny", "--entry", "train", "--", "--steps", "2")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import KW_ONLY, dataclass
-from typing import Optional
+from typing import Mapping, Optional
 
 from .topology import ranks_per_node_from_env
 
@@ -198,12 +198,73 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_RDMA_ADAPTIVE_SLEEP": ("0 with GPUs, 1 on CPU runs", "`1`: idle proxy threads sleep instead of spinning"),
     "UCCL_EP_VERBS_DEVICE": ("unset (UCCL_EP_NICS)", "one RDMA device for every rank: the older form of `UCCL_EP_NICS=*=DEV`"),
     "UCCL_EP_VERBS_NATIVE_ATOMICS": ("0", "`1`: RDMA atomics instead of the ordered emulation"),
-    "UCCL_IB_GID_INDEX": ("-1 (auto)", "RoCE GID index"),
+    # verbs QP settings (NCCL_IB_* twins: slurm/launch.sh copies those over; read by csrc/transport/verbs_policy.cpp,
+    # whose defaults tests/test_verbs_policy.py checks against the first number of each default here)
+    "UCCL_IB_GID_INDEX": ("-1 (choose: RoCE v2 IPv4-mapped, else RoCE v2 IPv6; InfiniBand 0)", "GID table entry (RoCE)"),
     "UCCL_IB_SL": ("0", "InfiniBand service level"),
-    "UCCL_IB_TC": ("0", "RoCE traffic class"),
-    "UCCL_IB_MAX_INFLIGHT_NORMAL": ("8", "writes in flight per (proxy thread, destination)"),
+    "UCCL_IB_TC": ("0", "traffic class (RoCE: DSCP << 2)"),
+    "UCCL_IB_TIMEOUT": ("20", "ACK timeout 4.096 us * 2^value per try (20: ~4.3 s; NCCL's default)"),
+    "UCCL_IB_RETRY_CNT": ("7", "transport retries before completion error 12 (retry exceeded)"),
+    "UCCL_IB_RNR_RETRY": ("6", "receiver-not-ready retries, 10 ms apart (7 = forever: a stalled peer would hang "
+                                "the sender instead of failing with its name)"),
+    # flow control (defaults per NIC vendor: NIC_FLOW_CONTROL below)
+    "UCCL_IB_MAX_INFLIGHT_NORMAL": ("8 (Thor-2, Pollara: 1)", "writes in flight per (proxy thread, destination)"),
     "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
-    "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 (no limit)", "bytes in flight per (proxy thread, destination)"),
+    "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 = no limit (Thor-2: 1572864, Pollara: 2097152)",
+                                   "bytes in flight per (proxy thread, destination)"),
     "UCCL_EP_FABRIC_CQ_DATA_BYTES": ("what the provider offers (8, efa 4)", "`4`: the fabric transport packs rank and immediate into 4 bytes of CQ data on any provider (tests EFA's layout)"),
     "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
 }
+
+
+@dataclass(frozen=True)
+class NicFlowControl:
+    """In-flight limits a NIC family needs from the proxy (UCCL_IB_MAX_INFLIGHT_BYTES / _NORMAL)."""
+
+    vendor: str
+    pci_vendor_id: int  # as ibv_device_attr.vendor_id reports it (bnxt_re and ionic give the PCI vendor id)
+    max_inflight_bytes: int
+    max_inflight_normal: int
+
+    def env(self) -> dict[str, str]:
+        return {"UCCL_IB_MAX_INFLIGHT_BYTES": str(self.max_inflight_bytes),
+                "UCCL_IB_MAX_INFLIGHT_NORMAL": str(self.max_inflight_normal)}
+
+
+# RDMA NICs whose RC path needs strict flow control, by verbs driver (the device name's prefix): UCCL-EP's
+# limits for them; without them the fabric drops under load and senders end in completion error 12 (retry
+# exceeded). ConnectX and others run with the SETTINGS defaults. The one table: the proxy applies it
+# (nic_flow_control), the recipes' NIC profiles and docs/proxy.md quote it.
+NIC_FLOW_CONTROL: dict[str, NicFlowControl] = {
+    "bnxt_re": NicFlowControl("Broadcom Thor-2", 0x14E4, 1572864, 1),
+    "ionic": NicFlowControl("AMD Pollara", 0x1DD8, 2097152, 1),
+}
+
+
+def nic_flow_control(devices: list[dict], low_latency: bool = False,
+                     env: Optional[Mapping[str, str]] = None) -> tuple[dict[str, int], str]:
+    """The proxy options (`max_inflight_bytes`, and `max_inflight` for normal proxies) that the verbs NICs of
+    this host need and the environment does not set, and a note naming the vendor ("" when none applies).
+
+    `devices`: dicts with "name" and "vendor_id" (`_native.verbs_devices()`). When UCCL_EP_VERBS_DEVICE
+    names one, only it counts; otherwise every device of the host does and the strictest limits win (the
+    transport may open any of them). A variable the user set always wins over the vendor default."""
+    env = os.environ if env is None else env
+    want = env.get("UCCL_EP_VERBS_DEVICE") or None
+    found = []
+    for d in devices:
+        if want is not None and d.get("name") != want:
+            continue
+        for driver, fc in NIC_FLOW_CONTROL.items():
+            if str(d.get("name", "")).startswith(driver) or int(d.get("vendor_id") or 0) == fc.pci_vendor_id:
+                found.append(fc)
+                break
+    if not found:
+        return {}, ""
+    out: dict[str, int] = {}
+    if not env.get("UCCL_IB_MAX_INFLIGHT_BYTES"):
+        out["max_inflight_bytes"] = min(fc.max_inflight_bytes for fc in found)
+    if not low_latency and not env.get("UCCL_IB_MAX_INFLIGHT_NORMAL"):
+        out["max_inflight"] = min(fc.max_inflight_normal for fc in found)
+    vendors = ", ".join(sorted({fc.vendor for fc in found}))
+    return out, f"{vendors} flow control: {out or 'set by the environment'} (config.NIC_FLOW_CONTROL)"

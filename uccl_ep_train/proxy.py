@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional
 
 import numpy as np
 
+from .config import nic_flow_control
 from .nics import EFA_KIND, RC_KINDS, NicChoice, choose_nics, gpu_bus_id, local_rank
 
 log = logging.getLogger("uccl_ep_train")
@@ -261,6 +262,11 @@ class ProxyGroup:
         self._keepalive = dict(regions)  # the buffers must outlive the registrations
         mine: Any
         try:
+            if self.transport == "verbs":  # Thor-2 / Pollara flow control unless the user set it
+                flow, note = nic_flow_control(_native.verbs_devices(), bool(options.get("low_latency")))
+                options = {**flow, **options}
+                if note:
+                    log.info("uccl_ep_train: %s", note)
             self._native = _native.Proxy(rank, world, gpu=gpu, transport=self.transport, job=job,
                                          devices=list(self.devices), **options)
             for rid, buf in regions.items():
@@ -281,7 +287,17 @@ class ProxyGroup:
             self.close()
             raise RuntimeError("ProxyGroup: bootstrap failed on " +
                                "; ".join(f"rank {r}: {e}" for r, e in failed))
-        self._native.connect(everyone)
+        # Phase 3: every rank's endpoints are connected (verbs: every QP in RTS) before any rank starts and
+        # sends; a peer whose QP is still in INIT drops packets and the sender ends in retry-exceeded (12).
+        try:
+            self._native.connect(everyone)
+            connected = None
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the peers heard of it
+            connected = f"{type(exc).__name__}: {exc}"
+        failed = [(r, e) for r, e in enumerate(gather(connected)) if e is not None]
+        if failed:
+            self.close()
+            raise RuntimeError("ProxyGroup: connect failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
         # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
         # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp).
         self.waits_for_default_stream = bool(self._native.config()["waits_for_default_stream"])

@@ -160,6 +160,8 @@ ProxyThread::ProxyThread(Proxy* owner, int index)
   to.provider = cfg.provider;
   to.device = cfg.device_for(index);
   to.job = cfg.job;
+  to.max_inflight = cfg.max_inflight;
+  to.max_inflight_bytes = cfg.max_inflight_bytes;
   transport_ = make_transport(cfg.transport, to);
   Proxy* p = owner;
   emu_.reset(new OrderingEmulator(cfg.world, owner->sig_host_, [p](uint32_t region, uint64_t off, int64_t v, int src) {

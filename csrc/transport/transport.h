@@ -109,6 +109,10 @@ struct TransportOptions {
   // provider names its domains <device>-rdm); empty: the transport's own default (first device / domain).
   std::string device;
   std::string job;           // ipc: job-unique prefix for shared-memory names
+  // The proxy's flow control (UCCL_IB_MAX_INFLIGHT_*): operations / bytes in flight per destination. verbs
+  // sizes its queues from the first and names both in completion errors.
+  int max_inflight = 1;
+  uint64_t max_inflight_bytes = 0;
 };
 
 // Factories; each throws a clear error when the transport is not compiled in.

@@ -4,8 +4,11 @@
 //   atomic_add  default: a SEND of a 32-byte record that the receiver applies in sequence order (works on
 //               every NIC, counters in host memory); UCCL_EP_VERBS_NATIVE_ATOMICS=1: IBV_WR_ATOMIC_FETCH_AND_ADD
 //               followed by a fenced zero-length WRITE_WITH_IMM so the sequence still advances
-// GPU memory registers through peer memory (ibv_reg_mr on the device pointer) and falls back to DMA-BUF
-// (ibv_reg_dmabuf_mr) when that fails, saying which it used. EFA (SRD, no ordering) is reached through the
+// GPU memory registers through peer memory (ibv_reg_mr on the device pointer: nvidia-peermem) and falls
+// back to DMA-BUF (ibv_reg_dmabuf_mr on an fd from cuMemGetHandleForAddressRange, or on HIP builds from
+// hsa_amd_portable_export_dmabuf: upstream bnxt_re / ionic have no peer-memory client), saying which it used;
+// GPU regions ask for relaxed ordering where rdma-core and the device offer it. The GID, QP attributes
+// (UCCL_IB_*) and queue depths come from verbs_policy.h. EFA (SRD, no ordering) is reached through the
 // fabric transport's efa provider; this file is RC only. Compiled with libibverbs-dev; needs a NIC to run.
 #include "transport/transport.h"
 
@@ -16,9 +19,11 @@
 #include <infiniband/verbs.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <stdexcept>
 #include <map>
 #include <vector>
 
@@ -26,6 +31,8 @@
 #include "common/env.h"
 #include "common/portability.h"
 #include "common/raii.h"
+#include "transport/verbs_policy.h"
+#include "transport/verbs_query.h"
 
 namespace uccl {
 namespace {
@@ -36,6 +43,8 @@ struct VerbsAddress {
   uint8_t port;
   uint8_t mtu;
   uint8_t gid[16];
+  uint8_t max_dest_rd_atomic;  // RDMA reads / atomics this end accepts in flight (the peer's initiator bound)
+  uint8_t pad[3];
   uint32_t num_qps;
   // followed by num_qps uint32 QP numbers, one per peer rank
 };
@@ -56,7 +65,6 @@ struct CtrlMsg {
   int64_t value;
 };
 
-constexpr int kRecvSlots = 1024;
 constexpr int kSendSlots = 1024;
 constexpr uint64_t kRecvTag = 1ull << 63;  // wr_id high bit: a receive slot
 constexpr uint64_t kCtrlTag = 1ull << 62;  // a send slot (control message), low bits = slot | wr_id in table
@@ -78,7 +86,35 @@ int dmabuf_fd_for(void* ptr, size_t size) {
   if (reinterpret_cast<Fn>(p)(&fd, (unsigned long long)reinterpret_cast<uintptr_t>(ptr), size, 1, 0) != 0) return -1;
   return fd;
 }
+#elif UCCL_EP_WITH_GPU && defined(UCCL_EP_WITH_HIP)
+// DMA-BUF fd (and the range's offset in it) through ROCr's hsa_amd_portable_export_dmabuf (ROCm >= 5.6;
+// looked up at run time, libhsa-runtime64 is loaded with HIP). -1 when absent or refused.
+int dmabuf_fd_for(void* ptr, size_t size, uint64_t* offset) {
+  using Fn = int (*)(const void*, size_t, int*, uint64_t*);  // hsa_status_t, HSA_STATUS_SUCCESS = 0
+  auto fn = reinterpret_cast<Fn>(dlsym(RTLD_DEFAULT, "hsa_amd_portable_export_dmabuf"));
+  if (!fn) {
+    void* h = dlopen("libhsa-runtime64.so.1", RTLD_NOW | RTLD_NOLOAD);
+    if (h) fn = reinterpret_cast<Fn>(dlsym(h, "hsa_amd_portable_export_dmabuf"));
+  }
+  int fd = -1;
+  if (!fn || fn(ptr, size, &fd, offset) != 0) return -1;
+  return fd;
+}
 #endif
+
+const char* wc_hint(ibv_wc_status s) {
+  switch (s) {
+    case IBV_WC_RETRY_EXC_ERR:
+      return "the peer did not acknowledge within UCCL_IB_TIMEOUT x UCCL_IB_RETRY_CNT: the fabric dropped "
+             "packets (Broadcom Thor-2 / AMD Pollara need the flow control of docs/proxy.md) or the peer is gone";
+    case IBV_WC_RNR_RETRY_EXC_ERR:
+      return "the peer's receive queue stayed empty through UCCL_IB_RNR_RETRY retries: its proxy stopped polling";
+    case IBV_WC_REM_ACCESS_ERR:
+      return "the peer refused the memory key: region sizes or registrations differ between ranks";
+    default:
+      return nullptr;
+  }
+}
 
 }  // namespace
 
@@ -86,9 +122,11 @@ class VerbsTransport final : public Transport {
  public:
   explicit VerbsTransport(const TransportOptions& o) : o_(o) {
     native_atomics_ = env_long("UCCL_EP_VERBS_NATIVE_ATOMICS", 0) != 0;
-    gid_index_ = int(env_long("UCCL_IB_GID_INDEX", -1));
-    sl_ = int(env_long("UCCL_IB_SL", 0));
-    tc_ = int(env_long("UCCL_IB_TC", 0));
+    try {
+      set_ = parse_verbs_settings([](const char* n) { return std::getenv(n); });
+    } catch (const std::invalid_argument& e) {
+      UCCL_THROW("verbs: " << e.what());
+    }
     int n = 0;
     ibv_device** list = ibv_get_device_list(&n);
     if (!list || n == 0) {
@@ -108,20 +146,36 @@ class VerbsTransport final : public Transport {
     ibv_pd* pd = nullptr;
     UCCL_CHECK_VERBS_PTR(pd, ibv_alloc_pd(ctx));
     pd_ = own(pd, +[](ibv_pd* p) { warn_release("ibv_dealloc_pd", ibv_dealloc_pd(p)); });
+    ibv_device_attr da{};
+    UCCL_CHECK_VERBS(ibv_query_device(ctx, &da));
+    atomic_cap_ = da.atomic_cap;
+    // RDMA reads / atomics in flight: 16 at most, as far as the device allows (initiator and responder side).
+    max_rd_atomic_ = std::min(16, da.max_qp_init_rd_atom);
+    max_dest_rd_atomic_ = std::min(16, da.max_qp_rd_atom);
+
+    // Queues sized for the worst case in flight (verbs_queue_depths), within the device's limits.
+    VerbsLimits lim;
+    lim.max_cqe = da.max_cqe;
+    lim.max_srq_wr = da.max_srq_wr;
+    lim.max_qp_wr = da.max_qp_wr;
+    VerbsDepths depth;
+    try {
+      depth = verbs_queue_depths(o.world, o.max_inflight, lim, dev_name_);
+    } catch (const std::invalid_argument& e) {
+      UCCL_THROW(e.what());
+    }
+    recv_slots_ = depth.srq;
     ibv_cq* cq = nullptr;
-    UCCL_CHECK_VERBS_PTR(cq, ibv_create_cq(ctx, 8192, nullptr, nullptr, 0));
+    UCCL_CHECK_VERBS_PTR(cq, ibv_create_cq(ctx, depth.cq, nullptr, nullptr, 0));
     cq_ = own(cq, +[](ibv_cq* c) { warn_release("ibv_destroy_cq", ibv_destroy_cq(c)); });
     ibv_srq_init_attr sa{};
-    sa.attr.max_wr = kRecvSlots;
+    sa.attr.max_wr = uint32_t(depth.srq);
     sa.attr.max_sge = 1;
     ibv_srq* srq = nullptr;
     UCCL_CHECK_VERBS_PTR(srq, ibv_create_srq(pd, &sa));
     srq_ = own(srq, +[](ibv_srq* s) { warn_release("ibv_destroy_srq", ibv_destroy_srq(s)); });
 
     // Port: the first active one.
-    ibv_device_attr da{};
-    UCCL_CHECK_VERBS(ibv_query_device(ctx, &da));
-    atomic_cap_ = da.atomic_cap;
     for (int p = 1; p <= da.phys_port_cnt; ++p) {
       ibv_port_attr pa{};
       if (ibv_query_port(ctx, uint8_t(p), &pa) == 0 && pa.state == IBV_PORT_ACTIVE) {
@@ -132,20 +186,29 @@ class VerbsTransport final : public Transport {
     }
     if (!port_) UCCL_THROW("verbs: device " << dev_name_ << " has no active port");
     roce_ = port_attr_.link_layer == IBV_LINK_LAYER_ETHERNET;
-    if (gid_index_ < 0) gid_index_ = roce_ ? 3 : 0;  // RoCEv2 IPv4-mapped GIDs usually sit at index 3
-    if (roce_ || gid_index_ > 0) {
-      if (ibv_query_gid(ctx, port_, gid_index_, &gid_) != 0) {
-        gid_index_ = 0;
-        UCCL_CHECK_VERBS(ibv_query_gid(ctx, port_, 0, &gid_));
-      }
+    const std::vector<GidEntry> gids = read_gid_table(ctx, dev->ibdev_path, port_, port_attr_.gid_tbl_len, roce_);
+    GidChoice choice;
+    try {
+      choice = choose_gid(gids, roce_, set_.gid_index, dev_name_ + " port " + std::to_string(port_));
+    } catch (const std::invalid_argument& e) {
+      UCCL_THROW(e.what());
     }
+    gid_index_ = choice.index;
+    Gid chosen{};
+    for (const auto& e : gids)
+      if (e.index == gid_index_) chosen = e.raw;
+    std::memcpy(gid_.raw, chosen.data(), 16);
+    if (o.thread_index == 0)
+      std::fprintf(stderr, "uccl_ep_train: verbs %s port %d GID %d (%s): %s; timeout %d retry %d rnr_retry %d sl %d tc %d\n",
+                   dev_name_.c_str(), int(port_), gid_index_, choice.why.c_str(), gid_to_string(chosen).c_str(),
+                   set_.timeout, set_.retry_cnt, set_.rnr_retry, set_.sl, set_.tc);
 
-    // Control buffers (receive slots, then send slots), one registration.
-    ctrl_.resize(kRecvSlots + kSendSlots + 1);
+    // Control buffers (receive slots, then send slots, then the native atomics' fetch scratch), one registration.
+    ctrl_.resize(size_t(recv_slots_) + kSendSlots + 1);
     ibv_mr* mr = nullptr;
     UCCL_CHECK_VERBS_PTR(mr, ibv_reg_mr(pd, ctrl_.data(), ctrl_.size() * sizeof(CtrlMsg), IBV_ACCESS_LOCAL_WRITE));
     ctrl_mr_ = own(mr, +[](ibv_mr* m) { warn_release("ibv_dereg_mr", ibv_dereg_mr(m)); });
-    for (int i = 0; i < kRecvSlots; ++i) post_recv(i);
+    for (int i = 0; i < recv_slots_; ++i) post_recv(i);
     for (int i = 0; i < kSendSlots; ++i) free_send_.push_back(i);
 
     // One RC QP per peer, all on the shared CQ and SRQ.
@@ -157,7 +220,7 @@ class VerbsTransport final : public Transport {
       qa.recv_cq = cq;
       qa.srq = srq;
       qa.qp_type = IBV_QPT_RC;
-      qa.cap.max_send_wr = 1024;
+      qa.cap.max_send_wr = uint32_t(depth.send_wr);
       qa.cap.max_send_sge = 1;
       qa.cap.max_inline_data = 64;
       ibv_qp* qp = nullptr;
@@ -186,6 +249,7 @@ class VerbsTransport final : public Transport {
     a.port = port_;
     a.mtu = uint8_t(port_attr_.active_mtu);
     std::memcpy(a.gid, gid_.raw, 16);
+    a.max_dest_rd_atomic = uint8_t(max_dest_rd_atomic_);
     a.num_qps = uint32_t(qps_.size());
     std::memcpy(&out[0], &a, sizeof(a));
     for (size_t i = 0; i < qps_.size(); ++i) {
@@ -197,25 +261,56 @@ class VerbsTransport final : public Transport {
 
   std::string register_region(const LocalRegion& r) override {
     const int access = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ | IBV_ACCESS_REMOTE_ATOMIC;
-    ibv_mr* mr = ibv_reg_mr(pd_.get(), r.base, r.size, access);
     const char* how = "ibv_reg_mr";
-#if UCCL_EP_WITH_GPU && defined(UCCL_EP_WITH_CUDA)
-    if (!mr && r.device) {  // no peer-memory client: try DMA-BUF
+    ibv_mr* mr = nullptr;
+    if (r.device) {
+      // Relaxed ordering lets the NIC reorder PCIe writes into GPU memory (the proxy orders by completion,
+      // not by memory). rdma-core treats the flag as optional; an older kernel that refuses it gets a retry.
+      mr = ibv_reg_mr(pd_.get(), r.base, r.size, access | IBV_ACCESS_RELAXED_ORDERING);
+      if (mr) how = "ibv_reg_mr (peer memory, relaxed ordering)";
+    }
+    if (!mr) {
+      mr = ibv_reg_mr(pd_.get(), r.base, r.size, access);
+      if (mr && r.device) how = "ibv_reg_mr (peer memory)";
+    }
+    const int peer_errno = errno;
+#if UCCL_EP_WITH_GPU && (defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP))
+    if (!mr && r.device) {  // no peer-memory client: DMA-BUF
       using RegDmabuf = ibv_mr* (*)(ibv_pd*, uint64_t, size_t, uint64_t, int, int);
       auto reg = reinterpret_cast<RegDmabuf>(dlsym(RTLD_DEFAULT, "ibv_reg_dmabuf_mr"));
+      uint64_t offset = 0;
+#if defined(UCCL_EP_WITH_CUDA)
       int fd = reg ? dmabuf_fd_for(r.base, r.size) : -1;
+      const char* source = "cuMemGetHandleForAddressRange";
+      const char* via = "DMA-BUF (cuMemGetHandleForAddressRange + ibv_reg_dmabuf_mr)";
+#else
+      int fd = reg ? dmabuf_fd_for(r.base, r.size, &offset) : -1;
+      const char* source = "hsa_amd_portable_export_dmabuf";
+      const char* via = "DMA-BUF (hsa_amd_portable_export_dmabuf + ibv_reg_dmabuf_mr)";
+#endif
       if (fd >= 0) {
-        mr = reg(pd_.get(), 0, r.size, uint64_t(reinterpret_cast<uintptr_t>(r.base)), fd, access);
+        const uint64_t iova = uint64_t(reinterpret_cast<uintptr_t>(r.base));
+        mr = reg(pd_.get(), offset, r.size, iova, fd, access | IBV_ACCESS_RELAXED_ORDERING);
+        if (!mr) mr = reg(pd_.get(), offset, r.size, iova, fd, access);
         ::close(fd);
-        how = "ibv_reg_dmabuf_mr";
+        if (mr) how = via;
       }
+      if (!mr)
+        UCCL_THROW("verbs: GPU memory registration of region " << r.id << " (" << r.size << " bytes) on " << dev_name_
+                   << " failed: peer memory (ibv_reg_mr: " << std::strerror(peer_errno) << ") and DMA-BUF ("
+                   << (!reg ? "this libibverbs has no ibv_reg_dmabuf_mr: rdma-core >= 34 needed"
+                            : fd < 0 ? std::string(source) + " gave no fd: driver / ROCm or CUDA too old"
+                                     : std::string("ibv_reg_dmabuf_mr: ") + std::strerror(errno))
+                   << "); load nvidia_peermem (NVIDIA) or use a kernel, driver and NIC with DMA-BUF "
+                      "(`uccl-ep-train doctor` reports both)");
     }
 #endif
     if (!mr)
       UCCL_THROW("verbs: MR registration of region " << r.id << " (" << r.size << " bytes, "
-                 << (r.device ? "GPU" : "host") << " memory) on " << dev_name_ << " failed: " << std::strerror(errno)
-                 << (r.device ? " (no nvidia-peermem and no DMA-BUF support?)" : ""));
-    if (r.device) std::fprintf(stderr, "uccl_ep_train: verbs region %d registered on %s with %s\n", r.id, dev_name_.c_str(), how);
+                 << (r.device ? "GPU" : "host") << " memory) on " << dev_name_ << " failed: " << std::strerror(peer_errno)
+                 << (r.device ? " (this build has no GPU runtime for DMA-BUF)" : ""));
+    if (r.device && o_.thread_index == 0)
+      std::fprintf(stderr, "uccl_ep_train: verbs region %d registered on %s with %s\n", r.id, dev_name_.c_str(), how);
     if (mrs_.size() <= size_t(r.id)) mrs_.resize(size_t(r.id) + 1);
     mrs_[r.id] = own(mr, +[](ibv_mr* m) { warn_release("ibv_dereg_mr", ibv_dereg_mr(m)); });
     if (local_.size() <= size_t(r.id)) local_.resize(size_t(r.id) + 1);
@@ -241,16 +336,16 @@ class VerbsTransport final : public Transport {
     r.path_mtu = ibv_mtu(std::min<int>(a.mtu, port_attr_.active_mtu));
     r.dest_qp_num = dest_qpn;
     r.rq_psn = a.psn;
-    r.max_dest_rd_atomic = 16;
-    r.min_rnr_timer = 12;
+    r.max_dest_rd_atomic = uint8_t(max_dest_rd_atomic_);
+    r.min_rnr_timer = kMinRnrTimer;
     r.ah_attr.port_num = port_;
-    r.ah_attr.sl = uint8_t(sl_);
+    r.ah_attr.sl = uint8_t(set_.sl);
     if (roce_ || a.lid == 0) {
       r.ah_attr.is_global = 1;
       std::memcpy(r.ah_attr.grh.dgid.raw, a.gid, 16);
       r.ah_attr.grh.sgid_index = uint8_t(gid_index_);
       r.ah_attr.grh.hop_limit = 64;
-      r.ah_attr.grh.traffic_class = uint8_t(tc_);
+      r.ah_attr.grh.traffic_class = uint8_t(set_.tc);
     } else {
       r.ah_attr.dlid = a.lid;
     }
@@ -258,11 +353,11 @@ class VerbsTransport final : public Transport {
                                                IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER));
     ibv_qp_attr s{};
     s.qp_state = IBV_QPS_RTS;
-    s.timeout = 14;
-    s.retry_cnt = 7;
-    s.rnr_retry = 7;
+    s.timeout = uint8_t(set_.timeout);
+    s.retry_cnt = uint8_t(set_.retry_cnt);
+    s.rnr_retry = uint8_t(set_.rnr_retry);
     s.sq_psn = psn_;
-    s.max_rd_atomic = 16;
+    s.max_rd_atomic = uint8_t(std::min<int>(max_rd_atomic_, a.max_dest_rd_atomic));  // within the peer's responder
     UCCL_CHECK_VERBS(ibv_modify_qp(qp, &s, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT | IBV_QP_RNR_RETRY |
                                                IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC));
     auto& rr = remote_[peer];
@@ -327,7 +422,7 @@ class VerbsTransport final : public Transport {
     if (free_send_.empty()) drain_for_send_slot(peer);
     int slot = free_send_.back();
     free_send_.pop_back();
-    CtrlMsg& c = ctrl_[kRecvSlots + slot];
+    CtrlMsg& c = ctrl_[size_t(recv_slots_) + size_t(slot)];
     c.kind = region == kNoRegion ? Completion::kMarker : Completion::kAtomic;
     c.imm = imm;
     c.region = region;
@@ -414,8 +509,13 @@ class VerbsTransport final : public Transport {
       const ibv_wc& w = wc[i];
       if (w.status != IBV_WC_SUCCESS) {
         auto it = qpn_peer_.find(w.qp_num);
+        const char* hint = wc_hint(w.status);
         UCCL_THROW("verbs: completion error on " << dev_name_ << " (peer " << (it == qpn_peer_.end() ? -1 : it->second)
-                   << "): " << ibv_wc_status_str(w.status) << " (vendor err " << w.vendor_err << ")");
+                   << "): " << ibv_wc_status_str(w.status) << " (status " << int(w.status) << ", vendor err "
+                   << w.vendor_err << ")" << (hint ? std::string("; ") + hint : std::string())
+                   << "; flow control in effect: UCCL_IB_MAX_INFLIGHT_NORMAL/_LOW_LATENCY=" << o_.max_inflight
+                   << " UCCL_IB_MAX_INFLIGHT_BYTES=" << o_.max_inflight_bytes << ", UCCL_IB_TIMEOUT=" << set_.timeout
+                   << " UCCL_IB_RETRY_CNT=" << set_.retry_cnt << " UCCL_IB_RNR_RETRY=" << set_.rnr_retry);
       }
       if (w.wr_id & kRecvTag) {
         const int slot = int(w.wr_id & 0xffffffffull);
@@ -470,12 +570,15 @@ class VerbsTransport final : public Transport {
   std::vector<CtrlMsg> ctrl_;
   std::vector<int> free_send_;
   uint64_t send_wr_[kSendSlots] = {};
+  int recv_slots_ = 0;  // SRQ depth: control slots [0, recv_slots_), send slots after them
   std::deque<Completion> backlog_;
   ibv_port_attr port_attr_{};
   ibv_gid gid_{};
   uint8_t port_ = 0;
   bool roce_ = false;
-  int gid_index_ = 0, sl_ = 0, tc_ = 0;
+  VerbsSettings set_;
+  int gid_index_ = 0;
+  int max_rd_atomic_ = 0, max_dest_rd_atomic_ = 0;
   uint32_t psn_ = 0;
   int atomic_cap_ = 0;
   bool native_atomics_ = false;

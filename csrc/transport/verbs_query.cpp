@@ -6,25 +6,45 @@
 #if defined(UCCL_EP_WITH_VERBS)
 #include <dlfcn.h>
 #include <infiniband/verbs.h>
+
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 #endif
 
 namespace uccl {
 
-namespace {
-bool peer_memory_loaded() {
+bool nvidia_peer_memory_loaded() {
   std::ifstream f("/proc/modules");
   std::string line;
   while (std::getline(f, line))
-    if (line.rfind("nvidia_peermem ", 0) == 0 || line.rfind("nv_peer_mem ", 0) == 0 || line.rfind("amdgpu ", 0) == 0 ||
-        line.rfind("ib_peer_mem ", 0) == 0)
-      return true;
+    if (line.rfind("nvidia_peermem ", 0) == 0 || line.rfind("nv_peer_mem ", 0) == 0) return true;
   return false;
 }
-}  // namespace
 
 #if defined(UCCL_EP_WITH_VERBS)
 bool verbs_compiled() { return true; }
+
+std::vector<GidEntry> read_gid_table(ibv_context* ctx, const std::string& ibdev_path, int port, int table_len,
+                                     bool ethernet) {
+  std::vector<GidEntry> out;
+  for (int i = 0; i < table_len && i < 1024; ++i) {
+    GidEntry e;
+    e.index = i;
+    ibv_gid gid{};
+    if (ibv_query_gid(ctx, uint8_t(port), i, &gid) != 0) continue;  // unreadable: as good as empty
+    std::memcpy(e.raw.data(), gid.raw, 16);
+    if (!ethernet) {
+      e.type = GidType::kIB;
+    } else {
+      std::ifstream t(ibdev_path + "/ports/" + std::to_string(port) + "/gid_attrs/types/" + std::to_string(i));
+      std::string text;
+      if (t && std::getline(t, text)) e.type = gid_type_from_text(text);
+    }
+    out.push_back(e);
+  }
+  return out;
+}
 
 std::vector<VerbsDevice> query_verbs_devices() {
   std::vector<VerbsDevice> out;
@@ -32,7 +52,7 @@ std::vector<VerbsDevice> query_verbs_devices() {
   ibv_device** list = ibv_get_device_list(&n);
   if (!list) return out;
   const bool dmabuf = dlsym(RTLD_DEFAULT, "ibv_reg_dmabuf_mr") != nullptr;
-  const bool peer = peer_memory_loaded();
+  const bool peer = nvidia_peer_memory_loaded();
   for (int i = 0; i < n; ++i) {
     VerbsDevice d;
     d.name = ibv_get_device_name(list[i]);
@@ -67,21 +87,10 @@ std::vector<VerbsDevice> query_verbs_devices() {
         std::ostringstream sp;
         sp << "width " << int(pa.active_width) << " speed " << int(pa.active_speed);
         port.speed = sp.str();
-        for (int g = 0; g < pa.gid_tbl_len && g < 16; ++g) {
-          ibv_gid gid{};
-          if (ibv_query_gid(ctx, uint8_t(p), g, &gid) != 0) break;
-          bool zero = true;
-          for (int k = 0; k < 16; ++k) zero = zero && gid.raw[k] == 0;
-          if (zero) continue;
-          char s[64];
-          std::snprintf(s, sizeof(s), "%d:", g);
-          std::string str(s);
-          for (int k = 0; k < 16; k += 2) {
-            std::snprintf(s, sizeof(s), "%02x%02x%s", gid.raw[k], gid.raw[k + 1], k < 14 ? ":" : "");
-            str += s;
-          }
-          port.gids.push_back(str);
-        }
+        const bool eth = pa.link_layer == IBV_LINK_LAYER_ETHERNET;
+        for (const GidEntry& e : read_gid_table(ctx, list[i]->ibdev_path, p, std::min(pa.gid_tbl_len, 16), eth))
+          if (!gid_is_zero(e.raw))
+            port.gids.push_back(std::to_string(e.index) + ":" + gid_type_name(e.type) + ":" + gid_to_string(e.raw));
         d.ports.push_back(port);
       }
     } else {
@@ -95,10 +104,7 @@ std::vector<VerbsDevice> query_verbs_devices() {
 }
 #else
 bool verbs_compiled() { return false; }
-std::vector<VerbsDevice> query_verbs_devices() {
-  (void)peer_memory_loaded;
-  return {};
-}
+std::vector<VerbsDevice> query_verbs_devices() { return {}; }
 #endif
 
 }  // namespace uccl

@@ -10,11 +10,13 @@ module is required (`--require-native`) and missing.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
 import subprocess
 import sys
+from typing import Optional
 
 # the launch (slurm/launch.sh, train.sbatch, the Primus YAMLs) and libfabric variables doctor also reports when
 # set (the library's own: config.SETTINGS)
@@ -85,7 +87,7 @@ def collect() -> dict:
         report["rdma"]["pyverbs"] = note
     report["rdma"]["source"] = source
     report["rdma"]["devices"] = devices
-    report["rdma"]["peer_memory_module"] = _peer_memory_module()
+    report["rdma"]["gpu_memory"] = gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())
     try:
         import torch
         if torch.cuda.is_available():
@@ -150,15 +152,59 @@ def _nic_map(compiled: list[str], root: str = "/") -> dict:
     return out
 
 
-def _peer_memory_module() -> str:
+# Peer-memory clients that let ibv_reg_mr take GPU pointers: NVIDIA's only. amdgpu is AMD's GPU driver, not a
+# peer-memory client, and upstream bnxt_re (Thor-2) and ionic (Pollara) have none: AMD GPUs go through DMA-BUF.
+NVIDIA_PEER_MEMORY = ("nvidia_peermem", "nv_peer_mem")
+
+
+def gpu_memory_registration(gpu_vendor: str, modules: Optional[list[str]], dmabuf: bool) -> dict:
+    """How the verbs transport can register this host's GPU memory, in the order it tries (csrc/transport/
+    verbs.cpp): peer memory (NVIDIA only), then DMA-BUF (ibv_reg_dmabuf_mr on an fd from the GPU runtime).
+
+    gpu_vendor: "nvidia", "amd" or "none"; modules: loaded kernel module names (None: unknown); dmabuf: this
+    libibverbs has ibv_reg_dmabuf_mr. `ok` is False when no method is left: internode GPU runs then fail at
+    registration, naming this."""
+    peer = [m for m in NVIDIA_PEER_MEMORY if modules and m in modules] if gpu_vendor == "nvidia" else []
+    methods = ([f"peer memory ({peer[0]})"] if peer else []) + (["DMA-BUF"] if dmabuf and gpu_vendor != "none" else [])
+    if gpu_vendor == "none":
+        note = "no GPU visible: nothing to register"
+    elif methods:
+        note = "tries " + ", then ".join(methods) + (
+            " (DMA-BUF on AMD also needs ROCm >= 5.6 and a NIC driver with DMA-BUF)" if gpu_vendor == "amd" else
+            " (DMA-BUF also needs the NVIDIA open kernel module and a NIC driver with DMA-BUF)" if not peer else "")
+    elif gpu_vendor == "nvidia":
+        note = ("no nvidia_peermem / nv_peer_mem loaded and this libibverbs has no ibv_reg_dmabuf_mr: "
+                "`modprobe nvidia_peermem` or install rdma-core >= 34")
+    else:
+        note = ("AMD GPUs register through DMA-BUF only (no peer-memory client on upstream NIC drivers) and this "
+                "libibverbs has no ibv_reg_dmabuf_mr: install rdma-core >= 34")
+    return {"gpu_vendor": gpu_vendor, "peer_memory": peer[0] if peer else "none", "dmabuf": dmabuf,
+            "methods": methods, "ok": bool(methods) or gpu_vendor == "none", "note": note}
+
+
+def _gpu_vendor() -> str:
     try:
-        mods = open("/proc/modules").read().split("\n")
+        import torch
+    except ImportError:  # pragma: no cover
+        return "none"
+    if not torch.cuda.is_available():
+        return "none"
+    return "amd" if getattr(torch.version, "hip", None) else "nvidia"
+
+
+def _loaded_modules() -> Optional[list[str]]:
+    try:
+        with open("/proc/modules") as f:
+            return [line.split(" ", 1)[0] for line in f if line.strip()]
     except OSError:
-        return "unknown"
-    for name in ("nvidia_peermem", "nv_peer_mem", "amdgpu"):
-        if any(m.startswith(name + " ") for m in mods):
-            return name
-    return "none"
+        return None
+
+
+def _verbs_has_dmabuf() -> bool:
+    try:
+        return hasattr(ctypes.CDLL("libibverbs.so.1"), "ibv_reg_dmabuf_mr")
+    except OSError:
+        return False
 
 
 def _fabric_providers() -> list[str]:
@@ -184,11 +230,13 @@ def render(r: dict) -> str:
     for d in rd["devices"]:
         lines.append(f"  {d['name']}: fw {d.get('fw_ver', '?')} vendor 0x{int(d.get('vendor_id', 0)):x} "
                      f"part {d.get('vendor_part_id', '?')} atomics {d.get('atomic_cap', '?')} "
-                     f"dmabuf {d.get('dmabuf', '?')} peer-memory {d.get('peer_memory', '?')}")
+                     f"dmabuf {d.get('dmabuf', '?')} nvidia-peer-memory {d.get('peer_memory', '?')}")
         for p in d.get("ports", []):
             lines.append(f"    port {p['port']}: {p['state']} {p['link_layer']} lid {p.get('lid')} "
                          f"gids {', '.join(p.get('gids', [])) or 'none'}")
-    lines.append(f"  peer-memory kernel module: {rd['peer_memory_module']}")
+    gm = rd["gpu_memory"]
+    lines.append(f"  GPU memory registration ({gm['gpu_vendor']} GPUs): {gm['note']}"
+                 + ("" if gm["ok"] else "  <- internode GPU runs cannot register their buffers"))
     lines.append("")
     lines.append("GPUs:" if r["gpus"] else "GPUs: none visible to torch")
     for g in r["gpus"]:

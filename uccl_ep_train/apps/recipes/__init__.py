@@ -24,6 +24,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+from uccl_ep_train.config import NIC_FLOW_CONTROL
+
 __all__ = ["Recipe", "list_recipes", "load_recipe", "megatron_cli_args", "parse_moe_layer_freq", "nic_env",
            "NIC_PROFILES", "STORE_FALSE_FLAGS"]
 
@@ -47,16 +49,17 @@ _ARG_TO_CONFIG = {
     "swiglu": "gated_linear_unit",
 }
 
-# NIC-specific flow control from the UCCL-EP README (seed 002): Broadcom Thor-2 and AMD Pollara want strict
-# flow control; EFA and ConnectX run with the defaults. The transport is not a profile's business: each rank
-# picks it from its NICs' kind (uccl_ep_train/proxy.py choose_transport: verbs on cx7 / thor2 / pollara,
-# fabric on efa); the efa profile names the efa provider that choice asks libfabric for, so that every
-# libfabric user of the job (NCCL's aws-ofi-nccl too) takes the same one.
+# NIC-specific settings: Broadcom Thor-2 and AMD Pollara want strict flow control (the proxy also applies
+# it by itself when it sees their devices: config.NIC_FLOW_CONTROL, the one table of those limits); EFA and
+# ConnectX run with the defaults. The transport is not a profile's business: each rank picks it from its
+# NICs' kind (uccl_ep_train/proxy.py choose_transport: verbs on cx7 / thor2 / pollara, fabric on efa); the
+# efa profile names the efa provider that choice asks libfabric for, so that every libfabric user of the job
+# (NCCL's aws-ofi-nccl too) takes the same one.
 NIC_PROFILES: dict[str, dict[str, str]] = {
     "cx7": {},
     "efa": {"NCCL_MAX_NCHANNELS": "8", "FI_PROVIDER": "efa"},
-    "thor2": {"UCCL_IB_MAX_INFLIGHT_BYTES": "1572864", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1"},
-    "pollara": {"UCCL_IB_MAX_INFLIGHT_BYTES": "2097152", "UCCL_IB_MAX_INFLIGHT_NORMAL": "1"},
+    "thor2": NIC_FLOW_CONTROL["bnxt_re"].env(),
+    "pollara": NIC_FLOW_CONTROL["ionic"].env(),
 }
 
 
