@@ -262,8 +262,9 @@ class ProxyGroup:
         self._keepalive = dict(regions)  # the buffers must outlive the registrations
         mine: Any
         try:
-            if self.transport == "verbs":  # Thor-2 / Pollara flow control unless the user set it
-                flow, note = nic_flow_control(_native.verbs_devices(), bool(options.get("low_latency")))
+            if self.transport == "verbs":  # Thor-2 / Pollara flow control of the NICs this rank opens, unless set
+                mine_nics = [d for d in _native.verbs_devices() if d.get("name") in self.devices]
+                flow, note = nic_flow_control(mine_nics, bool(options.get("low_latency")))
                 options = {**flow, **options}
                 if note:
                     log.info("uccl_ep_train: %s", note)
