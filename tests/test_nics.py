@@ -451,7 +451,7 @@ def test_native_ipc_proxy_reports_each_threads_device():
     if not P.available() or "ipc" not in P.compiled_transports():
         pytest.skip("native module without the ipc transport")
     from uccl_ep_train import _native
-    p = _native.Proxy(0, 1, gpu=0, transport="ipc", job="nics-test", devices=["mlx5_0", "mlx5_3"], num_threads=3,
+    p = _native.Proxy(0, 1, gpu=0, transport="ipc", job=f"nics-{os.getpid()}", devices=["mlx5_0", "mlx5_3"], num_threads=3,
                       pin_threads=False)
     try:
         assert p.config()["thread_devices"] == ["mlx5_0", "mlx5_3", "mlx5_0"]
