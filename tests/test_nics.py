@@ -226,6 +226,8 @@ def test_no_rdma_nic_means_fabric_over_tcp_across_hosts_and_ipc_on_one(tmp_path)
     across = P.choose_transport(c, ["fabric", "ipc", "verbs"], same_host=False, gpu=0)
     assert (across.transport, across.provider, across.devices) == ("fabric", "tcp", ())
     assert P.choose_transport(c, ["fabric", "ipc", "verbs"], same_host=True, gpu=0).transport == "ipc"
+    asked = P.choose_transport(c, ["fabric", "ipc"], same_host=True, gpu=0, requested="fabric")
+    assert (asked.transport, asked.provider) == ("fabric", None)  # asked for: libfabric's choice (or FI_PROVIDER)
     with pytest.raises(ValueError, match="verbs found no RDMA devices with an ACTIVE port.*UCCL_EP_TRANSPORT=fabric"):
         P.choose_transport(c, ["fabric", "verbs"], same_host=False, gpu=0, requested="verbs")
 

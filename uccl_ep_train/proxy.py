@@ -146,8 +146,10 @@ def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu:
                          "bring a port up")
     devices: tuple[str, ...] = ()
     if transport == "fabric":
-        if not provider:
-            provider = "efa" if nics.kind == EFA_KIND else ("tcp" if not nics.devices else None)
+        if not provider and nics.kind == EFA_KIND:
+            provider = "efa"
+        elif not provider and not requested and not nics.devices:
+            provider = "tcp"  # fabric chosen for want of a NIC; a fabric asked for keeps libfabric's choice
         if provider == "efa" and nics.kind == EFA_KIND:
             devices = tuple(f"{d}-rdm" for d in nics.devices)  # the efa provider's domain names
     elif transport == "verbs":
