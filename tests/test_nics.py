@@ -137,7 +137,7 @@ def mi300x_thor2(root) -> tuple[Host, list[str]]:
 
 @pytest.fixture(autouse=True)
 def _no_setting(monkeypatch):
-    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK", "UCCL_EP_VERBS_DEVICE"):
+    for var in ("UCCL_EP_NICS", "UCCL_EP_TRANSPORT", "LOCAL_RANK", "UCCL_EP_VERBS_DEVICE", "FI_PROVIDER"):
         monkeypatch.delenv(var, raising=False)
 
 
@@ -226,6 +226,8 @@ def test_no_rdma_nic_means_fabric_over_tcp_across_hosts_and_ipc_on_one(tmp_path)
     across = P.choose_transport(c, ["fabric", "ipc", "verbs"], same_host=False, gpu=0)
     assert (across.transport, across.provider, across.devices) == ("fabric", "tcp", ())
     assert P.choose_transport(c, ["fabric", "ipc", "verbs"], same_host=True, gpu=0).transport == "ipc"
+    asked = P.choose_transport(c, ["fabric", "ipc"], same_host=True, gpu=0, requested="fabric")
+    assert (asked.transport, asked.provider) == ("fabric", None)  # asked for: libfabric's choice (or FI_PROVIDER)
     with pytest.raises(ValueError, match="verbs found no RDMA devices with an ACTIVE port.*UCCL_EP_TRANSPORT=fabric"):
         P.choose_transport(c, ["fabric", "verbs"], same_host=False, gpu=0, requested="verbs")
 
@@ -357,8 +359,6 @@ def test_setting_key_is_local_rank(monkeypatch):
 # -- doctor --------------------------------------------------------------------------------------------------------
 def test_doctor_prints_each_gpus_nics_with_the_reason_and_the_transport(tmp_path, monkeypatch):
     from uccl_ep_train.apps import doctor
-    for var in ("FI_PROVIDER", "UCCL_EP_TRANSPORT", "UCCL_EP_NICS"):  # other tests' modules set some at import
-        monkeypatch.delenv(var, raising=False)
     _, gpus, pairs = p5en(tmp_path)
     m = doctor._nic_map(["fabric", "ipc", "verbs"], root=str(tmp_path))
     assert [g["devices"] for g in m["gpus"]] == [list(p) for p in pairs]
@@ -453,7 +453,7 @@ def test_native_ipc_proxy_reports_each_threads_device():
     if not P.available() or "ipc" not in P.compiled_transports():
         pytest.skip("native module without the ipc transport")
     from uccl_ep_train import _native
-    p = _native.Proxy(0, 1, gpu=0, transport="ipc", job="nics-test", devices=["mlx5_0", "mlx5_3"], num_threads=3,
+    p = _native.Proxy(0, 1, gpu=0, transport="ipc", job=f"nics-{os.getpid()}", devices=["mlx5_0", "mlx5_3"], num_threads=3,
                       pin_threads=False)
     try:
         assert p.config()["thread_devices"] == ["mlx5_0", "mlx5_3", "mlx5_0"]

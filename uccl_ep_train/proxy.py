@@ -146,8 +146,10 @@ def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu:
                          "bring a port up")
     devices: tuple[str, ...] = ()
     if transport == "fabric":
-        if not provider:
-            provider = "efa" if nics.kind == EFA_KIND else ("tcp" if not nics.devices else None)
+        if not provider and nics.kind == EFA_KIND:
+            provider = "efa"
+        elif not provider and not requested and not nics.devices:
+            provider = "tcp"  # fabric chosen for want of a NIC; a fabric asked for keeps libfabric's choice
         if provider == "efa" and nics.kind == EFA_KIND:
             devices = tuple(f"{d}-rdm" for d in nics.devices)  # the efa provider's domain names
     elif transport == "verbs":
@@ -431,6 +433,7 @@ def start_proxies(runtime: Any, **kw: Any) -> tuple[list, list]:
     if "adaptive_sleep" not in kw and "UCCL_RDMA_ADAPTIVE_SLEEP" not in os.environ:
         kw["adaptive_sleep"] = True
     group = ProxyGroup(runtime.rank, runtime.num_ranks, regions, group=runtime.group, gpu=gpu, **kw)
-    log.info("uccl_ep_train: %d proxy threads on %s transport (cpus %s)", group.num_threads, group.transport,
+    log.info("uccl_ep_train: %d proxy threads on %s transport (%s; NICs %s: %s; cpus %s)", group.num_threads,
+             group.transport, group.transport_reason, ", ".join(group.nics.devices) or "none", group.nics.reason,
              group.thread_cpus())
     return [group], []

@@ -218,12 +218,12 @@ void ProxyThread::run() {
     CPU_SET(cpu_, &set);
     pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort: the framework may forbid it
   }
-#if UCCL_EP_WITH_GPU
-  if (p_->cfg_.gpu >= 0) gpuSetDevice(p_->cfg_.gpu);
-#endif
   uint64_t idle = 0;
   uint32_t sleep_us = 1;
   try {
+#if UCCL_EP_WITH_GPU
+    if (p_->cfg_.gpu >= 0) UCCL_CHECK_GPU(gpuSetDevice(p_->cfg_.gpu));  // a failure is this thread's error
+#endif
     while (!stop_.load(std::memory_order_relaxed)) {
       if (step()) {
         idle = 0;
