@@ -122,16 +122,16 @@ int cq_data_bytes_for(const fi_info* info, int world) {
   return bytes;
 }
 
-// Providers that move GPU memory with CPU-driven copies through the CUDA runtime (shm's IPC and bounce
-// paths, tcp/sockets bounce buffers) rather than with a NIC's DMA: libfabric 2.x issues those as plain
-// cudaMemcpy, which for device-to-device copies returns before the copy ran and queues it on the legacy
-// default stream. Their arrivals are fenced (FabricTransport::fence_arrivals).
 #if defined(UCCL_EP_WITH_CUDA)
 constexpr bool kCudaBuild = true;
 #else
 constexpr bool kCudaBuild = false;
 #endif
 
+// Providers that move GPU memory with CPU-driven copies through the CUDA runtime (shm's IPC and bounce
+// paths, tcp/sockets bounce buffers) rather than with a NIC's DMA: libfabric 2.x issues those as plain
+// cudaMemcpy, which for device-to-device copies returns before the copy ran and queues it on the legacy
+// default stream. Their arrivals wait behind the transport's copy fence (FabricTransport::mark_fence).
 bool copies_through_cuda_runtime(const std::string& prov) {
   for (const char* p : {"shm", "tcp", "sockets", "udp"})
     if (prov.compare(0, std::strlen(p), p) == 0) return true;
