@@ -23,7 +23,7 @@ import runpy
 import sys
 from typing import Optional
 
-from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
+from uccl_ep_train.gpu_sharing import ranks_per_gpu_on_host, shared_gpu_env
 
 from . import settings
 
@@ -45,7 +45,7 @@ def share_gpus(megatron_argv: list[str]) -> int:
     ranks per GPU (0 without GPUs). Refuses (SystemExit) sharing without `--distributed-backend gloo`."""
     import torch  # device_count asks NVML: no CUDA context yet, so the environment set here still counts
 
-    per_gpu = ranks_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
+    per_gpu = ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if per_gpu <= 1:
         return per_gpu
     flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)

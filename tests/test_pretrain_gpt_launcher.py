@@ -53,8 +53,9 @@ def test_ranks_sharing_a_gpu_get_its_index_as_local_rank_and_need_gloo(monkeypat
 
     from megatron_patch.pretrain_gpt import share_gpus
 
-    for var in ("UCCL_EP_DEVICE", "CUDA_MODULE_LOADING"):
-        monkeypatch.delenv(var, raising=False)
+    for var in ("UCCL_EP_DEVICE", "CUDA_MODULE_LOADING"):  # share_gpus sets them: restored after the test
+        monkeypatch.setenv(var, "")
+        monkeypatch.delenv(var)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
     monkeypatch.setenv("LOCAL_RANK", "3")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)

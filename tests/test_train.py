@@ -171,9 +171,9 @@ def test_quiet_libraries(rank, verbose):
                                                               (4, 1, 4, "gloo"), (4, 2, 2, "gloo"), (3, 2, 2, "gloo")])
 def test_ranks_per_gpu_and_the_collectives_backend(local, gpus, per_gpu, collectives):
     from uccl_ep_train.apps.train import collectives_of
-    from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
+    from uccl_ep_train.gpu_sharing import ranks_per_gpu_on_host, shared_gpu_env
 
-    assert ranks_per_gpu(local, gpus) == per_gpu
+    assert ranks_per_gpu_on_host(local, gpus) == per_gpu
     assert collectives_of(per_gpu) == collectives
     env = shared_gpu_env(per_gpu)
     assert env == ({"UCCL_EP_DEVICE": "cuda", "CUDA_MODULE_LOADING": "EAGER"} if per_gpu > 1 else {})

@@ -179,9 +179,9 @@ def group_device(group: Any) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def ranks_per_gpu(local_ranks: int, gpus: int) -> int:
+def ranks_per_gpu_on_host(local_ranks: int, gpus: int) -> int:
     """How many of a host's `local_ranks` ranks share each of its `gpus` GPUs (consecutive ranks share one:
-    rank r uses GPU r // ranks_per_gpu); 0 without GPUs, 1 when every rank has a GPU of its own."""
+    rank r uses GPU r // ranks_per_gpu_on_host); 0 without GPUs, 1 when every rank has a GPU of its own."""
     if gpus < 1:
         return 0
     return max(1, -(-local_ranks // gpus))

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .launch import check_ranks_per_node, launched_world, run
-from uccl_ep_train.gpu_sharing import ranks_per_gpu, shared_gpu_env
+from uccl_ep_train.gpu_sharing import ranks_per_gpu_on_host, shared_gpu_env
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
 RUNS_DIR = os.path.join("runs", "train")  # the default home of the JSON log and the loss plot
@@ -366,7 +366,7 @@ def _rank_main(rank: int, world: int, args) -> None:
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     # device_count asks NVML: CUDA is not started yet, so a launcher's ranks still take shared_gpu_env
-    per_gpu = ranks_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count())
+    per_gpu = ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count())
     os.environ.update(shared_gpu_env(per_gpu))
     device = _device_for(local_rank, per_gpu)
     if device.type == "cpu" or per_gpu > 1:
@@ -400,7 +400,7 @@ def _write_log(args, world: int, device: torch.device, history: list[dict]) -> N
     with open(path, "w") as f:
         json.dump({"dispatcher": args.dispatcher, "recipe": args.recipe, "ranks": world,
                    "ranks_per_node": getattr(args, "ranks_per_node", None), "device": name,
-                   "ranks_per_gpu": ranks_per_gpu(int(os.environ.get("LOCAL_WORLD_SIZE", world)),
+                   "ranks_per_gpu": ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                                   torch.cuda.device_count()) if device.type == "cuda" else 0,
                    "collectives": dist.get_backend(), **getattr(args, "provenance", {}),
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
@@ -477,7 +477,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                              f"--dispatcher alltoall --json {args.compare})")
         with open(args.compare) as f:
             reference = json.load(f)
-    per_gpu = ranks_per_gpu(world, gpus)
+    per_gpu = ranks_per_gpu_on_host(world, gpus)
     args.provenance = provenance(argv if argv is not None else sys.argv[1:])
     with contextlib.ExitStack() as stack:
         env, mps = {}, ""
