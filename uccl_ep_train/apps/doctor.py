@@ -93,7 +93,7 @@ def collect() -> dict:
         report["rdma"]["pyverbs"] = note
     report["rdma"]["source"] = source
     report["rdma"]["devices"] = devices
-    report["rdma"]["gpu_memory"] = gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())
+    report["rdma"]["gpu_memory"] = local_gpu_memory_registration()
     try:
         import torch
         if torch.cuda.is_available():
@@ -187,6 +187,11 @@ def gpu_memory_registration(gpu_vendor: str, modules: Optional[list[str]], dmabu
                 "libibverbs has no ibv_reg_dmabuf_mr: install rdma-core >= 34")
     return {"gpu_vendor": gpu_vendor, "peer_memory": peer[0] if peer else "none", "dmabuf": dmabuf,
             "methods": methods, "ok": bool(methods) or gpu_vendor == "none", "note": note}
+
+
+def local_gpu_memory_registration() -> dict:
+    """`gpu_memory_registration` for this host: its GPUs' vendor, loaded modules and libibverbs."""
+    return gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())
 
 
 def _gpu_vendor() -> str:

@@ -27,6 +27,7 @@ import argparse
 import json
 import math
 import os
+import re
 import socket
 import sys
 import threading
@@ -98,6 +99,10 @@ class _Stop(Exception):
     """A phase failed on some rank: every rank stops at the same gather."""
 
 
+class _PeerFailed(Exception):
+    """This rank's step failed because of a peer (the message names it): its row says "stopped: ..."."""
+
+
 class _Rank:
     """One rank's state through the phases; every phase ends in `_sync`, the gather that keeps ranks together."""
 
@@ -141,6 +146,8 @@ class _Rank:
             out = fn()
         except _Stop:  # a gather inside the phase already stopped every rank
             raise
+        except _PeerFailed as exc:
+            error = f"stopped: {exc}"
         except Exception as exc:  # noqa: BLE001 - the rank's error goes into its row, after its peers heard of it
             error = f"{type(exc).__name__}: {exc}".replace("\n", " ")
         self._sync(name, error)
@@ -188,8 +195,15 @@ class _Rank:
     def _connect(self, hosts: list[str]) -> None:
         from uccl_ep_train import proxy as P
 
-        self.group = P.ProxyGroup(self.rank, self.world, {0: self.region}, transport=self.opts.transport,
-                                  gpu=self.gpu, timeout_s=self.opts.timeout_s)
+        try:
+            self.group = P.ProxyGroup(self.rank, self.world, {0: self.region}, transport=self.opts.transport,
+                                      gpu=self.gpu, timeout_s=self.opts.timeout_s)
+        except RuntimeError as exc:
+            # The bootstrap raises the same gathered error ("... failed on rank 1: ...") on every rank: on the
+            # ranks it does not name, it is a peer's problem, and the table's first problem is that peer's.
+            if str(exc).startswith("ProxyGroup:") and not re.search(rf"\brank {self.rank}:", str(exc)):
+                raise _PeerFailed(str(exc)) from None
+            raise
         g = self.group
         self.row.transport = g.transport + (f" ({g.config()['provider']})" if g.config().get("provider") else "")
         self.row.nics = [d or "-" for d in g.config()["thread_devices"]]
@@ -368,9 +382,9 @@ def registration_method(transport: str, gpu: bool, provider: str) -> str:
         return f"{'GPU via FI_HMEM' if gpu else 'host'} ({provider or 'libfabric default'})"
     if not gpu:
         return "host (ibv_reg_mr)"
-    from uccl_ep_train.apps.doctor import _gpu_vendor, _loaded_modules, _verbs_has_dmabuf, gpu_memory_registration
+    from uccl_ep_train.apps.doctor import local_gpu_memory_registration
 
-    methods = gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())["methods"]
+    methods = local_gpu_memory_registration()["methods"]
     return "GPU: " + (" or ".join(methods) if methods else "-")
 
 
