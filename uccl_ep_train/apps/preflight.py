@@ -112,6 +112,7 @@ class _Rank:
         self.group: Any = None
         self.region: Any = None
         self.gpu = -1
+        self.stream: Any = None   # the GPU push kernel's stream
 
     def _sync(self, phase: str, error: str) -> None:
         """Gathers every rank's error of `phase`; raises _Stop on every rank when any rank failed."""
@@ -179,6 +180,7 @@ class _Rank:
             self.gpu = int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count()
             torch.cuda.set_device(self.gpu)
             self.row.gpu = f"{self.gpu} {torch.cuda.get_device_name(self.gpu)}"
+            self.stream = torch.cuda.Stream(self.gpu)
             self.region = torch.zeros(nbytes, dtype=torch.uint8, device=f"cuda:{self.gpu}")
             for i, d in enumerate(self.row.peers):
                 self.region[i * CHUNK:(i + 1) * CHUNK] = torch.from_numpy(pattern(self.rank, d, CHUNK)).cuda()
@@ -314,8 +316,10 @@ class _Rank:
                 flat += rows.get(t, [])
                 offsets.append(len(flat))
             cmds = torch.from_numpy(P.make_commands(flat).view(np.uint8).copy()).cuda(self.gpu)
-            _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1,
-                                      torch.cuda.current_stream(self.gpu).cuda_stream)
+            torch.cuda.synchronize(self.gpu)  # the commands are in GPU memory before the side stream reads them
+            # A stream of its own, not the legacy default one: a provider that copies GPU memory on the default
+            # stream (libfabric's shm) must not wait behind this kernel while it waits for ring slots.
+            _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1, self.stream.cuda_stream)
             return
         errors: list[BaseException] = []
 
