@@ -80,6 +80,35 @@ def test_a_rank_whose_proxies_cannot_start_is_named_and_nobody_hangs(loopback):
     assert "FIRST PROBLEM: rank 1" in text and "no-such-provider" in text.split("FIRST PROBLEM")[1]
 
 
+def _one_dying_proxy(rank, world, opts):
+    """Rank 1's proxy threads fail (fault injection) once past the pattern's commands: in the bulk rounds."""
+    if rank == 1:
+        os.environ["UCCL_EP_FAULT"] = "die_after=3"
+    return preflight.check_rank(rank, world, opts)
+
+
+@needs_fabric
+def test_a_rank_failing_mid_transfer_is_the_first_problem_and_its_peers_stop_at_their_deadline(loopback):
+    opts = preflight.Options(transport="fabric", mib=4, rounds=2, timeout_s=3)
+    start = time.monotonic()
+    try:
+        rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
+    except RuntimeError as e:
+        # seen once in 13 runs: rank 1 segfaults in libfabric tcp's fi_close when its ProxyGroup closes after
+        # its proxy thread died (FabricTransport::close, csrc/transport/fabric.cpp); not this command's bug
+        if "ranks [1] of 3 failed" in str(e) and "exited with code" in str(e):
+            pytest.xfail(f"fabric teardown after a dead proxy thread crashed rank 1: {e}")
+        raise
+    assert time.monotonic() - start < 90
+    assert [r["bytes_verified"] for r in rows] == [2 * preflight.CHUNK] * 3   # the pattern passed everywhere
+    assert rows[1]["phase"] == "bulk" and rows[1]["cause"] == "own" and "die_after" in rows[1]["error"]
+    for r in (rows[0], rows[2]):
+        assert r["phase"] == "bulk" and r["cause"] == "peer" and r["error"], r
+    assert preflight.exit_code(rows) == 1
+    problem = preflight.first_problem(rows)
+    assert problem.startswith("rank 1 ") and "die_after" in problem
+
+
 @needs_fabric
 def test_a_bad_nics_setting_fails_the_check_with_the_setting_named(loopback, monkeypatch, tmp_path, capsys):
     monkeypatch.setenv("UCCL_EP_NICS", "1=no_such_nic0")  # rank 0: no entry; rank 1: a device the host lacks

@@ -81,6 +81,7 @@ class Row:
     gbps: dict[str, float] = field(default_factory=dict)  # per NIC, and "total"
     phase: str = ""                   # the phase that failed ("" : none)
     error: str = ""
+    cause: str = ""                   # "own": this rank's problem; "peer": it stopped or waited for a peer's
 
 
 def peers_of(rank: int, hosts: Sequence[str], other_nodes: bool) -> list[int]:
@@ -100,7 +101,7 @@ class _Stop(Exception):
 
 
 class _PeerFailed(Exception):
-    """This rank's step failed because of a peer (the message names it): its row says "stopped: ..."."""
+    """This rank's step failed because of a peer (the message names it): its row's cause is "peer"."""
 
 
 class _Rank:
@@ -114,48 +115,48 @@ class _Rank:
         self.gpu = -1
         self.stream: Any = None   # the GPU push kernel's stream
 
-    def _sync(self, phase: str, error: str) -> None:
+    def _sync(self, phase: str, error: str, cause: str = "own") -> None:
         """Gathers every rank's error of `phase`; raises _Stop on every rank when any rank failed."""
         import torch.distributed as dist
         everyone: list = [None] * self.world
         dist.all_gather_object(everyone, error)
         if error:
-            self.row.phase, self.row.error = phase, error
-        failed = [(r, e) for r, e in enumerate(everyone) if e]
+            self.row.phase, self.row.error, self.row.cause = phase, error, cause
+        failed = [r for r, e in enumerate(everyone) if e]
         if failed:
             if not error:
-                self.row.phase = phase
-                self.row.error = "stopped: " + "; ".join(f"rank {r} failed ({phase})" for r, _ in failed)
+                self.row.phase, self.row.cause = phase, "peer"
+                self.row.error = f"stopped: rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))} failed"
             raise _Stop()
 
     def run(self) -> Row:
         try:
-            hosts = self._phase("setup", self._setup)
-            self._phase("connect", lambda: self._connect(hosts))
-            self._phase("pattern", self._pattern)
-            self._phase("bulk", self._bulk)
+            for name, step in (("setup", self._setup), ("connect", self._connect), ("pattern", self._pattern),
+                               ("bulk", self._bulk)):
+                self._phase(name, step)
         except _Stop:
             pass
-        finally:
+        except BaseException:  # a gather itself failed (a rank died): no teardown that waits for peers
             if self.group is not None:
-                self._teardown()
+                self.group.close()
+            raise
+        self._teardown()
         return self.row
 
-    def _phase(self, name: str, fn: Callable[[], Any]) -> Any:
-        out, error = None, ""
+    def _phase(self, name: str, fn: Callable[[], None]) -> None:
+        error, cause = "", "own"
         try:
-            out = fn()
+            fn()
         except _Stop:  # a gather inside the phase already stopped every rank
             raise
         except _PeerFailed as exc:
-            error = f"stopped: {exc}"
+            error, cause = str(exc), "peer"
         except Exception as exc:  # noqa: BLE001 - the rank's error goes into its row, after its peers heard of it
-            error = f"{type(exc).__name__}: {exc}".replace("\n", " ")
-        self._sync(name, error)
-        return out
+            error = f"{type(exc).__name__}: {exc}"
+        self._sync(name, error.replace("\n", " "), cause)
 
     # -- setup: device, hosts, peers, region ------------------------------------------------------
-    def _setup(self) -> list[str]:
+    def _setup(self) -> None:
         import torch
         import torch.distributed as dist
         from uccl_ep_train import proxy as P
@@ -191,10 +192,9 @@ class _Rank:
                 self.region[i * CHUNK:(i + 1) * CHUNK] = pattern(self.rank, d, CHUNK)
         self.recv_base = most * CHUNK
         self.hosts = hosts
-        return hosts
 
     # -- connect: the ProxyGroup (its bootstrap gathers every rank's error itself) -----------------
-    def _connect(self, hosts: list[str]) -> None:
+    def _connect(self) -> None:
         from uccl_ep_train import proxy as P
 
         try:
@@ -204,7 +204,7 @@ class _Rank:
             # The bootstrap raises the same gathered error ("... failed on rank 1: ...") on every rank: on the
             # ranks it does not name, it is a peer's problem, and the table's first problem is that peer's.
             if str(exc).startswith("ProxyGroup:") and not re.search(rf"\brank {self.rank}:", str(exc)):
-                raise _PeerFailed(str(exc)) from None
+                raise _PeerFailed(f"stopped: {exc}") from None
             raise
         g = self.group
         self.row.transport = g.transport + (f" ({g.config()['provider']})" if g.config().get("provider") else "")
@@ -224,7 +224,7 @@ class _Rank:
                 for i, d in enumerate(self.row.peers)]
         self._push({0: rows})
         for s in self.row.peers:
-            self.group.wait_seq(s, 0, 1, timeout_s=self.opts.timeout_s, phase="doctor --peers pattern")
+            self._wait_from(s, 0, 1, "pattern")
         self.group.check()
         got = self._received()
         for i, s in enumerate(self.row.peers):
@@ -239,6 +239,15 @@ class _Rank:
         if rest.any():
             raise RuntimeError(f"{int(np.count_nonzero(rest))} bytes beyond the peers' slots were written")
         self.row.bytes_verified = len(self.row.peers) * CHUNK
+
+    def _wait_from(self, src: int, channel: int, target: int, what: str) -> None:
+        """Waits for `src`'s writes; a timeout is blamed on `src` (its own row says what went wrong there),
+        after this rank's own proxies were checked."""
+        try:
+            self.group.wait_seq(src, channel, target, timeout_s=self.opts.timeout_s, phase=f"doctor --peers {what}")
+        except RuntimeError as exc:
+            self.group.check()
+            raise _PeerFailed(f"waited for rank {src} ({self.hosts[src]}): {exc}") from None
 
     def _slot_at(self, dst: int) -> int:
         """Where this rank's writes land at `dst`: its index among dst's peers."""
@@ -275,7 +284,7 @@ class _Rank:
                 seq[t] += per_thread
             for s in self.row.peers:
                 for t in range(threads):
-                    g.wait_seq(s, t, seq[t], timeout_s=self.opts.timeout_s, phase="doctor --peers bulk")
+                    self._wait_from(s, t, seq[t], "bulk")
             g.check()
             sent = len(self.row.peers) * per_thread * CHUNK
             rate = {nic: sent * sum(n == nic for n in self.row.nics) /
@@ -297,8 +306,9 @@ class _Rank:
             if len(done) < len(targets):
                 if time.monotonic() > deadline:
                     late = sorted(set(targets) - set(done))
-                    raise TimeoutError(f"proxy threads {late} ({', '.join(self.row.nics[t] for t in late)}) did not "
-                                       f"complete their writes within {self.opts.timeout_s} s (--timeout)")
+                    # a peer that stopped receiving or this rank's NIC: the peers' rows tell which
+                    raise _PeerFailed(f"proxy threads {late} ({', '.join(self.row.nics[t] for t in late)}) did not "
+                                      f"complete their writes to the peers within {self.opts.timeout_s} s (--timeout)")
                 time.sleep(0.0002)
         return done
 
@@ -341,12 +351,13 @@ class _Rank:
             raise errors[0]
 
     def _teardown(self) -> None:
-        """Every rank done with its peers' writes before any endpoint goes away."""
+        """Every rank (with proxies or not) done with its peers' writes before any endpoint goes away."""
         import torch.distributed as dist
         try:
             dist.barrier()
         finally:
-            self.group.close()
+            if self.group is not None:
+                self.group.close()
 
 
 def _distinct(items: Sequence[str]) -> list[str]:
@@ -419,10 +430,9 @@ def _cells(r: dict) -> tuple[str, ...]:
 
 
 def first_problem(rows: Sequence[dict]) -> Optional[str]:
-    """The earliest phase's error of the lowest rank that failed there on its own (not only stopped)."""
-    failed = [r for r in rows if r["error"] and not r["error"].startswith("stopped:")]
-    if not failed:
-        failed = [r for r in rows if r["error"]]
+    """The earliest phase's error of the lowest rank that failed there on its own, else of one that stopped
+    or waited for a peer (a rank whose NIC cannot receive shows only as its own wait)."""
+    failed = [r for r in rows if r["error"] and r["cause"] == "own"] or [r for r in rows if r["error"]]
     if not failed:
         return None
     r = min(failed, key=lambda x: (PHASES.index(x["phase"]), x["rank"]))
@@ -499,6 +509,9 @@ def main(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"uccl-ep-train doctor --peers: {exc}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError) as exc:  # a spawned rank died or hung past every deadline: no table
+        print(f"uccl-ep-train doctor --peers: a rank did not report: {exc}", file=sys.stderr)
+        return 1
     if rows is None:  # a launched rank other than 0: rank 0 reports
         return 0
     print(render(rows, opts))
