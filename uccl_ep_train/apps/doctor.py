@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     peers = p.add_argument_group("--peers: the pre-flight check across ranks (uccl_ep_train/apps/preflight.py)")
     peers.add_argument("--peers", action="store_true",
                        help="every rank writes a pattern to its peers through the proxies, checks the bytes, "
-                            "times a bulk transfer per NIC; rank 0 prints one table (under torchrun / srun, "
+                            "times a bulk transfer per NIC; rank 0 prints one table (under torchrun, "
                             "or --ranks N on this host)")
     preflight.add_arguments(peers)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -17,8 +17,8 @@ link far slower than the others. Each rank here does, in seconds, what an EP cal
 
 Every phase ends in a gather of every rank's status, so a rank that failed (or whose ProxyGroup could not
 be built) stops every rank at the same point with its error in the table: nothing waits without a deadline.
-Ranks come from torchrun / srun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR: one process per GPU) or, for a
-check of one host, `--ranks N` spawned here on loopback. Commands reach the rings the way the product's do:
+Ranks come from torchrun (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR: one process per GPU; on Slurm, srun
+starting torchrun per node) or, for a check of one host, `--ranks N` spawned here on loopback. Commands reach the rings the way the product's do:
 from a GPU kernel (`gpu_push_commands`) when the region is on a GPU, from CPU threads otherwise.
 """
 from __future__ import annotations
@@ -167,7 +167,7 @@ class _Rank:
         if not self.row.peers:
             raise ValueError("no peer to check: every rank is on this host and --other-nodes asks for ranks of "
                              "other hosts only; drop --other-nodes" if self.opts.other_nodes else
-                             "no peer to check: run 2 ranks or more (--ranks N, or torchrun / srun)")
+                             "no peer to check: run 2 ranks or more (--ranks N, or torchrun)")
         if not P.available():
             raise RuntimeError("the native module uccl_ep_train._native is not built (pip install ., or "
                                "`python setup.py build_ext --inplace`)")
@@ -466,7 +466,7 @@ def run_check(opts: Options, ranks: Optional[int]) -> Optional[list[dict]]:
     world = launched_world()
     if world is None:
         if not ranks:
-            raise ValueError("doctor --peers: not launched by torchrun / srun (RANK, WORLD_SIZE unset): give "
+            raise ValueError("doctor --peers: not launched by torchrun (RANK, WORLD_SIZE unset): give "
                              "--ranks N to check N ranks on this host")
         if ranks < 2:
             raise ValueError(f"--ranks must be >= 2 (a rank needs a peer), got {ranks}")
@@ -483,7 +483,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The options of `doctor --peers` (doctor.py parses them with its own)."""
     d = Options()
     p.add_argument("--ranks", type=int, default=None,
-                   help="without torchrun / srun: spawn this many ranks on this host (loopback)")
+                   help="without torchrun: spawn this many ranks on this host (loopback)")
     p.add_argument("--transport", choices=("fabric", "ipc", "verbs"), default=None,
                    help="default: the library's choice (UCCL_EP_TRANSPORT, else by NIC kind)")
     p.add_argument("--other-nodes", action="store_true",
