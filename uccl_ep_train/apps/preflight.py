@@ -222,7 +222,7 @@ class _Rank:
 
         rows = [(P.OP_WRITE_IMM, d, 0, 0, CHUNK, i * CHUNK, self.recv_base + self._slot_at(d) * CHUNK)
                 for i, d in enumerate(self.row.peers)]
-        self._push({0: rows})
+        self._push(self._commands({0: rows}))
         for s in self.row.peers:
             self._wait_from(s, 0, 1, "pattern")
         self.group.check()
@@ -268,16 +268,17 @@ class _Rank:
         per_thread = max(1, math.ceil(self.opts.mib * (1 << 20) / self.opts.rounds / threads / CHUNK))
         seq = {t: (1 if t == 0 else 0) for t in range(threads)}   # arrivals per (peer, channel) so far
         flushed = {t: g.flushed(t) for t in range(threads)}
+        rows = {t: [(P.OP_WRITE, d, t, 0, CHUNK, i * CHUNK, self.recv_base + self._slot_at(d) * CHUNK)
+                    for i, d in enumerate(self.row.peers) for _ in range(per_thread)]
+                + [(P.OP_FLUSH, 0, t, 0, 0, 0, 0)] for t in range(threads)}
+        commands = self._commands(rows)   # the same every round
         best: dict[str, float] = {}
         for _ in range(self.opts.rounds):
-            rows = {t: [(P.OP_WRITE, d, t, 0, CHUNK, i * CHUNK, self.recv_base + self._slot_at(d) * CHUNK)
-                        for i, d in enumerate(self.row.peers) for _ in range(per_thread)]
-                    + [(P.OP_FLUSH, 0, t, 0, 0, 0, 0)] for t in range(threads)}
             # every rank sends at once (the rate a dispatch meets); a rank that failed the round before
             # meets the others here with its phase-end gather, so every rank does one gather per round
             self._sync("bulk", "")
             start = time.monotonic()
-            self._push(rows)
+            self._push(commands)
             done = self._wait_flushed({t: flushed[t] + 1 for t in range(threads)}, start)
             for t in range(threads):
                 flushed[t] += 1
@@ -312,34 +313,42 @@ class _Rank:
                 time.sleep(0.0002)
         return done
 
-    def _push(self, rows: dict[int, list[tuple]]) -> None:
-        """Commands into the rings the way the product's producers do: a GPU kernel when the rank has a GPU,
-        else one CPU thread per ring (rings drain concurrently, each in order)."""
+    def _commands(self, rows: dict[int, list[tuple]]) -> Any:
+        """Each ring's rows as commands, ready for `_push` (built before any clock starts): one array in GPU
+        memory with each ring's offsets when the rank has a GPU, else one array per ring."""
         from uccl_ep_train import proxy as P
 
+        if self.gpu < 0:
+            return {t: P.make_commands(r) for t, r in rows.items() if r}
+        import torch
+        flat, offsets = [], [0]
+        for t in range(self.group.num_threads):
+            flat += rows.get(t, [])
+            offsets.append(len(flat))
+        cmds = torch.from_numpy(P.make_commands(flat).view(np.uint8).copy()).cuda(self.gpu)
+        torch.cuda.synchronize(self.gpu)  # in GPU memory before the push kernel's stream reads them
+        return cmds, offsets
+
+    def _push(self, commands: Any) -> None:
+        """Commands into the rings the way the product's producers do: a GPU kernel when the rank has a GPU,
+        else one CPU thread per ring (rings drain concurrently, each in order)."""
         g = self.group
         if self.gpu >= 0:
-            import torch
             from uccl_ep_train import _native
-            flat, offsets = [], [0]
-            for t in range(g.num_threads):
-                flat += rows.get(t, [])
-                offsets.append(len(flat))
-            cmds = torch.from_numpy(P.make_commands(flat).view(np.uint8).copy()).cuda(self.gpu)
-            torch.cuda.synchronize(self.gpu)  # the commands are in GPU memory before the side stream reads them
+            cmds, offsets = commands
             # A stream of its own, not the legacy default one: a provider that copies GPU memory on the default
             # stream (libfabric's shm) must not wait behind this kernel while it waits for ring slots.
             _native.gpu_push_commands(g._native, cmds.data_ptr(), offsets, 1, self.stream.cuda_stream)
             return
         errors: list[BaseException] = []
 
-        def produce(t: int, r: list[tuple]) -> None:
+        def produce(t: int, arr: np.ndarray) -> None:
             try:
-                g.push(t, P.make_commands(r))
+                g.push(t, arr)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the rank's thread below
                 errors.append(exc)
 
-        workers = [threading.Thread(target=produce, args=(t, r), daemon=True) for t, r in rows.items() if r]
+        workers = [threading.Thread(target=produce, args=(t, arr), daemon=True) for t, arr in commands.items()]
         for w in workers:
             w.start()
         for w in workers:
