@@ -6,6 +6,10 @@ are none; then GPUs, the NIC(s) each GPU's rank would use and why (uccl_ep_train
 same NUMA node, fallback, UCCL_EP_NICS), the transport that choice leads to and why, the native module,
 compiled transports, libfabric providers with FI_EP_RDM, and the settings in effect (and UCCL_* variables that nothing reads). `--json PATH` writes the same as one JSON object. Exit code 0 unless the native
 module is required (`--require-native`) and missing.
+
+`--peers` runs the pre-flight check across ranks instead (uccl_ep_train/apps/preflight.py): every rank
+registers a region on its GPU and NICs, writes a pattern to its peers, checks the bytes and times a bulk
+transfer; rank 0 prints one table, and the exit code is 1 when any rank met a problem.
 """
 from __future__ import annotations
 
@@ -17,6 +21,8 @@ import shutil
 import subprocess
 import sys
 from typing import Optional
+
+from uccl_ep_train.apps import preflight
 
 # the launch (slurm/launch.sh, train.sbatch, the Primus YAMLs) and libfabric variables doctor also reports when
 # set (the library's own: config.SETTINGS)
@@ -87,7 +93,7 @@ def collect() -> dict:
         report["rdma"]["pyverbs"] = note
     report["rdma"]["source"] = source
     report["rdma"]["devices"] = devices
-    report["rdma"]["gpu_memory"] = gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())
+    report["rdma"]["gpu_memory"] = local_gpu_memory_registration()
     try:
         import torch
         if torch.cuda.is_available():
@@ -181,6 +187,11 @@ def gpu_memory_registration(gpu_vendor: str, modules: Optional[list[str]], dmabu
                 "libibverbs has no ibv_reg_dmabuf_mr: install rdma-core >= 34")
     return {"gpu_vendor": gpu_vendor, "peer_memory": peer[0] if peer else "none", "dmabuf": dmabuf,
             "methods": methods, "ok": bool(methods) or gpu_vendor == "none", "note": note}
+
+
+def local_gpu_memory_registration() -> dict:
+    """`gpu_memory_registration` for this host: its GPUs' vendor, loaded modules and libibverbs."""
+    return gpu_memory_registration(_gpu_vendor(), _loaded_modules(), _verbs_has_dmabuf())
 
 
 def _gpu_vendor() -> str:
@@ -308,7 +319,18 @@ def main(argv=None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", default=None, help="also write the report as JSON here")
     p.add_argument("--require-native", action="store_true", help="exit 1 when the native module is missing")
+    peers = p.add_argument_group("--peers: the pre-flight check across ranks (uccl_ep_train/apps/preflight.py)")
+    peers.add_argument("--peers", action="store_true",
+                       help="every rank writes a pattern to its peers through the proxies, checks the bytes, "
+                            "times a bulk transfer per NIC; rank 0 prints one table (under torchrun, "
+                            "or --ranks N on this host)")
+    preflight.add_arguments(peers)
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.peers:
+        return preflight.main(args)
+    given = [f"--{k.replace('_', '-')}" for k, v in preflight.defaults(p).items() if getattr(args, k) != v]
+    if given:
+        p.error(f"{', '.join(given)} only apply with --peers")
     report = collect()
     print(render(report))
     if args.json:
