@@ -121,10 +121,14 @@ def test_doctor_says_what_the_fabric_transport_would_open_or_why_not(monkeypatch
 
     monkeypatch.setenv("FI_PROVIDER", "tcp")
     monkeypatch.setenv("FI_TCP_IFACE", "lo")
-    host = doctor._fabric_probe(_native, ["fabric"], gpus=False)
+    assert doctor._fabric_choice({"gpus": [{"transport": {"name": "fabric", "provider": "efa",
+                                                          "devices": ["rdmap16s27-rdm"]}}]}) == \
+        ("efa", "rdmap16s27-rdm")
+    assert doctor._fabric_choice({"gpus": []}) == ("tcp", "")
+    host = doctor._fabric_probe(_native, ["fabric"], gpus=False, provider="tcp")
     assert host["provider"] == "tcp;ofi_rxm" and not host["gpu_memory_asked"]
     assert "provider tcp;ofi_rxm domain lo" in doctor._render_fabric(host)
-    gpu = doctor._fabric_probe(_native, ["fabric"], gpus=True)
+    gpu = doctor._fabric_probe(_native, ["fabric"], gpus=True, provider="tcp")
     line = doctor._render_fabric(gpu)
     if "error" in gpu:
         assert "cannot register GPU memory" in line and "UCCL_EP_TRANSPORT=ipc" in line, line

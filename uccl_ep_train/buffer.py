@@ -391,6 +391,10 @@ class Buffer:
             if checks is not None:
                 checks()
             result = fn()
+        # A first internode dispatch opens the proxies inside fn: only now is it known whether they copy on the
+        # default stream. Its kernels, on the comm stream, finish (nothing on the default stream waits for them
+        # yet); every rank raises here alike, before the caller's stream is made to wait.
+        self._check_caller_stream()
         event = EventHandle(comm)
         outputs = tuple(_tensors(result))
         for t in _tensors(inputs):

@@ -212,7 +212,7 @@ SETTINGS: dict[str, tuple[str, str]] = {
     "UCCL_IB_MAX_INFLIGHT_LOW_LATENCY": ("32", "the same for low-latency proxies"),
     "UCCL_IB_MAX_INFLIGHT_BYTES": ("0 = no limit (Thor-2: 1572864, Pollara: 2097152)",
                                    "bytes in flight per (proxy thread, destination)"),
-    "UCCL_EP_FABRIC_CQ_DATA_BYTES": ("what the provider offers (8, efa 4)", "`4`: the fabric transport packs rank and immediate into 4 bytes of CQ data on any provider (tests EFA's layout)"),
+    "UCCL_EP_FABRIC_CQ_DATA_BYTES": ("what the provider offers (8, efa 4)", "`4` packs rank and immediate into 4 bytes of CQ data on any provider (tests EFA's layout); `8` insists on 8 bytes (refused where the provider has 4)"),
     "UCCL_EP_DEBUG_FABRIC": ("0", "`1`: the fabric transport logs its setup"),
 }
 

@@ -79,7 +79,7 @@ using InfoPtr = Owned<fi_info*, void (*)(fi_info*)>;
 
 // fi_getinfo for an RDM endpoint with messages + RMA (+ FI_HMEM when `hmem`): delivery-complete local
 // completions where the provider offers them, transmit-complete otherwise. nullptr when nothing fits.
-fi_info* query_info(const std::string& prov, const std::string& device, bool hmem) {
+fi_info* query_info(const std::string& prov, const std::string& device, bool hmem, int* rc) {
   fi_info* hints = fi_allocinfo();
   UCCL_CHECK(hints != nullptr, "fi_allocinfo failed");
   auto hints_guard = own(hints, [](fi_info* h) { fi_freeinfo(h); });
@@ -97,7 +97,8 @@ fi_info* query_info(const std::string& prov, const std::string& device, bool hme
   fi_info* info = nullptr;
   for (uint64_t op_flags : {uint64_t(FI_DELIVERY_COMPLETE), uint64_t(0)}) {
     hints->tx_attr->op_flags = op_flags;
-    if (fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info) == 0 && info) return info;
+    *rc = fi_getinfo(kApiVersion, nullptr, nullptr, 0, hints, &info);
+    if (*rc == 0 && info) return info;
   }
   return nullptr;
 }
@@ -142,11 +143,13 @@ bool copies_through_cuda_runtime(const std::string& prov) {
 InfoPtr select_info(const std::string& provider, const std::string& device, bool hmem) {
   const std::string prov = provider.empty() ? env_str("FI_PROVIDER") : provider;
   const std::string lib = version_str(fi_version());
-  fi_info* info = query_info(prov, device, hmem);
+  int rc = 0;
+  fi_info* info = query_info(prov, device, hmem, &rc);
   if (!info) {
     const std::string which = prov.empty() ? std::string("any provider") : "provider '" + prov + "'";
     const std::string on = device.empty() ? std::string() : " on domain '" + device + "'";
-    fi_info* plain = hmem ? query_info(prov, device, false) : nullptr;
+    int plain_rc = 0;
+    fi_info* plain = hmem ? query_info(prov, device, false, &plain_rc) : nullptr;
     if (plain) {  // the provider is there, but not for GPU memory
       const std::string got = plain->fabric_attr->prov_name;
       fi_freeinfo(plain);
@@ -156,7 +159,8 @@ InfoPtr select_info(const std::string& provider, const std::string& device, bool
                  "it), or, with every rank on one host, set UCCL_EP_TRANSPORT=ipc");
     }
     UCCL_THROW("fabric: no libfabric provider offers an RDM endpoint with FI_MSG|FI_RMA for " << which << on
-               << " (libfabric " << lib << "; try FI_PROVIDER=tcp, shm or sockets; tcp needs FI_TCP_IFACE, e.g. lo)");
+               << " (fi_getinfo: " << fi_strerror(-rc) << "; libfabric " << lib << ", API " << version_str(kApiVersion)
+               << "; try FI_PROVIDER=tcp, shm or sockets; tcp needs FI_TCP_IFACE, e.g. lo)");
   }
   return InfoPtr(info, [](fi_info* i) { fi_freeinfo(i); });
 }
@@ -622,7 +626,7 @@ class FabricTransport final : public Transport {
       UCCL_CHECK_GPU(gpuEventCreateWithFlags(&ev, gpuEventDisableTiming));
       events_.push_back(ev);
     }
-    UCCL_CHECK_GPU(gpuEventRecord(ev, 0));  // the legacy default stream, where libfabric's copies queue
+    UCCL_CHECK_GPU(gpuEventRecord(ev, cudaStreamLegacy));  // where libfabric's cudaMemcpy copies queue
     fences_.push_back({ev, fenced_seen()});
     fenced_marked_ = fenced_seen();
     if (debug_)

@@ -112,7 +112,8 @@ def collect() -> dict:
         report["native"]["problem"] = f"cannot check ({e})"
     report["nics"] = _nic_map(report["native"]["transports"])
     report["fabric_providers"] = _fabric_providers()
-    report["fabric"] = _fabric_probe(native, report["native"]["transports"], bool(report["gpus"]))
+    report["fabric"] = _fabric_probe(native, report["native"]["transports"], bool(report["gpus"]),
+                                     *_fabric_choice(report["nics"]))
     from uccl_ep_train.config import SETTINGS
 
     report["settings"] = {k: os.environ[k] for k in [*SETTINGS, *OTHER_VARS] if k in os.environ}
@@ -219,15 +220,25 @@ def _verbs_has_dmabuf() -> bool:
         return False
 
 
-def _fabric_probe(native, transports: list[str], gpus: bool) -> dict:
-    """What the fabric transport's endpoints would open here (FI_PROVIDER's provider, else libfabric's choice),
-    for GPU memory when GPUs are visible: the transport's own selection (`_native.fabric_probe`), or its
-    refusal, word for word."""
+def _fabric_choice(nic_map: dict) -> tuple[str, str]:
+    """(provider, domain) the first GPU's proxies would give the fabric transport (`_nic_map`'s choice: efa and
+    its `-rdm` domain on EFA, tcp without a NIC), else FI_PROVIDER and libfabric's first domain."""
+    for g in nic_map.get("gpus", []):
+        t = g.get("transport") or {}
+        if t.get("name") == "fabric":
+            return t.get("provider") or "", (t.get("devices") or [""])[0]
+    return os.environ.get("FI_PROVIDER", ""), ""
+
+
+def _fabric_probe(native, transports: list[str], gpus: bool, provider: str = "", device: str = "") -> dict:
+    """What the fabric transport's endpoints would open here with `provider` and `device` (domain), for GPU
+    memory when GPUs are visible: the transport's own selection (`_native.fabric_probe`), or its refusal,
+    word for word."""
     if native is None or "fabric" not in transports:
         return {"error": "the fabric transport is not compiled in (libfabric headers: libfabric-dev, or "
                          "UCCL_EP_LIBFABRIC=<prefix>)"}
     try:
-        return dict(native.fabric_probe(os.environ.get("FI_PROVIDER", ""), "", gpus), gpu_memory_asked=gpus)
+        return dict(native.fabric_probe(provider, device, gpus), gpu_memory_asked=gpus)
     except RuntimeError as e:
         return {"error": str(e), "gpu_memory_asked": gpus}
 
