@@ -38,6 +38,30 @@ MLA_ARGS = dict(
     rotary_scaling_factor=40.0,
 )
 
+# DeepSeek-V3's router (arXiv 2412.19437): sigmoid scores with an expert bias updated from the load instead
+# of a large auxiliary loss, node-limited routing (each token's experts from 4 of 8 groups), top-k weights
+# scaled by 2.5, a small sequence-wise auxiliary loss, the router in float32.
+V3_ROUTER_ARGS = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=1e-3,
+    moe_router_num_groups=8,
+    moe_router_group_topk=4,
+    moe_router_topk_scaling_factor=2.5,
+    moe_router_load_balancing_type="seq_aux_loss",
+    moe_aux_loss_coeff=1e-4,
+    moe_router_dtype="fp32",
+)
+
+# Without TransformerEngine / Apex (CPU ranks, or GPUs without them) the fused kernels are off:
+# megatron-core's fused masked softmax imports Apex's scaled_masked_softmax_cuda on GPUs.
+NO_FUSED_KERNEL_ARGS = dict(
+    apply_rope_fusion=False,
+    masked_softmax_fusion=False,
+    gradient_accumulation_fusion=False,
+    no_persist_layer_norm=True,
+)
+
 # Full-size training on GPU clusters: bf16, grouped GEMM, distributed optimizer, 4K sequences.
 GPU_TRAINING_ARGS = dict(
     init_method_std=0.006,

@@ -7,7 +7,7 @@ Reference layout: 32 nodes x 8 GPUs = 256 GPUs, TP1 x PP8 x EP32 (each EP group 
 and combine cross the network through the CPU proxies), 61 layers split 7 | 8 x 6 | 6 over the stages.
 """
 
-from uccl_ep_train.apps.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS
+from uccl_ep_train.apps.recipes.common import CLUSTER_ENV, DEEPSEEK_ARGS, GPU_TRAINING_ARGS, MLA_ARGS, V3_ROUTER_ARGS
 
 RECIPE = dict(
     name="deepseek-v3",
@@ -32,15 +32,7 @@ RECIPE = dict(
         "moe_shared_expert_intermediate_size": 2048,   # 1 shared expert
         "moe_layer_freq": "([0]*3+[1]*58)",            # first 3 layers dense
         "moe_router_topk": 8,
-        "moe_router_score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "moe_router_bias_update_rate": 1e-3,
-        "moe_router_num_groups": 8,
-        "moe_router_group_topk": 4,
-        "moe_router_topk_scaling_factor": 2.5,
-        "moe_router_load_balancing_type": "seq_aux_loss",
-        "moe_aux_loss_coeff": 1e-4,
-        "moe_router_dtype": "fp32",
+        **V3_ROUTER_ARGS,
         "mtp_num_layers": None,
         "vocab_size": 129280,
         # batch and optimizer

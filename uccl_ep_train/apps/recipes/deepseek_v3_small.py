@@ -11,7 +11,7 @@ Float8Tensors; without TE the hidden states are BF16 (on GPUs) and are dispatche
 Reference layout: 2 nodes x 2 GPUs, EP 4 across the nodes (64 experts divide EP 1, 2, 4 or 8).
 """
 
-from uccl_ep_train.apps.recipes.common import DEEPSEEK_ARGS
+from uccl_ep_train.apps.recipes.common import DEEPSEEK_ARGS, NO_FUSED_KERNEL_ARGS, V3_ROUTER_ARGS
 
 RECIPE = dict(
     name="deepseek-v3-small",
@@ -26,25 +26,13 @@ RECIPE = dict(
         "num_attention_heads": 4,
         "kv_channels": 32,
         "init_method_std": 0.02,
-        # no TransformerEngine / Apex: the fused kernels are off (as in `tiny`)
-        "apply_rope_fusion": False,
-        "masked_softmax_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "no_persist_layer_norm": True,
+        **NO_FUSED_KERNEL_ARGS,
         "num_experts": 64,
         "moe_ffn_hidden_size": 32,
         "moe_shared_expert_intermediate_size": 32,   # 1 shared expert
         "moe_layer_freq": "([0]*1+[1]*3)",
         "moe_router_topk": 8,
-        "moe_router_score_function": "sigmoid",
-        "moe_router_enable_expert_bias": True,
-        "moe_router_bias_update_rate": 1e-3,
-        "moe_router_num_groups": 8,
-        "moe_router_group_topk": 4,
-        "moe_router_topk_scaling_factor": 2.5,
-        "moe_router_load_balancing_type": "seq_aux_loss",
-        "moe_aux_loss_coeff": 1e-4,
-        "moe_router_dtype": "fp32",
+        **V3_ROUTER_ARGS,
         "moe_grouped_gemm": False,
         "vocab_size": 1024,
         "seq_length": 64,

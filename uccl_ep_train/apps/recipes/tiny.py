@@ -7,7 +7,7 @@ DotProductAttention takes no separate key/value head dims), which CPU machines l
 Layout: one node, EP over all ranks (8 experts: EP 1, 2, 4 or 8).
 """
 
-from uccl_ep_train.apps.recipes.common import DEEPSEEK_ARGS
+from uccl_ep_train.apps.recipes.common import DEEPSEEK_ARGS, NO_FUSED_KERNEL_ARGS
 
 RECIPE = dict(
     name="tiny",
@@ -22,12 +22,7 @@ RECIPE = dict(
         "num_attention_heads": 4,
         "kv_channels": 16,
         "init_method_std": 0.02,
-        # no TransformerEngine / Apex (CPU ranks, or GPUs without them): the fused kernels are off
-        # (megatron-core's fused masked softmax imports Apex's scaled_masked_softmax_cuda on GPUs)
-        "apply_rope_fusion": False,
-        "masked_softmax_fusion": False,
-        "gradient_accumulation_fusion": False,
-        "no_persist_layer_norm": True,
+        **NO_FUSED_KERNEL_ARGS,
         "num_experts": 8,
         "moe_ffn_hidden_size": 64,
         "moe_shared_expert_intermediate_size": 64,
