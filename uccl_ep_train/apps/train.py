@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--micro-batch-size", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--num-sms", type=int, default=None,
+                   help="SMs of each uccl dispatch / combine (even; Megatron's --uccl-ep-num-sms; default: the "
+                        "dispatcher's, capped at each rank's share when ranks share a GPU)")
     p.add_argument("--json", default=None, help=f"JSON log path (default {RUNS_DIR}/<dispatcher>.json)")
     p.add_argument("--plot", nargs="?", const="", default=None,
                    help="draw the loss curve PNG (default path: the JSON log's, ending .png); with --compare, "
@@ -211,7 +214,9 @@ class _GrowthCounter(logging.Handler):
 def build_model(args, world: int, device: torch.device):
     """megatron-core GPTModel from the recipe, with the chosen dispatcher and EP = world."""
     import megatron_patch
+    from megatron_patch import settings
     megatron_patch.apply()
+    settings.apply_arguments(argparse.Namespace(uccl_ep_num_sms=args.num_sms))
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
