@@ -187,6 +187,20 @@ def ranks_per_gpu_on_host(local_ranks: int, gpus: int) -> int:
     return max(1, -(-local_ranks // gpus))
 
 
+def comm_sms_share(sms: int, per_gpu: int) -> int:
+    """The most SMs one rank's high-throughput kernels may occupy when `per_gpu` ranks share a GPU of `sms`
+    SMs (all of them when it has the GPU to itself).
+
+    The ranks' kernels wait for each other, so every rank's blocks must be resident together, while the other
+    ranks' model kernels (GEMMs, norms) take SMs of their own meanwhile. An even split leaves them nothing:
+    measured on one H200 (132 SMs) under MPS, `train --ranks 4` with 32 SMs per rank (4 x 32 = 128) hung in the
+    first step's combine ("signal -1 < 32": a peer's kernel never started), with 16 or 8 it trained. So each
+    rank takes half of its even share."""
+    if per_gpu <= 1:
+        return sms
+    return max(1, sms // (2 * per_gpu))
+
+
 def shared_gpu_env(per_gpu: int) -> dict[str, str]:
     """What ranks sharing a GPU need in their environment before CUDA starts: CUDA tensors in the Buffers over
     a gloo group, and eager module loading (`sharing_verdict` says why); nothing otherwise."""

@@ -93,12 +93,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if self.L > max_local or self.N > max_nodes:
             raise ValueError(f"native internode backend: {self.L} ranks per node x {self.N} nodes; at most "
                              f"{max_local} per node and {max_nodes} nodes")
-        from ..gpu_sharing import check_gpu_sharing
+        from ..gpu_sharing import check_gpu_sharing, comm_sms_share
 
         per_gpu = check_gpu_sharing(group, device, "the native internode backend")
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        # ranks sharing a GPU (emulated nodes under MPS) must all stay resident: they wait for each other
-        self._device_sms = max(1, sms // per_gpu)
+        self._device_sms = comm_sms_share(sms, per_gpu)  # ranks sharing a GPU must all stay resident
         self._timeout = float(timeout_s())
         self._chunk_bytes = int(env_number("UCCL_EP_RDMA_CHUNK_BYTES", 0, int))  # 0: the transport's default
         if "UCCL_EP_RDMA_CHUNK_BYTES" in os.environ and self._chunk_bytes < 1:

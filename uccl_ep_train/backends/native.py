@@ -254,13 +254,13 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
             raise ValueError(f"native intranode backend: ranks span several hosts ({sorted(set(hosts))}) but "
                              "UCCL_EP_RANKS_PER_NODE / LOCAL_WORLD_SIZE put them on one node")
         self._timeout = float(timeout_s())
-        from ..gpu_sharing import check_gpu_sharing
+        from ..gpu_sharing import check_gpu_sharing, comm_sms_share
 
         # ranks sharing a GPU (under MPS) wait for each other inside the kernels: each takes only its share of
         # the SMs (side blocks included), so that every rank's blocks are resident at once
         per_gpu = check_gpu_sharing(group, self.device, "the native backend")
         # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
-        self._device_sms = min(s for _, s in hosts_sms) // per_gpu
+        self._device_sms = comm_sms_share(min(s for _, s in hosts_sms), per_gpu)
         self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
