@@ -438,7 +438,7 @@ class Buffer:
 
         (per_rank, per_node, per_expert, in_rank), event = self._run(
             run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+            checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank))
         return per_rank, per_node, per_expert, in_rank, event
 
     def dispatch(self, x: XType, handle: Optional[HTHandle] = None,
@@ -519,7 +519,7 @@ class Buffer:
 
         def checks() -> None:  # values: read in stream order, after previous_event
             if topk_idx is not None:
-                V.check_expert_range(topk_idx, num_experts)
+                V.check_expert_range(topk_idx, num_experts, self.rank)
             if V.value_checks(is_token_in_rank):
                 sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
                 if not torch.equal(sent, num_tokens_per_rank):
@@ -664,7 +664,7 @@ class Buffer:
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
             run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+            checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank))
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
 
     def dispatch_expert_major_cached(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
@@ -828,7 +828,7 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk(topk_idx, None, x.size(0))
         if V.host_value_checks(self.low_latency_backend.checks_values_on_device):
-            V.check_expert_range(topk_idx, num_experts)
+            V.check_expert_range(topk_idx, num_experts, self.rank)
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
@@ -896,7 +896,7 @@ class Buffer:
             raise ValueError("topk_weights: required, low-latency combine reduces with the top-k weights")
         V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1)
         if V.host_value_checks(backend.checks_values_on_device):
-            V.check_expert_range(topk_idx, handle.num_experts)
+            V.check_expert_range(topk_idx, handle.num_experts, self.rank)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
                              f"{handle.num_max_dispatch_tokens_per_rank}")

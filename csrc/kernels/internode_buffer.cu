@@ -198,24 +198,7 @@ std::string InternodeBuffer::error() const {
   if (err_host_ == nullptr) return "";
   const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
   if (r->code <= 0) return "";
-  static const char* phases[] = {"notify", "dispatch (send)", "dispatch (forward)", "dispatch (copy-out)",
-                                 "combine (stage)", "combine (forward)", "combine (reduce)"};
-  const char* phase = (r->phase >= kPhaseNotify && r->phase <= kPhaseCombineReduce) ? phases[r->phase - kPhaseNotify] : "?";
-  const int L = ranks_per_node_;
-  std::ostringstream os;
-  if (r->code == intranode::kErrTimeout) {
-    os << "timeout on rank " << r->rank << " (node " << r->rank / L << ") waiting for rank " << r->peer << " (node "
-       << r->peer / L << ") on channel " << r->block << " in phase '" << phase << "' (signal " << r->have << " < "
-       << r->need << " after " << timeout_s_ << " s, UCCL_EP_TIMEOUT_S); is every rank running the same op, and "
-       << "are the proxies alive?";
-  } else if (r->code == kErrRingFull) {
-    os << "rank " << r->rank << " (node " << r->rank / L << "): the proxy ring of channel " << r->block
-       << " stayed full for " << timeout_s_ << " s in phase '" << phase << "' (sending to rank " << r->peer
-       << "): the proxy thread is not draining it";
-  } else {
-    os << "error code " << r->code << " on rank " << r->rank << " in phase '" << phase << "'";
-  }
-  return os.str();
+  return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
 
 // What every kernel of this rank gets for its next launch.
@@ -288,11 +271,16 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
       const std::string e = error();
       if (!e.empty()) UCCL_THROW(e);
       if ((++spins & 1023u) == 0) {
-        if (std::chrono::steady_clock::now() > deadline)
-          UCCL_THROW("timeout on rank " << rank_ << " (node " << node_ << ") waiting for the counts of rank " << s
-                                        << " (node " << s / ranks_per_node_ << ") on channel 0 in phase 'notify' after "
-                                        << timeout_s_ << " s (UCCL_EP_TIMEOUT_S); is every rank calling dispatch, "
-                                        << "and are the proxies alive?");
+        if (std::chrono::steady_clock::now() > deadline) {  // the host's wait: the same sentence as a kernel's
+          ErrorFields f;
+          f.code = kErrTimeout;
+          f.rank = rank_;
+          f.peer = s;
+          f.phase = kPhaseNotify;
+          f.need = (int)notifies_;
+          f.have = (int)flags[notify_flag(s)];
+          UCCL_THROW(describe_error(f, ErrorContext{rank_, ranks_per_node_, timeout_s_}));
+        }
         std::this_thread::yield();
       }
     }
