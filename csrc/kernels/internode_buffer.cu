@@ -10,6 +10,7 @@
 #include "kernels/host_args.h"
 #include "kernels/internode_launch.cuh"
 #include "kernels/ipc_handles.h"
+#include "kernels/launch.cuh"
 
 namespace uccl_ep::internode {
 
@@ -201,6 +202,19 @@ std::string InternodeBuffer::error() const {
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
 
+void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
+                                      int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,
+                                      int64_t stream) {
+  UCCL_CHECK(nvl_ != nullptr, "get_dispatch_layout: the internode buffer was destroyed");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  if (num_tokens == 0) return;
+  intranode::launch_dispatch_layout(
+      as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_, as_ptr<int>(out_per_rank),
+      as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank), as_stream(stream),
+      intranode::LayoutReport{static_cast<ErrorRecord*>(err_dev_),
+                              reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset), rank_});
+}
+
 // What every kernel of this rank gets for its next launch.
 Common InternodeBuffer::common() const {
   Common c{};
@@ -295,6 +309,10 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
   UCCL_CHECK_GPU(gpuMemcpyAsync(as_ptr<void>(host_out), static_cast<char*>(rdma_) + in_off,
                                 (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, copy));
   UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
+  // The kernels before notify on this stream are done too: a bad expert id the layout kernel recorded (its
+  // counts left it out) raises here, at the sync the dispatch has anyway, before any row moves.
+  const std::string e = error();
+  if (!e.empty()) UCCL_THROW(e);
 }
 
 // Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks
