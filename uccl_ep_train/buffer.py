@@ -415,7 +415,9 @@ class Buffer:
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """Compute the dispatch layout from the routing (local, no communication). Expert ids outside
-        [-1, num_experts) are an error (checked on the GPU by the native kernels, see docs/api.md "Errors").
+        [-1, num_experts) are an error naming the first bad one's position: a ValueError here where the host
+        checks, else found by the native layout kernel without a host sync and raised at the fresh
+        dispatch's count sync or the next call (docs/api.md "Errors").
 
         Arguments:
             topk_idx: `[num_tokens, num_topk]` int64 (int32 accepted), expert ids, -1 means no selection.
