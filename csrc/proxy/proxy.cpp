@@ -257,9 +257,11 @@ void ProxyThread::run() {
 
 void ProxyThread::reject(const Command& c, const std::string& why) {
   std::ostringstream os;
-  os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": rejected command (op " << int(c.op) << ", dst "
-     << int(c.dst_rank) << ", channel " << int(c.channel) << ", region " << int(c.region) << ", length " << c.length
-     << ", local_off " << c.local_off << ", remote_off " << c.remote_off << "): " << why;
+  os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << " rejected a command for rank " << int(c.dst_rank)
+     << " on channel " << int(c.channel) << ": " << why << "; the producer (a kernel, or a caller of push) built "
+     << "it wrong, so the data it was to move never leaves and its peer will time out: a bug to report with this "
+     << "line (op " << int(c.op) << ", region " << int(c.region) << ", length " << c.length << ", local_off "
+     << c.local_off << ", remote_off " << c.remote_off << ")";
   p_->set_error(os.str());
   rejected_.fetch_add(1, std::memory_order_release);  // after the error: a reader seeing the count sees the message
 }
