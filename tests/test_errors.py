@@ -491,6 +491,18 @@ def test_every_code_and_phase_has_its_words():
     assert odd.startswith("unknown error code 42 on rank 0 in 'an unknown phase'") and "rebuild" in odd, odd
 
 
+def test_host_timeouts_say_what_to_do():
+    from uccl_ep_train import errors
+
+    text = errors.exchange_timed_out(2, "combine: rows", "3", 300.0)
+    assert text.startswith("uccl_ep_train: rank 2 timed out after 300s in phase 'combine: rows' (channel 3): a peer "
+                           "rank never arrived. Is every rank making the same Buffer calls in the same order?"), text
+    assert "raise UCCL_EP_TIMEOUT_S" in text
+    failed = errors.exchange_failed(0, "dispatch: notify header", "-", ConnectionError("Connection closed by peer"))
+    assert "failed in phase 'dispatch: notify header' (channel -): Connection closed by peer" in failed
+    assert "look for its own error first" in failed
+
+
 def test_host_sentences_match_the_kernels_words():
     """The host's expert-id and shape sentences begin as the kernels' do (one wording for every backend)."""
     from uccl_ep_train import errors
@@ -573,7 +585,7 @@ def _native_bad_expert_id(rank: int, world: int, device: str, low_latency: bool)
     check_errors() after the LL call. Returns this rank's message ("" where it raised none)."""
     group = dist.new_group(list(range(world)))
     dev = torch.device("cuda", torch.cuda.current_device())
-    n, h, e = 6, 128, 8
+    n, h, e = 6, 512, 8  # (the hidden size the LL GPU tests use)
     x = torch.randn(n, h, device=dev).to(torch.bfloat16)
     idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
     if rank == 0:
