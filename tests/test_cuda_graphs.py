@@ -130,14 +130,14 @@ def _device_value_checks(rank: int, world: int, device: str) -> list[str]:
 
     bad_idx = idx.clone()
     bad_idx[5, 1] = E + 3 if rank == 0 else bad_idx[5, 1]  # only rank 0's routing is wrong
-    expect(r"topk_idx on rank 0: token 5 has expert id 11, outside \[-1, 8\)",
+    expect(r"topk_idx\[5, 1\] = 11 is outside \[-1, 8\) on rank 0: expert ids are -1",
            lambda buf: buf.dispatch(x, topk_idx=bad_idx, **layout(buf, bad_idx)))
 
     def wrong_counts(buf):
         lay = layout(buf, idx)
         buf.dispatch(x, topk_idx=idx, **{**lay, "num_tokens_per_rank": lay["num_tokens_per_rank"] + 1})
-    expect(r"num_tokens_per_rank on rank \d disagrees with is_token_in_rank: \d+ tokens for rank \d, the mask "
-           r"sends \d+", wrong_counts)
+    expect(r"dispatch on rank \d: num_tokens_per_rank\[\d\] = \d+ but is_token_in_rank sends \d+ tokens to rank "
+           r"\d", wrong_counts)
 
     wide = torch.randn(N, 2 * H if rank == 1 else H, device=dev).to(torch.bfloat16)
     expect(r"dispatch: ranks disagree on x row bytes: rank \d=\d+, rank \d=\d+",

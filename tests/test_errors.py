@@ -37,8 +37,9 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         (ValueError, "topk_idx: expected 2 dimensions", lambda: buf.get_dispatch_layout(idx.view(-1), e)),
         (TypeError, "topk_weights: dtype", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w.double(), **layout)),
         (ValueError, "topk_weights: shape", lambda: buf.dispatch(x, topk_idx=idx, topk_weights=w[:, :1].contiguous(), **layout)),
-        (ValueError, "topk_idx: expert ids must be in", lambda: buf.get_dispatch_layout(idx.clamp(max=6) + 2, e)),
-        (ValueError, "topk_idx: expert ids must be in", lambda: buf.get_dispatch_layout(idx - 1, e)),
+        (ValueError, rf"^topk_idx\[2, 0\] = 8 is outside \[-1, 8\) on rank {rank}: expert ids are -1",
+         lambda: buf.get_dispatch_layout(idx.clamp(max=6) + 2, e)),
+        (ValueError, r"^topk_idx\[1, 1\] = -2 is outside \[-1, 8\)", lambda: buf.get_dispatch_layout(idx - 1, e)),
         (ValueError, "num_experts: 7 experts cannot be split", lambda: buf.get_dispatch_layout(idx.clamp(max=6), 7)),
         (ValueError, "topk_idx: has 5 rows but x has 6", lambda: buf.dispatch(x, topk_idx=idx[:5], topk_weights=w[:5], **layout)),
         (ValueError, "is_token_in_rank: expected", lambda: buf.dispatch(x[:5], **layout)),
@@ -302,8 +303,8 @@ def test_missing_peer_times_out_with_rank_and_phase():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ranks_per_node,pattern", [
-    (None, r"timeout on rank 0 waiting for rank 1 .*notify"),
-    ("1", r"rank 0 .*rank 1.*notify"),
+    (None, r"rank 0 timed out after 1 s in 'dispatch \(notify\)' waiting for rank 1: rank 1 never started"),
+    ("1", r"rank 0 \(node 0\) timed out after 1 s in 'dispatch \(notify\)' waiting for rank 1 \(node 1\)"),
 ], ids=["intranode", "internode-2x1"])
 def test_missing_peer_times_out_on_the_native_backend(mps, ranks_per_node, pattern):
     env = {"UCCL_EP_TIMEOUT_S": "1", "UCCL_EP_BACKEND": "native",
@@ -380,3 +381,254 @@ def test_buffer_check_errors_covers_the_low_latency_calls():
     with pytest.raises(RuntimeError, match="^native low-latency kernels: timeout on rank 0"):
         buf.check_errors()
     buf._backend = buf._ll_backend = None  # (nothing for __del__ to release)
+
+
+# ---- every error record reads as a sentence (csrc/common/errors.h, through _native.describe_error) --------
+
+def _native_or_skip():
+    from uccl_ep_train.backends.native import _module
+
+    try:
+        m = _module()
+    except ImportError as exc:
+        pytest.skip(f"native module missing: {exc}")
+    if not hasattr(m, "describe_error"):
+        pytest.skip("native module built before describe_error")
+    return m
+
+
+# (code, phase, ranks_per_node, record (rank, peer, block, need, have), reader, what the sentence must say)
+_SENTENCES = [
+    ("timeout", "intranode_notify", 0, (0, 1, 3, 5, 4), 0,
+     [r"^rank 0 timed out after 2 s in 'dispatch \(notify\)' waiting for rank 1: rank 1 never started this "
+      r"dispatch \(its counts did not arrive\)\. Is every rank calling dispatch", "raised earlier, or exited",
+      r"raise UCCL_EP_TIMEOUT_S if rank 1 is only slow \(block 3, need 5, have 4\)$"]),
+    ("timeout", "intranode_dispatch", 0, (2, 1, 0, 9, 7), 2,
+     [r"^rank 2 timed out after 2 s in 'dispatch' waiting for rank 1: rank 1 did not deliver its dispatch rows",
+      r"\(block 0, need 9, have 7\)$"]),
+    ("timeout", "intranode_combine", 0, (0, 3, 1, 2, 1), 0,
+     [r"in 'combine' waiting for rank 3: rank 3 did not send back its combine rows",
+      "Is every rank calling combine with the handle of the same dispatch?"]),
+    ("timeout", "intranode_combine", 0, (1, 1, 4, 6, -1), 1,  # a rank's own side blocks
+     [r"^rank 1 timed out .* waiting for rank 1: this rank's own side blocks did not finish \(another kernel may "
+      r"hold the SMs they need"]),
+    ("timeout", "internode_notify", 2, (0, 3, 0, 5, 4), 0,
+     [r"^rank 0 \(node 0\) timed out after 2 s in 'dispatch \(notify\)' waiting for rank 3 \(node 1\) on channel "
+      r"0: rank 3 \(node 1\) never started this dispatch", r"a dead proxy thread or link stops it too",
+      r"uccl-ep-train doctor --peers", r"\(need 5, have 4\)$"]),
+    ("timeout", "internode_dispatch_send", 2, (0, 2, 1, 1, 0), 0, ["never became ready for this dispatch"]),
+    ("timeout", "internode_dispatch_forward", 2, (1, 2, 3, 5, 4), 1,
+     [r"in 'dispatch \(forward\)' waiting for rank 2 \(node 1\) on channel 3: the dispatch rows from rank 2"]),
+    ("timeout", "internode_dispatch_copy_out", 2, (1, 0, 2, 5, 4), 1, ["the dispatch rows forwarded by rank 0"]),
+    ("timeout", "internode_combine_stage", 2, (1, 2, 0, 5, 4), 1,
+     ["never became ready for this combine", "combine with the handle of the same dispatch"]),
+    ("timeout", "internode_combine_forward", 2, (1, 2, 5, 5, 4), 1, ["the combine rows from rank 2"]),
+    ("timeout", "internode_combine_reduce", 2, (1, 0, 5, 5, 4), 1, ["the combine rows forwarded by rank 0"]),
+    ("timeout", "low_latency_dispatch_send", 1, (0, 1, 2, 5, 4), 0,
+     [r"in 'low_latency_dispatch \(send\)' waiting for rank 1 \(node 1\) on channel 2: rank 1 \(node 1\) never "
+      r"became ready", "the same num_max_dispatch_tokens_per_rank and num_experts", "doctor --peers"]),
+    ("timeout", "low_latency_dispatch_recv", 0, (0, 1, -1, 5, 4), 0,  # one node: over NVLink, no proxies
+     [r"^rank 0 timed out .* waiting for rank 1 over NVLink: the low_latency_dispatch tokens of rank 1 did not "
+      r"arrive", r"\(need 5, have 4\)$"]),
+    ("timeout", "low_latency_combine_send", 1, (0, 1, 2, 5, 4), 0, ["never became ready for this low_latency_combine"]),
+    ("timeout", "low_latency_combine_recv", 1, (0, 1, 2, 5, 4), 0, ["the low_latency_combine rows of rank 1"]),
+    ("capacity", "intranode_dispatch", 0, (0, 1, 0, 900, 512), 0,
+     [r"^dispatch on rank 0: the buffer of rank 1 holds 512 rows, the call needs 900: .*larger num_nvl_bytes$"]),
+    ("capacity", "intranode_combine", 0, (1, 0, 0, 900, 512), 1, [r"^combine on rank 1: the buffer of rank 0"]),
+    ("worst_tokens", "intranode_notify", 0, (1, -1, 0, 70, 64), 1,
+     [r"^dispatch: rank 1 receives 70 tokens, more than num_worst_tokens=64: pass a num_worst_tokens of at least"]),
+    ("bad_counts", "intranode_notify", 0, (0, 1, 0, 3, 2), 0,
+     [r"^dispatch on rank 0: num_tokens_per_rank\[1\] = 3 but is_token_in_rank sends 2 tokens to rank 1: pass the "
+      r"num_tokens_per_rank that get_dispatch_layout returned", "UCCL_EP_CHECK_VALUES=1"]),
+    ("bad_expert", "intranode_layout", 0, (0, 5, 1, 261, 256), 0,
+     [r"^topk_idx\[5, 1\] = 261 is outside \[-1, 256\) on rank 0: expert ids are -1 \(no expert\) or in "
+      r"\[0, num_experts\); found on the GPU by get_dispatch_layout, which left it out of the counts"]),
+    ("bad_expert", "low_latency_dispatch_send", 0, (1, 0, 2, -7, 8), 1,
+     [r"^topk_idx\[0, 2\] = -7 is outside \[-1, 8\) on rank 1: .* found on the GPU by low_latency_dispatch, which "
+      r"moved nothing for it"]),
+    ("shape", "intranode_notify", 0, (0, 1, 1, 256, 512), 0,
+     [r"^dispatch: ranks disagree on x row bytes: rank 0=256, rank 1=512; every rank must make the same call"]),
+    ("shape", "intranode_combine", 0, (0, 1, 6, 1, 2), 0, [r"^combine: ranks disagree on x dtype: rank 0=1, rank 1=2"]),
+    ("expert_capacity", "intranode_notify", 0, (1, 0, 3, 24, 1), 1,
+     [r"^dispatch_expert_major: rank 0 sends 24 tokens to local expert 3 of rank 1, more than expert_capacity=1: "
+      r"pass a larger expert_capacity"]),
+    ("ring_full", "internode_combine_forward", 2, (0, 3, 4, 2, 0), 0,
+     [r"^rank 0 \(node 0\): the proxy ring of channel 4 stayed full for 2 s in 'combine \(forward\)' \(sending to "
+      r"rank 3 \(node 1\)\): the proxy thread stopped draining it", r"\(need 2, have 0\)$"]),
+    ("ring_full", "low_latency_combine_send", 1, (1, 0, 1, 2, 0), 1, ["stayed full for 2 s in 'low_latency_combine"]),
+    ("expert_full", "low_latency_dispatch_send", 0, (0, 7, 0, 96, 32), 0,
+     [r"^low_latency_dispatch on rank 0: expert 7 gets 96 rows from this rank, more than "
+      r"num_max_dispatch_tokens_per_rank=32: some token lists that expert more than once in topk_idx; the rows "
+      r"past 32 were dropped"]),
+]
+
+
+@pytest.mark.parametrize("code,phase,per_node,record,reader,want", _SENTENCES,
+                         ids=[f"{c}-{p}" for c, p, *_ in _SENTENCES])
+def test_an_error_record_reads_as_a_sentence(code, phase, per_node, record, reader, want):
+    m = _native_or_skip()
+    rank, peer, block, need, have = record
+    text = m.describe_error(m.ERROR_CODES[code], rank, peer, block, m.ERROR_PHASES[phase], need, have, reader,
+                            per_node, 2.0)
+    for pattern in want:
+        assert re.search(pattern, text), f"{pattern!r} not in: {text}"
+    assert not re.search(r"error (code )?\d|phase \d", text), text  # no raw code reaches a user
+
+
+def test_every_code_and_phase_has_its_words():
+    """Each code the kernels record, in each phase, names a known call and phase (no 'unknown'); a peer's
+    record read on another rank says whose it is; a code this Python does not know says to rebuild."""
+    m = _native_or_skip()
+    for code in m.ERROR_CODES.values():
+        for phase in m.ERROR_PHASES.values():
+            text = m.describe_error(code, 1, 2, 0, phase, 5, 4, 1, 0, 2.0)
+            assert text and "unknown" not in text, (code, phase, text)
+            assert "[rank" not in text, text
+    peer = m.describe_error(m.ERROR_CODES["timeout"], 0, 1, 0, m.ERROR_PHASES["intranode_dispatch"], 5, 4, 1)
+    assert re.search(r"\[rank 0 reported it; rank 1 stopped with it\] \(block 0, need 5, have 4\)$", peer), peer
+    assert m.describe_error(0, 0, 0, 0, 1, 0, 0, 0) == ""
+    odd = m.describe_error(42, 0, 0, 0, 99, 1, 2, 0)
+    assert odd.startswith("unknown error code 42 on rank 0 in 'an unknown phase'") and "rebuild" in odd, odd
+
+
+def test_host_timeouts_say_what_to_do():
+    from uccl_ep_train import errors
+
+    text = errors.exchange_timed_out(2, "combine: rows", "3", 300.0)
+    assert text.startswith("uccl_ep_train: rank 2 timed out after 300s in phase 'combine: rows' (channel 3): a peer "
+                           "rank never arrived. Is every rank making the same Buffer calls in the same order?"), text
+    assert "raise UCCL_EP_TIMEOUT_S" in text
+    failed = errors.exchange_failed(0, "dispatch: notify header", "-", ConnectionError("Connection closed by peer"))
+    assert "failed in phase 'dispatch: notify header' (channel -): Connection closed by peer" in failed
+    assert "look for its own error first" in failed
+
+
+def test_host_sentences_match_the_kernels_words():
+    """The host's expert-id and shape sentences begin as the kernels' do (one wording for every backend)."""
+    from uccl_ep_train import errors
+
+    m = _native_or_skip()
+    gpu = m.describe_error(m.ERROR_CODES["bad_expert"], 3, 2, 1, m.ERROR_PHASES["intranode_layout"], 300, 256, 3)
+    host = errors.bad_expert_id("topk_idx", 2, 1, 300, 256, 3)
+    assert gpu.startswith(host + ";"), (gpu, host)
+    gpu = m.describe_error(m.ERROR_CODES["shape"], 0, 1, 3, m.ERROR_PHASES["intranode_combine"], 2, 4, 0)
+    assert gpu == errors.ranks_disagree("combine", "num_topk", [2, 4]), gpu
+
+
+def test_check_expert_range_names_the_first_bad_id_and_its_position():
+    from uccl_ep_train.validation import check_expert_range
+
+    idx = torch.tensor([[0, 3], [-1, 2], [4, 9], [-5, 1]])
+    with pytest.raises(ValueError, match=r"^topk_idx\[2, 1\] = 9 is outside \[-1, 8\) on rank 3: expert ids are "
+                                         r"-1 \(no expert\) or in \[0, num_experts\)$"):
+        check_expert_range(idx, 8, 3)
+    with pytest.raises(ValueError, match=r"^topk_idx\[3, 0\] = -5 is outside \[-1, 16\)"):
+        check_expert_range(idx, 16, 0)
+    check_expert_range(idx.clamp(min=-1), 16, 0)  # -1 (no expert) and ids below num_experts pass
+    check_expert_range(torch.empty(0, 2, dtype=torch.int64), 8, 0)
+
+
+# ---- out-of-range expert ids on every call that takes topk_idx ---------------------------------------------
+
+def _bad_expert_ids(rank: int, world: int, device: str) -> list[str]:
+    """Each rank routes one bad id of its own (rank r: row r % 4, column 1, value E + r; rank 1 also a -3): every
+    call that takes topk_idx refuses it on that rank, naming argument, position, value and range, before any
+    communication (a valid call still works afterwards on every rank). The messages come back for the test."""
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    n, h, e = 6, 128, 4 * world
+    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 1) % e], 1).to(dev)
+    w = torch.rand(n, 2, device=dev)
+    bad = idx.clone()
+    bad[rank % 4, 1] = e + rank
+    if rank == 1:
+        bad[0, 0] = -3
+    row, col, value = (0, 0, -3) if rank == 1 else (rank % 4, 1, e + rank)
+    want = rf"^topk_idx\[{row}, {col}\] = {value} is outside \[-1, {e}\) on rank {rank}: expert ids are -1"
+    buf = Buffer(group, int(1e6), 0)
+    seen = []
+    with pytest.raises(ValueError, match=want) as info:
+        buf.get_dispatch_layout(bad, e)
+    seen.append(str(info.value))
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    layout = dict(num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                  num_tokens_per_expert=per_expert)
+    with pytest.raises(ValueError, match=want):
+        buf.dispatch(x, topk_idx=bad, topk_weights=w, **layout)
+    with pytest.raises(ValueError, match=want):
+        buf.dispatch_expert_major(x, bad, w, e)
+    recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)  # nobody hangs
+    assert buf.combine(recv_x, handle)[0].shape == x.shape
+    ll = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(16, h, world, e), low_latency_mode=True)
+    with pytest.raises(ValueError, match=want):
+        ll.low_latency_dispatch(x, bad, 16, e, use_fp8=False)
+    recv, _, ll_handle, _, _ = ll.low_latency_dispatch(x, idx, 16, e, use_fp8=False)
+    with pytest.raises(ValueError, match=want):
+        ll.low_latency_combine(recv, bad, w, ll_handle)
+    assert ll.low_latency_combine(recv, idx, w, ll_handle)[0].shape == x.shape
+    buf.destroy()
+    ll.destroy()
+    return seen
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_out_of_range_expert_ids_are_refused_with_their_position(world):
+    seen = run_ranks(_bad_expert_ids, world)
+    assert seen[0] == [f"topk_idx[0, 1] = {4 * world} is outside [-1, {4 * world}) on rank 0: expert ids are -1 "
+                       f"(no expert) or in [0, num_experts)"]
+
+
+def _native_bad_expert_id(rank: int, world: int, device: str, low_latency: bool) -> str:
+    """Rank 0 routes topk_idx[5, 1] = 11 (8 experts); the native kernels check ids on the GPU (no host sync in
+    get_dispatch_layout / low_latency_dispatch): the error comes at the fresh dispatch's count sync, or at
+    check_errors() after the LL call. Returns this rank's message ("" where it raised none)."""
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, h, e = 6, 512, 8  # (the hidden size the LL GPU tests use)
+    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
+    if rank == 0:
+        idx[5, 1] = e + 3
+    msg = ""
+    if low_latency:
+        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(16, h, world, e), low_latency_mode=True)
+        assert type(buf.low_latency_backend).__name__ == "NativeLowLatencyBackend"
+        buf.low_latency_dispatch(x, idx, 16, e, use_fp8=False)
+        torch.cuda.synchronize()
+        try:
+            buf.check_errors()
+        except RuntimeError as exc:
+            msg = str(exc)
+    else:
+        buf = Buffer(group, int(1e6), 0)
+        assert buf.backend_name == "native", buf.backend_name
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)  # no raise: no host sync
+        try:
+            # without topk_idx: the dispatch's own host check of the ids stays out of the way
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+            torch.cuda.synchronize()
+            buf.check_errors()
+        except RuntimeError as exc:
+            msg = str(exc)
+    buf.destroy()
+    return msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks_per_node,low_latency", [(None, False), ("1", False), (None, True), ("1", True)],
+                         ids=["intranode", "internode-2x1", "low-latency", "low-latency-2x1"])
+def test_native_out_of_range_expert_id_names_its_position(mps, monkeypatch, ranks_per_node, low_latency):
+    monkeypatch.delenv("UCCL_EP_CHECK_VALUES", raising=False)  # the GPU's check, not the host's
+    env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "5",
+           **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    msgs = run_ranks(_native_bad_expert_id, 2, low_latency, timeout=300, device="cuda", backend="gloo",
+                     ranks_per_gpu=2, env=env)
+    assert re.search(r"topk_idx\[5, 1\] = 11 is outside \[-1, 8\) on rank 0: expert ids are -1 \(no expert\) or "
+                     r"in \[0, num_experts\); found on the GPU by "
+                     + ("low_latency_dispatch" if low_latency else "get_dispatch_layout"), msgs[0]), msgs[0]
+    # rank 1 routed nothing wrong: it stops with rank 0's record (intranode: the shared board), waits for rank
+    # 0 in vain (its deadline names rank 0), or completes (the LL kernels go on past a bad id)
+    assert (not msgs[1] or "[rank 0 reported it; rank 1 stopped with it]" in msgs[1]
+            or re.search(r"rank 1( \(node 1\))? timed out after 5 s .* waiting for rank 0", msgs[1])), msgs[1]

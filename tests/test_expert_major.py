@@ -223,7 +223,7 @@ def _errors(rank, world, device):
     bad(TypeError, "^x: .*FP8", lambda: buf.dispatch_expert_major(fp8[0], idx, w, experts))
     bad(TypeError, "^x: .*FP8", lambda: buf.dispatch_expert_major_cached(fp8, handle, em, m))
     bad(TypeError, "^x: dtype", lambda: buf.dispatch_expert_major(x.to(torch.int32), idx, w, experts))
-    bad(ValueError, "^topk_idx: expert ids", lambda: buf.dispatch_expert_major(x, idx + experts, w, experts))
+    bad(ValueError, r"^topk_idx\[\d+, \d+\] = \d+ is outside \[-1, ", lambda: buf.dispatch_expert_major(x, idx + experts, w, experts))
     bad(ValueError, "^topk_idx: has", lambda: buf.dispatch_expert_major(x, idx[1:], w, experts))
     bad(ValueError, "^topk_weights: shape", lambda: buf.dispatch_expert_major(x, idx, w[:, :1].contiguous(), experts))
     bad(TypeError, "^topk_weights: dtype", lambda: buf.dispatch_expert_major(x, idx, w.double(), experts))

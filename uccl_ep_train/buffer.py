@@ -331,12 +331,14 @@ class Buffer:
 
     def _run(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
              async_finish: bool, allocate_on_comm_stream: bool,
-             checks: Optional[Callable[[], None]] = None) -> tuple[Any, EventOverlap]:
+             checks: Optional[Callable[[], None]] = None,
+             checked_on_device: Optional[bool] = None) -> tuple[Any, EventOverlap]:
         """Run `fn` on the comm stream after `previous_event` (or the current stream's work) and record an
         event; unless `async_finish`, the current stream waits for it. A call with neither, on a Buffer that
         has not used its comm stream yet, runs on the current stream instead (same order, less host work).
         `checks` (argument checks that read tensor values) run first, in the same stream order, so they see
-        what `previous_event` produced.
+        what `previous_event` produced, unless the backend's kernels check the same values
+        (`checked_on_device`; default: the backend's checks_values_on_device; see validation.host_value_checks).
 
         Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
         not reused while either stream may still use it (`allocate_on_comm_stream` is accepted as in DeepEP:
@@ -347,7 +349,9 @@ class Buffer:
                             f"got {type(previous_event).__name__}")
         if previous_event is not None and previous_event.event is None:
             previous_event = None  # a synchronous call's (DeepEP's EventOverlap(None)): already in stream order
-        if checks is not None and not V.host_value_checks(self.backend.checks_values_on_device):
+        if checked_on_device is None:
+            checked_on_device = self.backend.checks_values_on_device
+        if checks is not None and not V.host_value_checks(checked_on_device):
             checks = None
         if self._comm_stream is not None and capturing():
             # In a CUDA graph every call runs on the capturing stream (the graph orders it; a side stream
@@ -411,7 +415,9 @@ class Buffer:
                             allocate_on_comm_stream: bool = False
                             ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor, EventOverlap]:
         """Compute the dispatch layout from the routing (local, no communication). Expert ids outside
-        [-1, num_experts) are an error (checked on the GPU by the native kernels, see docs/api.md "Errors").
+        [-1, num_experts) are an error naming the first bad one's position: a ValueError here where the host
+        checks, else found by the native layout kernel without a host sync and raised at the fresh
+        dispatch's count sync or the next call (docs/api.md "Errors").
 
         Arguments:
             topk_idx: `[num_tokens, num_topk]` int64 (int32 accepted), expert ids, -1 means no selection.
@@ -438,7 +444,8 @@ class Buffer:
 
         (per_rank, per_node, per_expert, in_rank), event = self._run(
             run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+            checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
+            checked_on_device=backend.checks_expert_ids_on_device)
         return per_rank, per_node, per_expert, in_rank, event
 
     def dispatch(self, x: XType, handle: Optional[HTHandle] = None,
@@ -519,7 +526,7 @@ class Buffer:
 
         def checks() -> None:  # values: read in stream order, after previous_event
             if topk_idx is not None:
-                V.check_expert_range(topk_idx, num_experts)
+                V.check_expert_range(topk_idx, num_experts, self.rank)
             if V.value_checks(is_token_in_rank):
                 sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
                 if not torch.equal(sent, num_tokens_per_rank):
@@ -664,7 +671,8 @@ class Buffer:
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
             run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
-            checks=lambda: V.check_expert_range(topk_idx, num_experts))
+            checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
+            checked_on_device=backend.checks_expert_ids_on_device)
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
 
     def dispatch_expert_major_cached(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
@@ -828,7 +836,7 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         V.check_topk(topk_idx, None, x.size(0))
         if V.host_value_checks(self.low_latency_backend.checks_values_on_device):
-            V.check_expert_range(topk_idx, num_experts)
+            V.check_expert_range(topk_idx, num_experts, self.rank)
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
             raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
@@ -896,7 +904,7 @@ class Buffer:
             raise ValueError("topk_weights: required, low-latency combine reduces with the top-k weights")
         V.check_topk(topk_idx, topk_weights, topk_idx.size(0) if isinstance(topk_idx, torch.Tensor) else -1)
         if V.host_value_checks(backend.checks_values_on_device):
-            V.check_expert_range(topk_idx, handle.num_experts)
+            V.check_expert_range(topk_idx, handle.num_experts, self.rank)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
             raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
                              f"{handle.num_max_dispatch_tokens_per_rank}")

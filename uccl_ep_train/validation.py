@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
+from .errors import bad_expert_id
 from .events import capturing
 from .fp8 import FP8_BLOCK, fp8_dtype_for
 
@@ -114,12 +115,16 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
                              f"{idx_arg} shape {list(topk_idx.shape)}")
 
 
-def check_expert_range(topk_idx: torch.Tensor, num_experts: int, idx_arg: str = "topk_idx") -> None:
-    """Every id in [-1, num_experts): reads values, so it syncs a GPU (see value_checks)."""
+def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_arg: str = "topk_idx") -> None:
+    """Every id in [-1, num_experts), else a ValueError naming the first bad one (row-major) with its position,
+    in the words the native kernels use for the ids they check (errors.bad_expert_id). Reads values, so it
+    syncs a GPU (see value_checks): once when the ids are good, and only a bad call pays for the position."""
     if topk_idx.numel() and value_checks(topk_idx):
         lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host sync for both
         if lo < -1 or hi >= num_experts:
-            raise ValueError(f"{idx_arg}: expert ids must be in [-1, {num_experts}), got range [{lo}, {hi}]")
+            bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
+            row, col = bad
+            raise ValueError(bad_expert_id(idx_arg, row, col, int(topk_idx[row, col]), num_experts, rank))
 
 
 def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: str, arg: str = "em_map",

@@ -58,6 +58,7 @@ void register_internode(py::module_& m) {
       .def("nvl_bytes", &InternodeBuffer::nvl_bytes)
       .def("set_rings", &InternodeBuffer::set_rings, py::arg("rings"))
       .def("error", &InternodeBuffer::error)
+      .def("dispatch_layout", &InternodeBuffer::dispatch_layout, py::call_guard<py::gil_scoped_release>())
       .def("notify", &InternodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
       .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
       .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <cstdio>
 
+#include "common/errors.h"
 #include "common/portability.h"
 #include "kernels/intranode_api.h"
 
@@ -54,26 +55,28 @@ inline gpuError_t query_device(int device, double timeout_s, int* num_sms, int64
   return e;
 }
 
-// kErrBadCounts: num_tokens_per_rank[peer] = need, is_token_in_rank sends have. kErrBadExpert: token `peer`
-// has expert id `need`, outside [-1, have). Both are the GPU's value checks (the host's are opt-in).
-// kErrShape: field `block` of the call's shape is `need` here and `have` on rank `peer` (checked on the GPU
-// when num_worst_tokens spares the host sync that checks it otherwise). kErrExpertCapacity: rank `peer` sends
-// `need` tokens to local expert `block`, more than the expert_capacity `have` of an expert-major dispatch.
-enum ErrorCode : int {
-  kErrNone = 0,
-  kErrTimeout = 1,
-  kErrCapacity = 2,
-  kErrWorstTokens = 3,
-  kErrBadCounts = 4,
-  kErrBadExpert = 5,
-  kErrShape = 6,
-  kErrExpertCapacity = 7
-};
-enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3, kPhaseLayout = 4 };
-
+// The codes and phases a record carries, and the sentences they become: common/errors.h.
 struct ErrorRecord {
   int code, rank, peer, block, phase, need, have, pad;
 };
+
+// A record as the host reads it (pinned, mapped memory the GPU writes) -> the fields describe_error takes.
+inline ErrorFields error_fields(const volatile ErrorRecord* r) {
+  ErrorFields f;
+  f.code = r->code;
+  f.rank = r->rank;
+  f.peer = r->peer;
+  f.block = r->block;
+  f.phase = r->phase;
+  f.need = r->need;
+  f.have = r->have;
+  return f;
+}
+
+// A 64-bit value (an expert id) in a record's int field: saturated, so a huge id still reads as out of range.
+__device__ __forceinline__ int saturate_int(int64_t v) {
+  return v > INT32_MAX ? INT32_MAX : (v < INT32_MIN ? INT32_MIN : (int)v);
+}
 
 // Peers that share memory learn of each other's errors through the words after the claim word (in every
 // rank's device buffer): a board with one record per rank (slot r: what rank r reported) and a table of the
@@ -135,8 +138,6 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
       write_record(error_board(pc) + rank, code, rank, peer, block, phase, need, have);
       atomicCAS_system(pc, 0, 2);  // 2: a peer's error (the peer keeps its own report out of the record)
     }
-    printf("uccl_ep_train native: error %d on rank %d (peer %d, block %d, phase %d, need %d, have %d)\n", code,
-           rank, peer, block, phase, need, have);
   } else {
     adopt_peer_error(err, claim);  // a peer's report came first: the host raises that one
   }

@@ -96,6 +96,12 @@ class InternodeBuffer {
 
   std::string error() const;
 
+  // get_dispatch_layout over all ranks (outputs zeroed int32 [R], int32 [E], bool [T, R]): the intranode
+  // layout kernel, which records the first expert id outside [-1, num_experts) here (error()); the fresh
+  // dispatch's wait_counts raises it, or the next call.
+  void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int64_t out_per_rank,
+                       int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
+
   // Fresh dispatch, step 1: this rank's count row (header, per-rank / per-node / per-expert counts, device
   // int32 tensors) into every rank's notify slot through the proxies. Then wait_counts (host): waits for
   // every rank's row (deadline), copies the R rows to host_out (int32 [R, row stride], see count_row_ints).

@@ -10,6 +10,7 @@
 #include "kernels/host_args.h"
 #include "kernels/internode_launch.cuh"
 #include "kernels/ipc_handles.h"
+#include "kernels/launch.cuh"
 
 namespace uccl_ep::internode {
 
@@ -198,24 +199,20 @@ std::string InternodeBuffer::error() const {
   if (err_host_ == nullptr) return "";
   const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
   if (r->code <= 0) return "";
-  static const char* phases[] = {"notify", "dispatch (send)", "dispatch (forward)", "dispatch (copy-out)",
-                                 "combine (stage)", "combine (forward)", "combine (reduce)"};
-  const char* phase = (r->phase >= kPhaseNotify && r->phase <= kPhaseCombineReduce) ? phases[r->phase - kPhaseNotify] : "?";
-  const int L = ranks_per_node_;
-  std::ostringstream os;
-  if (r->code == intranode::kErrTimeout) {
-    os << "timeout on rank " << r->rank << " (node " << r->rank / L << ") waiting for rank " << r->peer << " (node "
-       << r->peer / L << ") on channel " << r->block << " in phase '" << phase << "' (signal " << r->have << " < "
-       << r->need << " after " << timeout_s_ << " s, UCCL_EP_TIMEOUT_S); is every rank running the same op, and "
-       << "are the proxies alive?";
-  } else if (r->code == kErrRingFull) {
-    os << "rank " << r->rank << " (node " << r->rank / L << "): the proxy ring of channel " << r->block
-       << " stayed full for " << timeout_s_ << " s in phase '" << phase << "' (sending to rank " << r->peer
-       << "): the proxy thread is not draining it";
-  } else {
-    os << "error code " << r->code << " on rank " << r->rank << " in phase '" << phase << "'";
-  }
-  return os.str();
+  return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
+}
+
+void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
+                                      int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,
+                                      int64_t stream) {
+  UCCL_CHECK(nvl_ != nullptr, "get_dispatch_layout: the internode buffer was destroyed");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  if (num_tokens == 0) return;
+  intranode::launch_dispatch_layout(
+      as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_, as_ptr<int>(out_per_rank),
+      as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank), as_stream(stream),
+      intranode::LayoutReport{static_cast<ErrorRecord*>(err_dev_),
+                              reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset), rank_});
 }
 
 // What every kernel of this rank gets for its next launch.
@@ -288,11 +285,16 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
       const std::string e = error();
       if (!e.empty()) UCCL_THROW(e);
       if ((++spins & 1023u) == 0) {
-        if (std::chrono::steady_clock::now() > deadline)
-          UCCL_THROW("timeout on rank " << rank_ << " (node " << node_ << ") waiting for the counts of rank " << s
-                                        << " (node " << s / ranks_per_node_ << ") on channel 0 in phase 'notify' after "
-                                        << timeout_s_ << " s (UCCL_EP_TIMEOUT_S); is every rank calling dispatch, "
-                                        << "and are the proxies alive?");
+        if (std::chrono::steady_clock::now() > deadline) {  // the host's wait: the same sentence as a kernel's
+          ErrorFields f;
+          f.code = kErrTimeout;
+          f.rank = rank_;
+          f.peer = s;
+          f.phase = kPhaseNotify;
+          f.need = (int)notifies_;
+          f.have = (int)flags[notify_flag(s)];
+          UCCL_THROW(describe_error(f, ErrorContext{rank_, ranks_per_node_, timeout_s_}));
+        }
         std::this_thread::yield();
       }
     }
@@ -307,6 +309,10 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
   UCCL_CHECK_GPU(gpuMemcpyAsync(as_ptr<void>(host_out), static_cast<char*>(rdma_) + in_off,
                                 (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, copy));
   UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
+  // The kernels before notify on this stream are done too: a bad expert id the layout kernel recorded (its
+  // counts left it out) raises here, at the sync the dispatch has anyway, before any row moves.
+  const std::string e = error();
+  if (!e.empty()) UCCL_THROW(e);
 }
 
 // Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks

@@ -38,18 +38,7 @@ __host__ __device__ inline int64_t combine_flag(int R, int N, int n, int j) {
 }
 inline int64_t flag_words(int R, int N) { return 2 * int64_t(R) + 2 * int64_t(N) * kMaxChunks; }
 
-// Phases named in errors (ErrorRecord::phase).
-enum Phase : int {
-  kPhaseNotify = 11,
-  kPhaseDispatchSend = 12,
-  kPhaseDispatchForward = 13,
-  kPhaseDispatchCopyOut = 14,
-  kPhaseCombineStage = 15,
-  kPhaseCombineForward = 16,
-  kPhaseCombineReduce = 17,
-};
-// ErrorRecord::code beyond the intranode ones
-constexpr int kErrRingFull = 10;  // a ring stayed full for the whole timeout (proxy thread dead or stuck)
+// Phases named in errors (ErrorRecord::phase) and the ring-full code: common/errors.h.
 
 struct RingSet {
   uccl::RingDesc r[kMaxRings];

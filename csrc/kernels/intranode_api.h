@@ -121,6 +121,7 @@ class IntranodeBuffer {
   void* err_host_ = nullptr;        // pinned, mapped error record
   void* err_dev_ = nullptr;
   int64_t timeout_cycles_ = 0;
+  double timeout_s_ = 0;            // UCCL_EP_TIMEOUT_S as given (named in the error sentences)
   int num_device_sms_ = 0;
 };
 

@@ -29,7 +29,7 @@ RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_byt
 }
 
 IntranodeBuffer::IntranodeBuffer(int device, int rank, int num_ranks, int64_t num_bytes, double timeout_s)
-    : device_(device), rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes) {
+    : device_(device), rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_s_(timeout_s) {
   UCCL_CHECK(num_ranks >= 1 && num_ranks <= kMaxRanks,
              "intranode buffer: num_ranks " << num_ranks << " outside [1, " << kMaxRanks << "] (one NVLink domain)");
   UCCL_CHECK(rank >= 0 && rank < num_ranks, "intranode buffer: rank " << rank << " outside [0, " << num_ranks << ")");
@@ -139,46 +139,7 @@ std::string IntranodeBuffer::error() const {
   if (err_host_ == nullptr) return "";
   const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
   if (r->code <= 0) return "";
-  static const char* phases[] = {"?", "notify", "dispatch", "combine", "layout"};
-  const char* phase = (r->phase >= 1 && r->phase <= 4) ? phases[r->phase] : "?";
-  std::ostringstream os;
-  switch (r->code) {
-    case kErrTimeout:
-      os << "timeout on rank " << r->rank << " waiting for rank " << r->peer << " (block/channel " << r->block
-         << ", phase " << phase << ", signal " << r->have << " < " << r->need
-         << "); is every rank calling the same op with the same num_sms? (UCCL_EP_TIMEOUT_S)";
-      break;
-    case kErrCapacity:
-      os << "buffer too small on rank " << r->peer << " (phase " << phase << "): " << r->need
-         << " rows needed, " << r->have << " fit; pass a larger num_nvl_bytes";
-      break;
-    case kErrWorstTokens:
-      os << "rank " << r->rank << " receives " << r->need << " tokens, more than num_worst_tokens=" << r->have;
-      break;
-    case kErrBadCounts:
-      os << "num_tokens_per_rank on rank " << r->rank << " disagrees with is_token_in_rank: " << r->need
-         << " tokens for rank " << r->peer << ", the mask sends " << r->have
-         << " (found on the GPU; UCCL_EP_CHECK_VALUES=1 checks on the host before any communication)";
-      break;
-    case kErrBadExpert:
-      os << "topk_idx on rank " << r->rank << ": token " << r->peer << " has expert id " << r->need
-         << ", outside [-1, " << r->have
-         << ") (found on the GPU; UCCL_EP_CHECK_VALUES=1 checks on the host before any communication)";
-      break;
-    case kErrShape:
-      os << (r->phase == kPhaseCombine ? "combine" : "dispatch") << ": ranks disagree on "
-         << (r->block >= 0 && r->block < kShapeInts ? kShapeFields[r->block] : "the call's shape") << ": rank "
-         << r->rank << "=" << r->need << ", rank " << r->peer << "=" << r->have;
-      break;
-    case kErrExpertCapacity:
-      os << "dispatch_expert_major: rank " << r->peer << " sends " << r->need << " tokens to local expert "
-         << r->block << " of rank " << r->rank << ", more than expert_capacity=" << r->have;
-      break;
-    default:
-      os << "error code " << r->code << " on rank " << r->rank;
-  }
-  if (r->rank != rank_) os << " [rank " << r->rank << " reported it; rank " << rank_ << " stopped with it]";
-  return os.str();
+  return describe_error(error_fields(r), ErrorContext{rank_, 0, timeout_s_});
 }
 
 void IntranodeBuffer::clear_error() {

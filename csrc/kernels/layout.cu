@@ -22,8 +22,9 @@ __global__ void __launch_bounds__(kLayoutThreads) dispatch_layout_kernel(const i
     for (int k = 0; k < num_topk; ++k) {
       const int64_t e = ids[k];
       if (e < 0 || e >= num_experts) {  // -1: no selection
-        if (e != -1 && report.claim != nullptr)
-          report_error(report.err, report.claim, kErrBadExpert, report.rank, t, kPhaseLayout, (int)e, num_experts);
+        if (e != -1 && report.claim != nullptr)  // topk_idx[t, k]: the column rides in the record's block
+          report_error(report.err, report.claim, kErrBadExpert, report.rank, t, kPhaseLayout, saturate_int(e),
+                       num_experts, k);
         continue;
       }
       atomicAdd(&s_counts[e], 1);

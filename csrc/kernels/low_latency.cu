@@ -376,7 +376,8 @@ __device__ __forceinline__ void dispatch_send(const Args& a, int* smem) {
       const bool live = p < t_hi * K;
       const int64_t e = live ? a.topk_idx[p] : -1;
       if (live && (e < -1 || e >= E))
-        report_error(a.err, a.claim, intranode::kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, int(e), E);
+        report_error(a.err, a.claim, kErrBadExpert, a.rank, p / K, kPhaseDispatchSend, intranode::saturate_int(e), E,
+                     p % K);
       const int ev = live && e >= 0 && e < E ? int(e) : -1;
       int same_before = 0, same_after = 0;  // lanes of this pass with the same expert
       for (int d = 0; d < kWarpSize; ++d) {

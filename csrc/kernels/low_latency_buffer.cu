@@ -136,30 +136,9 @@ std::string LowLatencyBuffer::error() const {
   if (err_host_ == nullptr) return "";
   const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
   if (r->code <= 0) return "";
-  static const char* phases[] = {"dispatch (send)", "dispatch (receive)", "combine (send)", "combine (receive)"};
-  const char* phase = (r->phase >= kPhaseDispatchSend && r->phase <= kPhaseCombineRecv) ? phases[r->phase - kPhaseDispatchSend]
-                                                                                        : "?";
-  std::ostringstream os;
-  if (r->code == intranode::kErrTimeout) {
-    os << "timeout on rank " << r->rank << " waiting for rank " << r->peer << " on channel ";
-    if (r->block < 0 || r->peer == r->rank) os << "- (NVLink)";
-    else os << r->block;
-    os << " in phase '" << phase << "' (signal " << r->have << " < " << r->need << " after " << timeout_s_
-       << " s, UCCL_EP_TIMEOUT_S); is every rank running the same low-latency calls, and are the proxies alive?";
-  } else if (r->code == kErrRingFull) {
-    os << "rank " << r->rank << ": the proxy ring of channel " << r->block << " stayed full for " << timeout_s_
-       << " s in phase '" << phase << "' (sending to rank " << r->peer << "): the proxy thread is not draining it";
-  } else if (r->code == intranode::kErrBadExpert) {
-    os << "rank " << r->rank << ": topk_idx of token " << r->peer << " has expert id " << r->need << ", outside [-1, "
-       << r->have << ") (checked on the GPU; the call moved nothing for it)";
-  } else if (r->code == kErrExpertFull) {
-    os << "rank " << r->rank << ": topk_idx gives expert " << r->peer << " " << r->need << " rows, more than "
-       << "num_max_dispatch_tokens_per_rank (" << r->have << "): a token lists that expert several times; the rows "
-       << "past " << r->have << " were dropped (in phase '" << phase << "')";
-  } else {
-    os << "error code " << r->code << " on rank " << r->rank << " in phase '" << phase << "'";
-  }
-  return os.str();
+  // node names only when the ranks span nodes (one node: plain NVLink ranks)
+  const int per_node = ranks_per_node_ < num_ranks_ ? ranks_per_node_ : 0;
+  return describe_error(intranode::error_fields(r), ErrorContext{rank_, per_node, timeout_s_});
 }
 
 void LowLatencyBuffer::check_ready(const char* what) const {

@@ -29,10 +29,7 @@ constexpr int64_t kWordsOffset = kCDoneOffset + 4 * kMaxRanks;
 constexpr int kBlocksDoneWord = 0, kSeqWord = 2;
 constexpr int64_t kCounterBytes = kWordsOffset + 8 * (kSeqWord + 4);
 
-// Phases named in errors (ErrorRecord::phase).
-enum Phase : int { kPhaseDispatchSend = 31, kPhaseDispatchRecv = 32, kPhaseCombineSend = 33, kPhaseCombineRecv = 34 };
-constexpr int kErrRingFull = 10;   // a ring stayed full for the whole timeout (proxy thread dead or stuck)
-constexpr int kErrExpertFull = 11;  // more than max_tokens rows for one expert from one rank (top-k with repeats)
+// Phases named in errors (ErrorRecord::phase), ring-full and expert-full codes: common/errors.h.
 
 struct RingSet {
   uccl::RingDesc r[kMaxRings];

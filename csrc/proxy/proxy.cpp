@@ -257,9 +257,11 @@ void ProxyThread::run() {
 
 void ProxyThread::reject(const Command& c, const std::string& why) {
   std::ostringstream os;
-  os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": rejected command (op " << int(c.op) << ", dst "
-     << int(c.dst_rank) << ", channel " << int(c.channel) << ", region " << int(c.region) << ", length " << c.length
-     << ", local_off " << c.local_off << ", remote_off " << c.remote_off << "): " << why;
+  os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << " rejected a command for rank " << int(c.dst_rank)
+     << " on channel " << int(c.channel) << ": " << why << "; the producer (a kernel, or a caller of push) built "
+     << "it wrong, so the data it was to move never leaves and its peer will time out: a bug to report with this "
+     << "line (op " << int(c.op) << ", region " << int(c.region) << ", length " << c.length << ", local_off "
+     << c.local_off << ", remote_off " << c.remote_off << ")";
   p_->set_error(os.str());
   rejected_.fetch_add(1, std::memory_order_release);  // after the error: a reader seeing the count sees the message
 }
@@ -384,8 +386,11 @@ void ProxyThread::check_timeouts() {
   if (waited < p_->cfg_.timeout_s) return;
   auto oldest = std::min_element(posted_.begin(), posted_.end(),
                                  [](const auto& a, const auto& b) { return a.second.t < b.second.t; });
-  UCCL_THROW("timeout after " << waited << " s: peer " << oldest->second.dst << " channel " << oldest->second.channel
-             << " phase 'completion' (" << inflight_total_ << " operations in flight, no completion; is the peer alive?)");
+  UCCL_THROW("rank " << p_->cfg_.rank << " timed out after " << waited << " s in 'completion' waiting for rank "
+             << oldest->second.dst << " on channel " << oldest->second.channel << ": its writes there got no "
+             << "completion; rank " << oldest->second.dst << " or the link to it is gone (did its process exit?), "
+             << "`uccl-ep-train doctor --peers` checks the links; raise UCCL_EP_TIMEOUT_S if the network is only "
+             << "slow (" << inflight_total_ << " operations in flight)");
 }
 
 // One iteration of the pickup loop: no syscall, no locked instruction, no sleep. The ring's next slot is
@@ -592,8 +597,10 @@ void Proxy::push(int t, const Command* cmds, size_t n, bool owned) {
         if (!e.empty() || !running_ || Clock::now() > deadline) {
           p.close();  // hand back what was published
           if (!e.empty()) UCCL_THROW(e);
-          UCCL_THROW("rank " << cfg_.rank << ": timeout after " << cfg_.timeout_s << " s in phase 'ring full' on ring "
-                     << t << (running_ ? " (proxy thread not draining)" : " (the proxy is not running)"));
+          UCCL_THROW("rank " << cfg_.rank << ": ring " << t << " stayed full for " << cfg_.timeout_s << " s (ring full): "
+                     << (running_ ? "its proxy thread is not draining it (stuck behind a transport or a peer that "
+                                    "stopped answering)"
+                                  : "the proxy is not running (closed, or stopped by an error it raised first)"));
         }
         std::this_thread::yield();
       }
@@ -613,10 +620,12 @@ void Proxy::push(int t, const Command* cmds, size_t n, bool owned) {
       if (claimed + batch <= tail + d.capacity) break;
       std::string e = error();
       if (!e.empty()) UCCL_THROW(e);
-      if (!running_) UCCL_THROW("push: ring " << t << " is full and the proxy is not running");
+      if (!running_)
+        UCCL_THROW("rank " << cfg_.rank << ": ring " << t << " is full (ring full) and the proxy is not running "
+                   "(closed, or stopped by an error it raised first): nothing drains it");
       if (Clock::now() > deadline)
-        UCCL_THROW("rank " << cfg_.rank << ": timeout after " << cfg_.timeout_s << " s in phase 'ring full' on ring " << t
-                   << " (proxy thread not draining)");
+        UCCL_THROW("rank " << cfg_.rank << ": ring " << t << " stayed full for " << cfg_.timeout_s << " s (ring full): "
+                   << "its proxy thread is not draining it (stuck behind a transport or a peer that stopped answering)");
       std::this_thread::yield();
     }
     ring_push(d, cmds + done, batch);
@@ -632,8 +641,11 @@ void Proxy::wait_seq(int src, int ch, uint64_t target, double timeout_s, const s
     std::string e = error();
     if (!e.empty()) UCCL_THROW(e);
     if (Clock::now() > deadline)
-      UCCL_THROW("rank " << cfg_.rank << ": timeout after " << timeout_s << " s waiting for peer " << src << " channel " << ch
-                 << " in phase '" << phase << "' (arrived " << __atomic_load_n(p, __ATOMIC_ACQUIRE) << " of " << target << ")");
+      UCCL_THROW("rank " << cfg_.rank << " timed out after " << timeout_s << " s in '" << phase << "' waiting for rank "
+                 << src << " on channel " << ch << ": its messages did not arrive. Is rank " << src << " running the "
+                 << "same op? A rank that raised earlier, or exited, leaves its peers waiting; a dead proxy thread or "
+                 << "link stops it too (`uccl-ep-train doctor --peers`); raise UCCL_EP_TIMEOUT_S if rank " << src
+                 << " is only slow (arrived " << __atomic_load_n(p, __ATOMIC_ACQUIRE) << " of " << target << ")");
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }
 }
@@ -645,7 +657,9 @@ void Proxy::wait_flushed(int t, uint64_t target, double timeout_s) {
     std::string e = error();
     if (!e.empty()) UCCL_THROW(e);
     if (Clock::now() > deadline)
-      UCCL_THROW("rank " << cfg_.rank << ": timeout after " << timeout_s << " s waiting for ring " << t << " in phase 'flush' ("
+      UCCL_THROW("rank " << cfg_.rank << " timed out after " << timeout_s << " s in 'flush' waiting for ring " << t
+                 << ": the writes before its flush did not all complete, so a peer or the link to it stopped "
+                 << "answering (`uccl-ep-train doctor --peers`); raise UCCL_EP_TIMEOUT_S if the network is only slow ("
                  << __atomic_load_n(d.flushed, __ATOMIC_ACQUIRE) << " of " << target << " flushes)");
     std::this_thread::sleep_for(std::chrono::microseconds(20));
   }

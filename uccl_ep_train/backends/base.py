@@ -33,6 +33,13 @@ class Backend(abc.ABC):
     # match the mask) and report them as errors, so Buffer skips the host's value checks by default.
     checks_values_on_device: bool = False
 
+    @property
+    def checks_expert_ids_on_device(self) -> bool:
+        """True: get_dispatch_layout's kernel checks topk_idx's expert ids and records the first bad one
+        (position and value), raised at the next host sync or call, so Buffer skips the host's check (a GPU
+        sync) there by default. Every backend that checks all values on the device checks these."""
+        return self.checks_values_on_device
+
     def __init__(self, group, rank: int, num_ranks: int, owner: int, num_nvl_bytes: int, num_rdma_bytes: int, *,
                  topology: Optional[Topology] = None):
         """topology: which ranks form a node (Buffer detects it once); None means all ranks on one node."""

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import timeout_s
+from ..errors import exchange_failed, exchange_timed_out
 
 
 class CommTimeoutError(TimeoutError):
@@ -31,15 +32,13 @@ def wait_work(work: Optional[dist.Work], rank: int, phase: str, host_wait: bool,
     sleep = 0.0
     while not work.is_completed():
         if time.monotonic() > deadline:
-            raise CommTimeoutError(
-                f"uccl_ep_train: rank {rank} timed out after {limit:.0f}s in phase '{phase}' (channel {channel}): "
-                f"a peer rank never arrived (raise UCCL_EP_TIMEOUT_S if the peers are just slow)")
+            raise CommTimeoutError(exchange_timed_out(rank, phase, channel, limit))
         time.sleep(sleep)
         sleep = min(sleep * 2 + 1e-5, 1e-3)
     try:
         work.wait()
     except Exception as exc:
-        raise RuntimeError(f"uccl_ep_train: rank {rank} failed in phase '{phase}' (channel {channel}): {exc}") from exc
+        raise RuntimeError(exchange_failed(rank, phase, channel, exc)) from exc
 
 
 class Comm:

@@ -211,9 +211,19 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
         per_rank, per_expert = counts[: self.num_ranks], counts[self.num_ranks:]
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
-        self._native.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, self.num_ranks, per_rank.data_ptr(),
-                                     per_expert.data_ptr(), in_rank.data_ptr(), current_raw_stream())
+        if self._buf is not None:  # records a bad expert id (raised at the dispatch's count sync)
+            self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
+                                      per_expert.data_ptr(), in_rank.data_ptr(), current_raw_stream())
+        else:  # not opened yet (a low-latency Buffer's first HT call): the host checked the ids
+            self._native.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, self.num_ranks,
+                                         per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
+                                         current_raw_stream())
         return per_rank, per_expert, in_rank
+
+    @property
+    def checks_expert_ids_on_device(self) -> bool:
+        """The layout kernel records bad ids once the buffers are open (before that it has nowhere to)."""
+        return self._buf is not None
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _notify(self, header: list[int], per_rank, per_node, per_expert, num_experts: int) -> np.ndarray:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from .. import permute
 from ..config import Config, timeout_s
+from ..errors import ranks_disagree
 from ..events import capturing, current_raw_stream
 from ..handles import IntranodeHandle, rows_per_source
 from ..topology import MAX_RANKS_PER_NODE, native_limit
@@ -166,8 +167,7 @@ def check_same_shape(per_rank: list) -> None:
     for i, name in enumerate(_module().INTRANODE_SHAPE_FIELDS):
         values = [int(h[i]) for h in per_rank]
         if name != "num_tokens" and len(set(values)) > 1:
-            raise ValueError(f"dispatch: ranks disagree on {name}: " +
-                             ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+            raise ValueError(ranks_disagree("dispatch", name, values))
 
 
 def quiesce(device: torch.device, group) -> None:

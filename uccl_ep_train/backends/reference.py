@@ -17,6 +17,7 @@ from typing import Callable, Optional
 import torch
 
 from ..config import Config
+from ..errors import ranks_disagree
 from ..fp8 import per_token_cast_to_fp8
 from ..handles import (InternodeHandle, IntranodeHandle, LowLatencyHandle, forwarded_rows, prefix_matrix_from_counts,
                        rows_per_source, send_head_of, send_positions)
@@ -66,8 +67,7 @@ class ReferenceBackend(Backend):
         for i, name in enumerate(_HEADER):
             values = [row[i] for row in all_h]
             if len(set(values)) > 1:
-                raise ValueError(f"{phase}: ranks disagree on {name}: " +
-                                 ", ".join(f"rank {r}={v}" for r, v in enumerate(values)))
+                raise ValueError(ranks_disagree(phase, name, values))
         return None if counts is None else self.comm.all_gather(counts.to(torch.int64), f"{phase}: notify counts")
 
     # ---- high throughput -------------------------------------------------------------------------------

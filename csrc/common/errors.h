@@ -1,0 +1,73 @@
+// The one home of the kernels' error records on the host side: the codes and phases a record can carry
+// (shared by the intranode, internode and low-latency kernels, which include this header) and the sentence
+// each one becomes for the user (describe_error). Plain C++ (no GPU headers): the host-only build compiles
+// it too, so the sentences are unit-tested without a GPU (`_native.describe_error`, tests/test_errors.py).
+//
+// A record is (code, rank, peer, block, phase, need, have): `rank` found it, about `peer`, in `block` (a
+// channel on the proxied paths, a thread block otherwise, the shape field of kErrShape, the top-k column of
+// kErrBadExpert), during `phase`; need/have are the numbers compared (a signal's target and value, rows
+// needed and rows that fit, ...). Phase codes differ across the three paths, so a phase alone names the path.
+#pragma once
+
+#include <string>
+
+namespace uccl_ep {
+
+// ErrorRecord::code. kErrBadCounts: num_tokens_per_rank[peer] = need, is_token_in_rank sends have.
+// kErrBadExpert: topk_idx[peer, block] = need, outside [-1, have). Both are the GPU's value checks (the host's
+// are opt-in). kErrShape: field `block` of the call's shape is `need` here and `have` on rank `peer` (checked
+// on the GPU when no host sync checks it). kErrExpertCapacity: rank `peer` sends `need` tokens to local expert
+// `block`, more than the expert_capacity `have` of an expert-major dispatch.
+enum ErrorCode : int {
+  kErrNone = 0,
+  kErrTimeout = 1,
+  kErrCapacity = 2,
+  kErrWorstTokens = 3,
+  kErrBadCounts = 4,
+  kErrBadExpert = 5,
+  kErrShape = 6,
+  kErrExpertCapacity = 7,
+  kErrRingFull = 10,    // a proxy ring stayed full for the whole timeout (proxy thread dead or stuck)
+  kErrExpertFull = 11,  // low latency: more than max_tokens rows for one expert from one rank (repeated ids)
+};
+
+namespace intranode {
+enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3, kPhaseLayout = 4 };
+}  // namespace intranode
+
+namespace internode {
+enum Phase : int {
+  kPhaseNotify = 11,
+  kPhaseDispatchSend = 12,
+  kPhaseDispatchForward = 13,
+  kPhaseDispatchCopyOut = 14,
+  kPhaseCombineStage = 15,
+  kPhaseCombineForward = 16,
+  kPhaseCombineReduce = 17,
+};
+}  // namespace internode
+
+namespace low_latency {
+enum Phase : int { kPhaseDispatchSend = 31, kPhaseDispatchRecv = 32, kPhaseCombineSend = 33, kPhaseCombineRecv = 34 };
+}  // namespace low_latency
+
+struct ErrorFields {
+  int code = 0, rank = 0, peer = 0, block = 0, phase = 0, need = 0, have = 0;
+};
+
+// What the reader of a record knows beyond it.
+struct ErrorContext {
+  int reader = 0;          // the rank whose buffer holds the record (a peer's report, adopted, names another)
+  int ranks_per_node = 0;  // > 0 when the ranks span nodes: ranks are then named with their node
+  double timeout_s = 0;    // UCCL_EP_TIMEOUT_S as the kernels were given it
+};
+
+// The record as a sentence: what was being waited for (or found), from whom, why that usually happens and
+// what to do; the raw numbers last, in parentheses. "" for kErrNone.
+std::string describe_error(const ErrorFields& e, const ErrorContext& ctx);
+
+// "topk_idx[row, col] = value is outside [-1, num_experts)": the words the host's check uses too
+// (uccl_ep_train/validation.py), so every backend names a bad expert id alike.
+std::string bad_expert_id(int row, int col, long long value, int num_experts);
+
+}  // namespace uccl_ep
