@@ -1,7 +1,7 @@
 """The fuzz suite on GPUs (tests/fuzz_cases.py, tests/fuzz_runner.py): a fixed sample of seeds, each one node
 layout of at most SAMPLE_WORLD ranks sharing the GPU(s) under MPS, every case's outputs compared with the
 reference backend and the dense oracle. A failure names its repro (`scripts/fuzz_gpu.sh --seed S --case K`);
-long runs: `scripts/fuzz_gpu.sh --seeds N --minutes M` (docs/testing.md)."""
+long runs: `scripts/fuzz_gpu.sh --seeds N --minutes M` (README, "Fuzz and soak tests")."""
 from __future__ import annotations
 
 import pytest
