@@ -299,7 +299,8 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
         recv, count, handle, event, hook = buf.low_latency_dispatch(
             x.to(dev), idx.to(dev), M, E, cumulative_local_expert_recv_stats=stats, use_fp8=c.fp8,
             round_scale=c.round_scale, use_ue8m0=c.ue8m0, async_finish=c.stream == "async", return_recv_hook=c.hook)
-        hook() if c.hook else None
+        if c.hook:
+            hook()
         if c.stream == "async":
             event.current_stream_wait()
         r.settle(buf, "low_latency_dispatch")
@@ -318,8 +319,8 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
             if c.fp8 and k:  # the FP8 rows the kernels must produce: the cast where the data lives, bit for bit
                 q, s = per_token_cast_to_fp8(rows.to(dev), round_scale=c.round_scale, use_ue8m0=c.ue8m0)
                 _same(recv[0][e, :k], q, f"FP8 rows of expert {e}")
-                _same(recv[1][e, :k], s, f"FP8 scales of expert {e}")
                 rows = per_token_cast_back(q, s).cpu()
+                _same(per_token_cast_back(recv[0][e, :k], recv[1][e, :k]), rows, f"FP8 rows x scales of expert {e}")
             elif k:
                 _same(recv[e, :k], rows, f"rows of expert {e}")
             expect[e, :k] = rows
@@ -332,7 +333,8 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
             y_in = y.to(dev)
         out, event, hook = buf.low_latency_combine(y_in, idx.to(dev), w.to(dev), handle, zero_copy=c.zero_copy,
                                                    async_finish=c.stream == "async", return_recv_hook=c.hook)
-        hook() if c.hook else None
+        if c.hook:
+            hook()
         if c.stream == "async":
             event.current_stream_wait()
         r.settle(buf, "low_latency_combine")
