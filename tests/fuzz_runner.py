@@ -10,9 +10,10 @@ regenerates from the case): received row counts, per-expert counts, LL rows and 
 the generator, the runner and the oracle without a GPU.
 
 A failing case raises AssertionError starting with its one-line repro (`scripts/fuzz_gpu.sh --seed S --case
-K`); the ranks stop at the first failure of a seed (their state no longer agrees). HT and expert-major cases
-of a seed share one native Buffer (growth and reuse are part of what is tested), so a failure that does not
-reproduce alone reproduces with `--seed S` (every case of the seed).
+K`); the ranks stop at the first failure of a seed (their state no longer agrees). Consecutive HT and
+expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL case
+runs on Buffers of its own, the shared one destroyed first), so a failure that does not reproduce alone
+reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
     python tests/fuzz_runner.py --seeds N [--first S] [--minutes M] [--cases C]
@@ -91,6 +92,14 @@ class Ranks:
             self._shared = self.buffer()
         return self._shared
 
+    def drop_shared(self) -> None:
+        """Destroy the shared Buffer (collective): before an LL case, so that no rank runs two sets of proxies
+        and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU come close to its
+        clients limit)."""
+        if self._shared is not None:
+            self._shared.destroy()
+            self._shared = None
+
     def settle(self, buf, what: str) -> None:
         """Waits for the call's kernels; a kernel or proxy error raises here, naming the call."""
         if self.dev.type == "cuda":
@@ -101,8 +110,7 @@ class Ranks:
             raise AssertionError(f"{what}: {exc}") from exc
 
     def close(self) -> None:
-        if self._shared is not None:
-            self._shared.destroy()
+        self.drop_shared()
         self.ref.destroy()
 
 
@@ -361,6 +369,7 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
     """Case `c` on this rank; AssertionError naming the repro on any difference."""
     try:
         if c.kind == "ll":
+            r.drop_shared()
             return run_ll(c, r)
         if c.fault:
             with _env(UCCL_EP_FAULT=c.fault):
