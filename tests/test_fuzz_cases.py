@@ -129,3 +129,13 @@ def test_the_command_line_refuses_bad_arguments(capsys):
         with pytest.raises(SystemExit) as exc:
             fuzz_main(argv + ["--cpu"])
         assert exc.value.code == 2 and why in capsys.readouterr().err, argv
+
+
+def test_low_latency_repeated_ids_weigh_each_slot_once():
+    """A token naming one expert in two slots: the reference's LL combine gives w1 * y + w2 * y, as the native
+    kernels and the dense oracle do (it gave 2 (w1 + w2) y before the fuzz suite found it)."""
+    c = F.case(3017, 7)
+    assert c.kind == "ll" and c.repeated and c.world <= 2
+    rows = [[e for e in row if e >= 0] for r in range(c.world) for row in F.rank_routing(c, r).tolist()]
+    assert any(len(row) != len(set(row)) for row in rows), "the case has no repeated id"
+    assert len(run_cases([c], sut="reference", timeout=120)) == c.world
