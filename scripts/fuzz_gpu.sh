@@ -17,6 +17,7 @@ if [ -z "$py" ]; then
 fi
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast: it can take a shared host's GPUs down
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export PYTORCH_NVML_BASED_CUDA_CHECK=1  # the parent asks NVML for GPUs: it stays off the CUDA driver (MPS)
 if ! bash scripts/mps.sh status 2>/dev/null | grep -q "running"; then
   eval "$(bash scripts/mps.sh start | grep '^export')"
   trap 'bash scripts/mps.sh stop' EXIT

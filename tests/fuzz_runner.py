@@ -442,6 +442,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             run_cases(cases, sut)
             status = "ok"
+        except KeyboardInterrupt:  # the ranks are stopped (spawn); what ran so far is still reported
+            print(f"seed {seed}: interrupted", flush=True)
+            break
         except Exception as exc:  # noqa: BLE001 (a failing seed is reported, the run goes on)
             found = [line[line.index("scripts/fuzz_gpu.sh"):].split(" failed")[0]
                      for line in str(exc).splitlines() if "scripts/fuzz_gpu.sh" in line]
