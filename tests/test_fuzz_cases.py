@@ -47,7 +47,7 @@ def test_every_case_is_valid(cases):
 def test_inputs_follow_the_case(cases):
     """Shapes, dtypes, expert ranges, the ranks a routing leaves idle, holes and LL's repeated ids."""
     seen_repeat = seen_hole = False
-    for c in cases[::7]:
+    for c in cases[::29] + [c for c in cases if c.repeated][:10]:
         local = c.experts // c.world
         for rank in range(c.world):
             x, idx, w = F.rank_inputs(c, rank)
