@@ -65,9 +65,10 @@ def _buffers(world):
     return native, reference_buffer(group)
 
 
-def reference_buffer(group):
+def reference_buffer(group, **buffer_kwargs):
     """A reference-backend Buffer on CPU over `group` (the oracle the native calls are compared with), or over
-    a new gloo group of the same ranks when `group` is NCCL's (one rank per GPU): CPU tensors need gloo."""
+    a new gloo group of the same ranks when `group` is NCCL's (one rank per GPU): CPU tensors need gloo.
+    buffer_kwargs go to Buffer (e.g. low_latency_mode, num_rdma_bytes for LL calls)."""
     import torch.distributed as dist
 
     from uccl_ep_train import Buffer
@@ -78,7 +79,7 @@ def reference_buffer(group):
     old = {k: os.environ.get(k) for k in ("UCCL_EP_DEVICE", "UCCL_EP_BACKEND")}
     os.environ.update(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference")
     try:
-        ref = Buffer(group)
+        ref = Buffer(group, **buffer_kwargs)
     finally:
         for k, v in old.items():
             if v is None:

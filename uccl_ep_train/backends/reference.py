@@ -271,8 +271,8 @@ class ReferenceBackend(Backend):
 
         def receive() -> None:
             data, expert, token = unpack_rows(finish(), specs)
-            token = token.long()
-            weight = ((topk_idx[token] == expert.long().unsqueeze(1)).float() * topk_weights[token]).sum(dim=1)
+            token, expert = token.long(), expert.long()
+            weight = (_slot_of_row(token, expert, topk_idx, handle.num_experts) * topk_weights[token]).sum(dim=1)
             acc = torch.zeros(out.shape, dtype=torch.float32, device=out.device)
             acc.index_add_(0, token, data.float() * weight.unsqueeze(1))
             out.copy_(acc)
@@ -293,6 +293,20 @@ class ReferenceBackend(Backend):
 
     def release(self):
         self._ll_combine_buffers.clear()
+
+
+def _slot_of_row(token: torch.Tensor, expert: torch.Tensor, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[rows, K] float one-hot: the top-k slot each combine row answers. A token that names one expert in
+    several slots sent one row per slot (in slot order, which the rows of one (token, expert) keep on the way
+    back); the i-th row of a (token, expert) pair takes the weight of its i-th slot naming that expert, so each
+    slot's weight counts once, as in the native kernels (one row per (token, slot) pair)."""
+    key = token * num_experts + expert
+    order = torch.argsort(key, stable=True)
+    ranked = key[order]
+    occurrence = torch.empty_like(key)
+    occurrence[order] = torch.arange(key.numel(), device=key.device) - torch.searchsorted(ranked, ranked)
+    match = topk_idx[token] == expert.unsqueeze(1)
+    return (match & (match.cumsum(dim=1) - 1 == occurrence.unsqueeze(1))).float()
 
 
 def _hook_or_run(receive: Callable[[], None], return_recv_hook: bool) -> Optional[Callable[[], None]]:

@@ -1,0 +1,141 @@
+"""The fuzz generator (tests/fuzz_cases.py) and runner (tests/fuzz_runner.py) on CPU: deterministic per seed,
+every listed dimension covered over a few hundred seeds, only valid cases, and a sample of them run on CPU
+ranks with the reference backend under test (checked against the reference and the dense oracle), so the
+GPU fuzz suite's machinery is covered without a GPU."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fuzz_cases as F
+from fuzz_runner import main as fuzz_main
+from fuzz_runner import run_cases
+
+SEEDS = range(300)
+
+
+@pytest.fixture(scope="module")
+def cases() -> list[F.FuzzCase]:
+    return [c for s in SEEDS for c in F.generate(s)]
+
+
+def test_a_seed_gives_the_same_cases_and_inputs_every_time():
+    for seed in (0, 7, 123):
+        a, b = F.generate(seed), F.generate(seed)
+        assert a == b and [c.repro for c in a] == [f"scripts/fuzz_gpu.sh --seed {seed} --case {i}"
+                                                    for i in range(F.CASES_PER_SEED)]
+        assert F.case(seed, 3) == a[3]
+        for c in a[:3]:
+            for rank in range(c.world):
+                for t, u in zip(F.rank_inputs(c, rank), F.rank_inputs(c, rank)):
+                    assert torch.equal(t, u)
+    assert F.generate(1) != F.generate(2)
+
+
+def test_every_case_is_valid(cases):
+    for c in cases:
+        F.check_case(c)
+        assert len({c.layout for c in F.generate(c.seed)}) == 1  # one spawn per seed
+    bad = F.case(0, 0)
+    with pytest.raises(ValueError, match="--seed 0 --case 0: num_worst_tokens"):
+        F.check_case(F.FuzzCase(**{**bad.__dict__, "kind": "ht", "num_worst_tokens": max(1, sum(bad.tokens)) - 1,
+                                   "tokens": tuple(max(t, 1) for t in bad.tokens), "max_tokens": 0,
+                                   "hook": False, "zero_copy": False, "round_scale": False, "ue8m0": False,
+                                   "repeated": False}))
+
+
+def test_inputs_follow_the_case(cases):
+    """Shapes, dtypes, expert ranges, the ranks a routing leaves idle, holes and LL's repeated ids."""
+    seen_repeat = seen_hole = False
+    for c in cases[::29] + [c for c in cases if c.repeated][:10]:
+        local = c.experts // c.world
+        for rank in range(c.world):
+            x, idx, w = F.rank_inputs(c, rank)
+            T = c.tokens[rank]
+            assert x.shape == (T, c.hidden) and x.dtype == torch.bfloat16
+            assert idx.shape == w.shape == (T, c.topk) and idx.dtype == torch.int64 and w.dtype == torch.float32
+            valid = idx[idx >= 0]
+            assert bool(((idx >= -1) & (idx < c.experts)).all())
+            assert set((valid // local).tolist()) <= set(c.dest_ranks), (c.repro, c.dest_ranks)
+            seen_hole |= bool((idx == -1).any())
+            rows = [[e for e in row if e >= 0] for row in idx.tolist()]
+            repeats = any(len(r) != len(set(r)) for r in rows)
+            assert c.repeated or not repeats, c.repro  # distinct ids unless the case asks for repeats
+            seen_repeat |= repeats
+    assert seen_hole and seen_repeat
+
+
+def test_every_dimension_is_covered(cases):
+    def values(field):
+        return {getattr(c, field) for c in cases}
+
+    assert {(n, per_node) for n in range(1, 5) for per_node in range(1, 5)} <= values("layout")
+    tokens = {t for c in cases for t in c.tokens}
+    assert {0, 1, F.MAX_TOKENS} <= tokens
+    assert any(len(set(c.tokens)) > 1 for c in cases)  # different per rank
+    assert min(values("hidden")) == 128 and max(values("hidden")) == 7168
+    assert values("topk") == set(range(1, 10))
+    assert min(values("experts")) == 8 and max(values("experts")) == 288
+    assert values("routing") == set(F.ROUTINGS) and values("kind") == set(F.KINDS)
+    assert values("combine_dtype") == set(F.COMBINE_DTYPES) and values("bias") == {0, 1, 2}
+    assert values("stream") == set(F.STREAM_MODES) and set(F.ALIGNMENTS) <= values("expert_alignment")
+    for kind in F.KINDS:
+        mine = [c for c in cases if c.kind == kind]
+        assert {c.fault != "" for c in mine} == {True, False}, kind
+    ht = [c for c in cases if c.kind == "ht"]
+    assert {(c.fp8, c.weights, c.cached, bool(c.num_worst_tokens)) for c in ht} == \
+        {(a, b, d, e) for a in (0, 1) for b in (0, 1) for d in (0, 1) for e in (0, 1)}
+    em = [c for c in cases if c.kind == "expert_major"]
+    assert {bool(c.expert_capacity) for c in em} == {True, False} and {c.cached for c in em} == {True, False}
+    ll = [c for c in cases if c.kind == "ll"]
+    for field in ("fp8", "hook", "round_scale", "ue8m0", "zero_copy", "repeated"):
+        assert {getattr(c, field) for c in ll} == {True, False}, field
+    assert any(c.max_tokens == max(c.tokens) for c in ll) and any(c.max_tokens > max(c.tokens) for c in ll)
+    # ranks and nodes that receive nothing
+    assert any(len(c.dest_ranks) < c.world for c in cases)
+    assert any(c.routing == "idle_node" and c.nodes > 1 for c in cases)
+
+
+def test_seeds_with_a_bounded_world():
+    seeds = F.seeds_with(5, 4)
+    assert len(seeds) == 5 and all(F.layout_of(s)[0] * F.layout_of(s)[1] <= 4 for s in seeds)
+    assert seeds == sorted(seeds) and seeds == F.seeds_with(5, 4)
+
+
+@pytest.mark.parametrize("seed", F.seeds_with(2, 4, first=1000))
+def test_cases_run_on_cpu_ranks_against_the_reference_and_the_oracle(seed):
+    """Every case of the seed on CPU ranks (the reference backend under test): the runner's comparisons and
+    the dense oracle pass, and the rows each rank received are what the oracle counts."""
+    cases = F.generate(seed)
+    got = run_cases(cases, sut="reference", timeout=300)
+    assert len(got) == cases[0].world and all(len(per_rank) == len(cases) for per_rank in got)
+
+
+def test_a_failing_case_names_its_repro_line():
+    """A case the reference refuses on one rank (num_worst_tokens below what it receives) fails the spawn with
+    the case's repro line and its fields."""
+    seed = F.seeds_with(1, 2, first=2000)[0]
+    c = next(c for c in F.generate(seed, 32) if c.kind == "ht" and not c.fault and sum(c.tokens) > 1)
+    c = F.FuzzCase(**{**c.__dict__, "num_worst_tokens": 1, "fp8": False})
+    with pytest.raises(RuntimeError, match=f"scripts/fuzz_gpu.sh --seed {seed} --case {c.index} failed on rank "
+                                           r"\d: RuntimeError: dispatch: rank \d received \d+ tokens, more than "
+                                           "num_worst_tokens=1"):
+        run_cases([c], sut="reference", timeout=120)
+
+
+def test_the_command_line_refuses_bad_arguments(capsys):
+    for argv, why in ((["--case", "1"], "--case needs --seed"), ([], "give --seed S"),
+                      (["--seed", "1", "--seeds", "2"], "give --seed S"), (["--seed", "1", "--cases", "0"], "--cases")):
+        with pytest.raises(SystemExit) as exc:
+            fuzz_main(argv + ["--cpu"])
+        assert exc.value.code == 2 and why in capsys.readouterr().err, argv
+
+
+def test_low_latency_repeated_ids_weigh_each_slot_once():
+    """A token naming one expert in two slots: the reference's LL combine gives w1 * y + w2 * y, as the native
+    kernels and the dense oracle do (it gave 2 (w1 + w2) y before the fuzz suite found it)."""
+    c = F.case(3017, 7)
+    assert c.kind == "ll" and c.repeated and c.world <= 2
+    rows = [[e for e in row if e >= 0] for r in range(c.world) for row in F.rank_routing(c, r).tolist()]
+    assert any(len(row) != len(set(row)) for row in rows), "the case has no repeated id"
+    assert len(run_cases([c], sut="reference", timeout=120)) == c.world
