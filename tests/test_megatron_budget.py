@@ -1,0 +1,224 @@
+"""The uccl dispatcher under Megatron-LM main's dispatcher contract: the receive budget
+(`moe_expert_rank_capacity_factor`: static / eager), the paged-stash hooks (an overflow reported, the step
+replayed without the budget bit-equal to a dropless run, the budget grown), `moe_flex_dispatcher_num_sms`.
+
+Runs against the installed megatron-core (0.19, which has the config fields but not every hook), and, when
+MEGATRON_LM_MAIN names a Megatron-LM checkout (main at d98e8a6 or later: its megatron/ is put first on the
+ranks' sys.path), against that tree's megatron.core too; skipped without it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import types
+from typing import Optional
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+MAIN_ENV = "MEGATRON_LM_MAIN"
+HOOKS = ("check_over_budget", "check_required_capacity", "reset_over_budget", "grow_ep_recv_capacity",
+         "invalidate_ep_bootstrap")
+
+
+def _main_tree() -> Optional[str]:
+    path = os.environ.get(MAIN_ENV)
+    if not path:
+        return None
+    if not os.path.isfile(os.path.join(path, "megatron", "core", "transformer", "moe", "paged_stash.py")):
+        pytest.fail(f"{MAIN_ENV}={path}: not a Megatron-LM checkout with megatron/core/transformer/moe/paged_stash.py")
+    return path
+
+
+TREES = [pytest.param(None, id="installed"),
+         pytest.param("main", id="megatron-lm-main",
+                      marks=pytest.mark.skipif(not os.environ.get(MAIN_ENV), reason=f"set {MAIN_ENV} to a checkout"))]
+
+
+def _use_tree(tree: Optional[str]) -> None:
+    """In a rank: import megatron from the Megatron-LM checkout (before anything imports it)."""
+    if tree is None:
+        return
+    assert "megatron" not in sys.modules, "megatron was imported before the tree was chosen"
+    sys.path.insert(0, tree)
+    import megatron.core
+    assert os.path.abspath(megatron.core.__file__).startswith(os.path.abspath(tree)), megatron.core.__file__
+
+
+def _tree_arg(tree):
+    return _main_tree() if tree == "main" else None
+
+
+def _run(layer, x: torch.Tensor):
+    """One forward + backward; (output, input grad, parameter grads), grads cleared after."""
+    x = x.clone().requires_grad_(True)
+    out, _ = layer(x)
+    (out * torch.arange(out.numel(), dtype=out.dtype).view_as(out).cos()).sum().backward()
+    grads = {n: p.grad.detach().clone() for n, p in layer.named_parameters() if p.grad is not None}
+    layer.zero_grad(set_to_none=True)
+    return out.detach(), x.grad.detach(), grads
+
+
+def _assert_same(a, b, exact: bool) -> None:
+    for ta, tb in ((a[0], b[0]), (a[1], b[1])):
+        if exact:
+            assert torch.equal(ta, tb)
+        else:
+            torch.testing.assert_close(ta, tb, atol=1e-6, rtol=1e-5)
+    assert a[2].keys() == b[2].keys() and len(a[2]) > 3
+    for name in a[2]:
+        if exact:
+            assert torch.equal(a[2][name], b[2][name]), name
+        else:
+            torch.testing.assert_close(a[2][name], b[2][name], atol=1e-6, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+def _all_ranks_sum(flag: torch.Tensor) -> int:
+    t = flag.to(torch.int64).reshape(1).clone()
+    torch.distributed.all_reduce(t)
+    return int(t.item())
+
+
+def _budget_replay(rank: int, world: int, device: str, tree: Optional[str]) -> dict:
+    _use_tree(tree)
+    from megatron_utils import build_moe_layer, init_parallel
+    init_parallel(world)
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(8, 2, 64, generator=g)  # 16 tokens per rank, the same count on every rank
+    overrides = dict(moe_shared_expert_intermediate_size=None)
+    alltoall = _run(build_moe_layer("alltoall", **overrides), x)
+    eager_layer = build_moe_layer("uccl", **overrides)
+    assert eager_layer.token_dispatcher.check_over_budget() is None  # nothing dispatched yet
+    eager = _run(eager_layer, x)
+    d = eager_layer.token_dispatcher
+    assert d._comm_manager.capacity is None and not bool(d.check_over_budget()) and int(d.check_required_capacity()) == 0
+    _assert_same(eager, alltoall, exact=False)
+
+    # static, a budget far below the routing's need: overflow reported on the device, selections dropped
+    # (16 tokens x top-3 over 8 experts: ~6 per expert and rank; a 0.2 budget gives blocks of 2 rows)
+    layer = build_moe_layer("uccl", moe_expert_rank_capacity_factor=0.2, **overrides)
+    d = layer.token_dispatcher
+    budget = d._comm_manager
+    tight = _run(layer, x)
+    assert budget.static and budget.capacity >= 1
+    assert budget._recv_capacity == budget.capacity * d.num_local_experts * world
+    assert _all_ranks_sum(d.check_over_budget()) > 0, "a 0.2 budget with skewed routing must overflow"
+    required = d.check_required_capacity().clone()
+    torch.distributed.all_reduce(required, op=torch.distributed.ReduceOp.MAX)  # as paged_stash does
+    required = int(required.item())
+    assert required > budget._recv_capacity
+    rows = tight[0]
+
+    # paged_stash.prepare_for_rerun: eager, flags cleared, re-bootstrap, budget grown to the need
+    budget.moe_expert_rank_capacity_factor = None
+    d.reset_over_budget()
+    d.invalidate_ep_bootstrap()
+    d.grow_ep_recv_capacity(required)
+    replay = _run(layer, x)
+    assert not budget.static and not bool(d.check_over_budget())
+    # the dropless reference: the same weights through the eager path of a fresh dispatcher, and alltoall
+    ref_layer = build_moe_layer("uccl", **overrides)
+    ref_layer.load_state_dict(layer.state_dict())
+    dropless = _run(ref_layer, x)
+    _assert_same(replay, dropless, exact=True)
+    ref_a2a = build_moe_layer("alltoall", **overrides)
+    ref_a2a.load_state_dict(layer.state_dict())
+    _assert_same(replay, _run(ref_a2a, x), exact=False)
+    assert not torch.equal(rows, replay[0]), "the tight step dropped selections: its output differs"
+
+    # the step after: factor restored, re-bootstrapped: static again, with the grown budget: no overflow
+    budget.moe_expert_rank_capacity_factor = layer.config.moe_expert_rank_capacity_factor
+    d.invalidate_ep_bootstrap()
+    d.reset_over_budget()
+    grown = _run(layer, x)
+    assert budget.static and budget._recv_capacity >= required
+    assert _all_ranks_sum(d.check_over_budget()) == 0
+    _assert_same(grown, dropless, exact=False)  # static vs eager: the same values
+    with pytest.raises(ValueError, match="only grows"):
+        d.grow_ep_recv_capacity(required)
+    return {"required": required, "capacity": budget.capacity}
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_overflow_reported_replayed_dropless_and_grown(world, tree):
+    got = run_ranks(_budget_replay, world, _tree_arg(tree), timeout=300)
+    assert len({r["required"] for r in got}) == 1 and len({r["capacity"] for r in got}) == 1
+
+
+def _static_parity(rank: int, world: int, device: str, tree: Optional[str]) -> int:
+    """A budget that fits: the static layout gives alltoall's values, with no overflow and no counts."""
+    _use_tree(tree)
+    from megatron_utils import build_moe_layer, init_parallel
+    init_parallel(world)
+    x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(rank))
+    a2a = _run(build_moe_layer("alltoall"), x)
+    layer = build_moe_layer("uccl", moe_expert_rank_capacity_factor=8.0)
+    static = _run(layer, x)
+    d = layer.token_dispatcher
+    assert d._comm_manager.static and not bool(d.check_over_budget())
+    _assert_same(static, a2a, exact=False)
+    return d._comm_manager.capacity
+
+
+@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("world", [2, 4])
+def test_static_budget_matches_alltoall(world, tree):
+    assert len(set(run_ranks(_static_parity, world, _tree_arg(tree)))) == 1
+
+
+def _config_contract(rank: int, world: int, device: str, tree: Optional[str]) -> list:
+    _use_tree(tree)
+    from megatron_utils import build_moe_layer, init_parallel, moe_config
+    from uccl_ep_train import Buffer
+    init_parallel(world)
+    cfg = moe_config("uccl", moe_expert_rank_capacity_factor=1.5, moe_paged_stash=True)
+    assert cfg.moe_expert_rank_capacity_factor == 1.5 and cfg.moe_paged_stash  # restored after Megatron's checks
+    with pytest.raises(ValueError, match="moe_expert_rank_capacity_factor must be a positive number"):
+        moe_config("uccl", moe_expert_rank_capacity_factor=0.0)
+    with pytest.raises(ValueError, match="set one of them"):
+        moe_config("uccl", moe_expert_rank_capacity_factor=1.0, moe_expert_capacity_factor=1.0,
+                   moe_pad_expert_input_to_capacity=True)
+    with pytest.raises(ValueError, match="moe_paged_stash requires moe_expert_rank_capacity_factor"):
+        moe_config("uccl", moe_paged_stash=True)
+    with pytest.raises(ValueError, match="moe_flex_dispatcher_num_sms must be a positive even number"):
+        moe_config("uccl", moe_flex_dispatcher_num_sms=7)
+    with pytest.raises(ValueError, match="use moe_token_dispatcher_type='uccl'"):
+        moe_config("flex", moe_flex_dispatcher_backend="uccl", moe_expert_rank_capacity_factor=1.0)
+    # moe_flex_dispatcher_num_sms: the uccl kernels' SMs when --uccl-ep-num-sms is not given
+    build_moe_layer("uccl", moe_flex_dispatcher_num_sms=24)
+    assert Buffer.num_sms == 24
+    hooks_of_main = []
+    if tree is not None:  # every hook main's flex dispatcher offers, ours offers too
+        from megatron.core.transformer.moe.token_dispatcher import MoEFlexTokenDispatcher, MoETokenDispatcher
+
+        from megatron_patch.dispatcher import UCCLTokenDispatcher
+        hooks_of_main = sorted(n for n in vars(MoEFlexTokenDispatcher)
+                               if not n.startswith("_") and callable(getattr(MoEFlexTokenDispatcher, n))
+                               and not hasattr(MoETokenDispatcher, n))
+        missing = [n for n in hooks_of_main if not hasattr(UCCLTokenDispatcher, n)]
+        assert not missing, f"Megatron-LM main's flex dispatcher has {missing}; UCCLTokenDispatcher lacks them"
+        assert set(HOOKS) <= set(hooks_of_main)
+    return hooks_of_main
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_config_fields_and_hooks_contract(tree):
+    got = run_ranks(_config_contract, 2, _tree_arg(tree))
+    if tree is not None:
+        assert set(HOOKS) <= set(got[0])
+
+
+def test_budget_without_main_fields_is_eager():
+    """A config from a megatron-core without the field (getattr): eager, the hooks answer, grow is a no-op."""
+    from megatron_patch.budget import RecvBudget
+    cfg = types.SimpleNamespace()  # no moe_expert_rank_capacity_factor at all
+    b = RecvBudget(cfg, num_local_experts=2, ep_size=1, router_topk=2, group=None)
+    b.bootstrap(5, torch.device("cpu"))
+    assert not b.static and b.over_budget is not None and not bool(b.over_budget)
+    routing = torch.ones(5, 2, dtype=torch.bool)
+    assert b.limit(routing) is routing
+    b.grow_recv_capacity(100)
+    assert b._recv_capacity_override is None
