@@ -222,3 +222,28 @@ def test_budget_without_main_fields_is_eager():
     assert b.limit(routing) is routing
     b.grow_recv_capacity(100)
     assert b._recv_capacity_override is None
+
+
+def _flex_on_main(rank: int, world: int, device: str, tree: str) -> int:
+    """Megatron-LM main's flex dispatcher with backend 'uccl' (its DeepEP manager over our deep_ep) and
+    moe_flex_dispatcher_num_sms: alltoall's values, our Buffer underneath with the SM count asked for."""
+    _use_tree(tree)
+    from megatron_utils import build_moe_layer, init_parallel
+    init_parallel(world)
+    from uccl_ep_train.compat import install_deep_ep
+    install_deep_ep()
+    import deep_ep
+    x = torch.randn(6, 2, 64, generator=torch.Generator().manual_seed(rank))
+    a2a = _run(build_moe_layer("alltoall"), x)
+    layer = build_moe_layer("flex", moe_flex_dispatcher_backend="uccl", moe_flex_dispatcher_num_sms=12)
+    assert layer.config.moe_flex_dispatcher_backend == "uccl"
+    flex = _run(layer, x)
+    assert deep_ep.Buffer.num_sms == 12
+    assert layer.token_dispatcher.check_over_budget() is None  # the DeepEP manager keeps no budget
+    _assert_same(flex, a2a, exact=False)
+    return 1
+
+
+@pytest.mark.skipif(not os.environ.get(MAIN_ENV), reason=f"set {MAIN_ENV} to a checkout")
+def test_flex_uccl_backend_on_megatron_lm_main():
+    run_ranks(_flex_on_main, 2, _main_tree())
