@@ -18,20 +18,20 @@ from oracle import make_inputs
 HIDDEN, TOPK, EXPERTS_PER_RANK, MAX_TOKENS, SEED = 32, 3, 3, 9, 5
 
 
-def _inputs(rank: int, world: int):
-    # uneven token counts (V2's test does the same), float32 so sums compare tightly on CPU
+def _inputs(rank: int, world: int, dtype: torch.dtype = torch.float32):
+    # uneven token counts (V2's test does the same); float32 on CPU so sums compare tightly, bf16 on GPUs
     n = MAX_TOKENS - rank % 3
-    inp = make_inputs(rank, n, HIDDEN, TOPK, EXPERTS_PER_RANK * world, SEED, dtype=torch.float32)
+    inp = make_inputs(rank, n, HIDDEN, TOPK, EXPERTS_PER_RANK * world, SEED, dtype=dtype)
     w = inp.topk_weights.masked_fill(inp.topk_idx < 0, 0)
     return inp.x, inp.topk_idx, w
 
 
-def _expected_expanded(rank: int, world: int, align: int):
+def _expected_expanded(rank: int, world: int, align: int, dtype: torch.dtype):
     """For each local expert: the (source rank, token, slot) list in V2's deterministic order."""
     L = EXPERTS_PER_RANK
     per_expert = [[] for _ in range(L)]
     for s in range(world):
-        x, idx, w = _inputs(s, world)
+        x, idx, w = _inputs(s, world, dtype)
         for t in range(x.size(0)):
             for j in range(TOPK):
                 e = int(idx[t, j])
@@ -44,18 +44,22 @@ def _expected_expanded(rank: int, world: int, align: int):
     return per_expert, starts, rows
 
 
-def _round_trip(rank: int, world: int, device: str, align: int, sync: bool) -> dict:
+def _round_trip(rank: int, world: int, device: str, align: int, sync: bool, dtype: torch.dtype = torch.float32,
+                hidden: int = HIDDEN) -> dict:
     from uccl_ep_train.elastic import ElasticBuffer
     L = EXPERTS_PER_RANK
-    x, idx, w = _inputs(rank, world)
-    buf = ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS, hidden=HIDDEN,
+    x, idx, w = _inputs(rank, world, dtype)
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+    buf = ElasticBuffer(torch.distributed.group.WORLD, num_max_tokens_per_rank=MAX_TOKENS, hidden=hidden,
                         num_topk=TOPK, explicitly_destroy=True)
-    stats = torch.zeros(L, dtype=torch.int32)
-    recv_x, recv_idx, recv_w, h, event = buf.dispatch(x, topk_idx=idx, topk_weights=w, num_experts=L * world,
-                                                      expert_alignment=align, do_expand=True, do_cpu_sync=sync,
-                                                      cumulative_local_expert_recv_stats=stats)
-    event.current_stream_wait()
-    per_expert, starts, rows = _expected_expanded(rank, world, align)
+    stats = torch.zeros(L, dtype=torch.int32, device=dev)
+    out = buf.dispatch(x.to(dev), topk_idx=idx.to(dev), topk_weights=w.to(dev), num_experts=L * world,
+                       expert_alignment=align, do_expand=True, do_cpu_sync=sync,
+                       cumulative_local_expert_recv_stats=stats)
+    out[-1].current_stream_wait()
+    recv_x, recv_idx, recv_w, h = out[0].cpu(), out[1], out[2].cpu(), out[3]
+    stats = stats.cpu()
+    per_expert, starts, rows = _expected_expanded(rank, world, align, dtype)
     counts = [len(p) for p in per_expert]
     assert recv_idx is None and h.do_expand and h.expert_alignment == align
     if sync:
@@ -66,7 +70,7 @@ def _round_trip(rank: int, world: int, device: str, align: int, sync: bool) -> d
         assert recv_x.size(0) == (worst + align - 1) // align * align == h.num_expanded_tokens
         assert h.num_recv_tokens_per_expert_list == [] and h.num_recv_tokens == world * MAX_TOKENS
     assert stats.tolist() == counts
-    assert h.num_unaligned_recv_tokens_per_expert.tolist() == counts
+    assert h.num_unaligned_recv_tokens_per_expert.cpu().tolist() == counts
     assert h.psum_num_recv_tokens_per_expert.tolist() == [starts[e] + counts[e] for e in range(L)]
     named = torch.zeros(recv_x.size(0), dtype=torch.bool)
     for e in range(L):
@@ -79,28 +83,29 @@ def _round_trip(rank: int, world: int, device: str, align: int, sync: bool) -> d
     received = sum(1 for s in range(world) for t in range(_inputs(s, world)[0].size(0))
                    if any(int(e) >= 0 and int(e) // L == rank for e in _inputs(s, world)[1][t]))
     assert int(h.psum_num_recv_tokens_per_scaleup_rank[-1]) == received
-    meta = h.recv_src_metadata[:received]
+    meta = h.recv_src_metadata[:received].cpu()
     assert (meta[:, 0] // MAX_TOKENS == meta[:, 1]).all() and meta[:, 1].diff().ge(0).all()
 
     # cached dispatch: the same rows, no top-k
-    cached_x, cached_idx, cached_w, h2, _ = buf.dispatch(x, handle=h, do_expand=True)
-    assert h2 is h and cached_idx is None and cached_w is None and torch.equal(cached_x, recv_x)
+    cached_x, cached_idx, cached_w, h2, _ = buf.dispatch(x.to(dev), handle=h, do_expand=True)
+    assert h2 is h and cached_idx is None and cached_w is None and torch.equal(cached_x.cpu(), recv_x)
 
     # expanded combine: expert rows scaled by (local expert + 1), folded here, summed over ranks
     scale = torch.zeros(recv_x.size(0), 1)
     for e in range(L):
         scale[starts[e]:starts[e] + counts[e]] = e + 1
-    y = recv_x * scale
-    combined, combined_w, _ = buf.combine(y, h, topk_weights=recv_w)
-    expect = torch.zeros_like(x)
+    y = (recv_x.float() * scale).to(dtype)
+    combined, combined_w, _ = buf.combine(y.to(dev), h, topk_weights=recv_w.to(dev))
+    expect = torch.zeros(x.shape)
     for t in range(x.size(0)):
         for j in range(TOPK):
             if idx[t, j] >= 0:
-                expect[t] += x[t] * (int(idx[t, j]) % L + 1)
-    torch.testing.assert_close(combined, expect, rtol=1e-6, atol=1e-6)
-    assert torch.equal(combined_w, w), "a round trip gives back the sender's top-k weights"
+                expect[t] += x[t].float() * (int(idx[t, j]) % L + 1)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(combined.cpu().float(), expect, rtol=tol, atol=tol)
+    assert torch.equal(combined_w.cpu(), w), "a round trip gives back the sender's top-k weights"
     with pytest.raises(ValueError, match="expanded rows"):
-        buf.combine(y[:-1], h)
+        buf.combine(y[:-1].to(dev), h)
     buf.destroy()
     return {"rows": recv_x.size(0)}
 
@@ -185,3 +190,14 @@ def test_deep_ep_exports_elastic_buffer(tmp_path):
     r = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, env=env, capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["native", "reference"])
+@pytest.mark.parametrize("align,sync", [(1, True), (4, False)])
+def test_elastic_calls_on_gpus(mps, backend, align, sync):
+    """The same oracle on GPUs, bf16 rows of 256 values: on the native backend (our kernels and the native
+    permutation kernels) and on the reference backend."""
+    from dist_utils import gpu_ranks
+    run_ranks(_round_trip, 2, align, sync, torch.bfloat16, 256, timeout=600, env={"UCCL_EP_BACKEND": backend},
+              **gpu_ranks(2))

@@ -247,3 +247,44 @@ def _flex_on_main(rank: int, world: int, device: str, tree: str) -> int:
 @pytest.mark.skipif(not os.environ.get(MAIN_ENV), reason=f"set {MAIN_ENV} to a checkout")
 def test_flex_uccl_backend_on_megatron_lm_main():
     run_ranks(_flex_on_main, 2, _main_tree())
+
+
+def _budget_graph(rank: int, world: int, device: str) -> int:
+    """The static receive budget through Megatron's MoELayer (forward), captured once in a CUDA graph and
+    replayed with new inputs: each replay equals the same step run eagerly; no overflow at a budget that fits."""
+    from megatron_utils import build_moe_layer, init_parallel
+    init_parallel(world)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = build_moe_layer("uccl", moe_expert_rank_capacity_factor=4.0, moe_router_load_balancing_type="none",
+                            moe_aux_loss_coeff=0.0, moe_shared_expert_intermediate_size=None).to(dev)
+    gen = torch.Generator().manual_seed(rank)
+    static_x = torch.randn(16, 2, 64, generator=gen).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):  # the first dispatch bootstraps the budget (one all-reduce): before the capture
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    d = layer.token_dispatcher
+    assert d._comm_manager.static
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out, _ = layer(static_x)
+    for i in range(20):
+        static_x.copy_(torch.randn(16, 2, 64, generator=gen).to(dev))
+        graph.replay()
+        with torch.no_grad():
+            eager, _ = layer(static_x)
+        if not torch.equal(static_out, eager):
+            raise AssertionError(f"rank {rank}, replay {i}: differs from eager by "
+                                 f"{(static_out - eager).abs().max().item()}")
+    assert not bool(d.check_over_budget()), "a 4.0 budget fits this routing"
+    from megatron_patch.dispatcher import destroy_buffers
+    destroy_buffers()
+    return 1
+
+
+@pytest.mark.gpu
+def test_static_budget_captured_in_a_cuda_graph(mps):
+    from dist_utils import gpu_ranks
+    assert run_ranks(_budget_graph, 2, timeout=600, env={"UCCL_EP_BACKEND": "native"}, **gpu_ranks(2)) == [1, 1]
