@@ -65,6 +65,12 @@ class RecvBudget:
     def static(self) -> bool:
         return self.capacity is not None
 
+    @property
+    def worst_recv_tokens(self) -> int:
+        """Static mode: the receive-order rows of the capacity layout (every rank's tokens at most once);
+        eager: 0 (sized by the counts)."""
+        return self.ep_size * self._max_tokens_per_rank if self.static else 0
+
     def bootstrap(self, num_tokens: int, device: torch.device) -> None:
         """Derive the mode and, when static, the capacity, on the first dispatch and after
         `invalidate_ep_bootstrap`. Static: one all-reduce (MAX of the token counts over the EP group, a host

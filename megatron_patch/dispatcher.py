@@ -208,7 +208,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             budget.bootstrap(num_tokens, routing_map.device)
             routing_map = budget.limit(routing_map)  # static: drops what overflows the budget (reported)
             self.capacity = budget.capacity
-            self.worst_tokens = self.ep_size * budget._max_tokens_per_rank if budget.static else 0
+            self.worst_tokens = budget.worst_recv_tokens
         # The first k selected experts of each token, in expert order (a token dropped by a capacity
         # factor has fewer than k: its remaining slots are -1, weight 0); one kernel on GPUs.
         self.topk_idx, weights = permute.topk_from_routing_map(routing_map, probs, self.router_topk)

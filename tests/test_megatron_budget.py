@@ -93,7 +93,8 @@ def _budget_replay(rank: int, world: int, device: str, tree: Optional[str]) -> d
     assert eager_layer.token_dispatcher.check_over_budget() is None  # nothing dispatched yet
     eager = _run(eager_layer, x)
     d = eager_layer.token_dispatcher
-    assert d._comm_manager.capacity is None and not bool(d.check_over_budget()) and int(d.check_required_capacity()) == 0
+    assert d._comm_manager.capacity is None and not bool(d.check_over_budget())
+    assert int(d.check_required_capacity()) == 0
     _assert_same(eager, alltoall, exact=False)
 
     # static, a budget far below the routing's need: overflow reported on the device, selections dropped

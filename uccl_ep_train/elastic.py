@@ -240,7 +240,8 @@ class ElasticBuffer:
                 if v is not None and v != h:
                     raise ValueError(f"dispatch: {name}={v} disagrees with the cached handle's {h}")
             if do_expand != handle.do_expand:
-                raise ValueError(f"dispatch: do_expand={do_expand} disagrees with the cached handle's {handle.do_expand}")
+                raise ValueError(f"dispatch: do_expand={do_expand} disagrees with the cached handle's "
+                                 f"{handle.do_expand}")
             recv_x, _, _, _, _, event = buf.dispatch(x, handle=handle.inner, config=config,
                                                      previous_event=previous_event,
                                                      async_finish=async_with_compute_stream,
