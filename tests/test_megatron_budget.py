@@ -289,3 +289,63 @@ def _budget_graph(rank: int, world: int, device: str) -> int:
 def test_static_budget_captured_in_a_cuda_graph(mps):
     from dist_utils import gpu_ranks
     assert run_ranks(_budget_graph, 2, timeout=600, env={"UCCL_EP_BACKEND": "native"}, **gpu_ranks(2)) == [1, 1]
+
+
+def _paged_stash_runner(rank: int, world: int, device: str, tree: str) -> dict:
+    """Megatron-LM main's own PagedStashRunner.check_moe_overflow / prepare_for_rerun on a uccl MoE layer:
+    it sees the overflow, learns the capacity needed and the factor that fits, sends the dispatcher eager
+    for a replay that equals a dropless run, and its success path (factor back, re-bootstrap) then runs
+    static with the grown budget, without overflow."""
+    _use_tree(tree)
+    from megatron_utils import build_moe_layer, init_parallel
+    init_parallel(world)
+    from megatron.core.transformer.moe import paged_stash as ps
+    # main makes its "no stash overflow / spill" flags with device='cuda'; on CPU ranks the same flags on the CPU
+    ps.check_paged_stash_overflow = lambda: torch.zeros(1, dtype=torch.bool)
+    ps.check_paged_stash_host_spill = lambda: torch.zeros(1, dtype=torch.bool)
+    overrides = dict(moe_shared_expert_intermediate_size=None)
+    x = torch.randn(8, 2, 64, generator=torch.Generator().manual_seed(200 + rank))
+    layer = build_moe_layer("uccl", moe_expert_rank_capacity_factor=0.2, **overrides)
+    # the runner's __init__ walks GPT model chunks; the two methods under test read only these fields
+    runner = object.__new__(ps.PagedStashRunner)
+    runner.stash_manager = ps.PagedStashManager.get_instance()
+    runner.moe_layers = [layer]
+    runner._required_recv_capacity = runner._required_capacity_factor = None
+    runner._configs_to_sync_moe_paged_stash = []
+    runner.model = [types.SimpleNamespace(zero_grad_buffer=lambda: None)]
+    runner.optimizer, runner.copy_main_params, runner.forward_backward_func = None, False, None
+
+    d = layer.token_dispatcher
+    _run(layer, x)
+    _, over_ranks, _ = runner.check_moe_overflow()
+    assert over_ranks > 0, "main's runner sees the overflow"
+    required, factor = runner._required_recv_capacity, runner._required_capacity_factor
+    assert required > d._comm_manager._recv_capacity and factor is not None and factor > 0.2
+    runner.prepare_for_rerun(is_training=True)
+    replay = _run(layer, x)
+    assert not d._comm_manager.static
+    assert runner.check_moe_overflow()[1] == 0
+    ref = build_moe_layer("uccl", **overrides)
+    ref.load_state_dict(layer.state_dict())
+    dropless = _run(ref, x)
+    _assert_same(replay, dropless, exact=True)
+    # PagedStashRunner.__call__'s success path after a rerun
+    d._comm_manager.moe_expert_rank_capacity_factor = d.config.moe_expert_rank_capacity_factor
+    d.invalidate_ep_bootstrap()
+    grown = _run(layer, x)
+    assert d._comm_manager.static and d._comm_manager._recv_capacity >= required
+    assert runner.check_moe_overflow()[1] == 0
+    _assert_same(grown, dropless, exact=False)
+    # the factor main suggests fits on its own too
+    fitted = build_moe_layer("uccl", moe_expert_rank_capacity_factor=factor, **overrides)
+    fitted.load_state_dict(layer.state_dict())
+    _run(fitted, x)
+    assert runner.moe_layers and _all_ranks_sum(fitted.token_dispatcher.check_over_budget()) == 0
+    return {"required": required}
+
+
+@pytest.mark.skipif(not os.environ.get(MAIN_ENV), reason=f"set {MAIN_ENV} to a checkout")
+@pytest.mark.parametrize("world", [2, 4])
+def test_megatron_lm_main_paged_stash_runner_replays(world):
+    got = run_ranks(_paged_stash_runner, world, _main_tree(), timeout=300)
+    assert len({r["required"] for r in got}) == 1
