@@ -104,6 +104,11 @@ def _round_trip(rank: int, world: int, device: str, align: int, sync: bool, dtyp
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(combined.cpu().float(), expect, rtol=tol, atol=tol)
     assert torch.equal(combined_w.cpu(), w), "a round trip gives back the sender's top-k weights"
+    # a bias takes the unfused fold (Buffer.combine adds it): the same sums plus the bias
+    bias = torch.randn(x.shape, generator=torch.Generator().manual_seed(rank)).to(dtype)
+    with_bias, _, _ = buf.combine(y.to(dev), h, bias=bias.to(dev))
+    torch.testing.assert_close(with_bias.cpu().float(), expect + bias.float(), rtol=tol, atol=tol)
+    assert h.fused == (sync and align == 1)
     with pytest.raises(ValueError, match="expanded rows"):
         buf.combine(y[:-1].to(dev), h)
     buf.destroy()

@@ -16,6 +16,9 @@ receive order within an expert: source rank, then source token, which is V2's or
 `deterministic=True`); the expanded combine folds each received token's expert rows (`permute.reduce_rows_raw`,
 float32 in slot order) and combines the sums (`Buffer.combine`), V2's `allow_multiple_reduction=True`.
 Every step is device work with sizes known on the host, so without a CPU sync nothing waits for the GPU.
+With a CPU sync and expert_alignment 1 the expanded layout is exactly our expert-major one, so those calls
+go to `Buffer.dispatch_expert_major` / `dispatch_expert_major_cached` / `combine_expert_major`, which the
+native backend fuses with the transfer (the same values: the reference backend composes them as above).
 """
 from __future__ import annotations
 
@@ -58,7 +61,8 @@ class EPHandle:
     expanded row of each top-k slot, -1 for none (expand mode; -1 otherwise); rows past the received ones
     are -1).
     Ours: `inner` (the Buffer's handle), `expand_map` (= recv_src_metadata[:, 2:], the map the combine folds
-    with), `recv_topk_idx` (local ids in receive order, returned again by cached dispatches)."""
+    with), `recv_topk_idx` (local ids in receive order, returned again by cached dispatches), `fused` (the
+    expert-major calls serve this layout: expand mode with a CPU sync and expert_alignment 1)."""
     do_expand: bool
     num_experts: int
     expert_alignment: int
@@ -75,6 +79,7 @@ class EPHandle:
     inner: HTHandle
     expand_map: Optional[torch.Tensor]
     recv_topk_idx: torch.Tensor
+    fused: bool = False  # made by Buffer.dispatch_expert_major (exact counts, alignment 1): its pair serves it
 
 
 class ElasticBuffer:
@@ -242,6 +247,12 @@ class ElasticBuffer:
             if do_expand != handle.do_expand:
                 raise ValueError(f"dispatch: do_expand={do_expand} disagrees with the cached handle's "
                                  f"{handle.do_expand}")
+            if handle.fused:
+                x_exp, event = buf.dispatch_expert_major_cached(
+                    x, handle.inner, handle.expand_map, handle.num_expanded_tokens, config=config,
+                    previous_event=previous_event, async_finish=async_with_compute_stream,
+                    allocate_on_comm_stream=allocate_on_comm_stream)
+                return x_exp, None, None, handle, event
             recv_x, _, _, _, _, event = buf.dispatch(x, handle=handle.inner, config=config,
                                                      previous_event=previous_event,
                                                      async_finish=async_with_compute_stream,
@@ -264,15 +275,22 @@ class ElasticBuffer:
             raise ValueError(f"expert_alignment must be a positive int, got {expert_alignment!r}")
         sync = True if do_cpu_sync is None else bool(do_cpu_sync)
         R, k = self.num_ranks, topk_idx.size(1) if topk_idx.dim() == 2 else 0
-        per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(
-            topk_idx, num_experts, previous_event=previous_event, async_finish=False,
-            allocate_on_comm_stream=False)
-        worst = 0 if sync else T * R
-        recv_x, recv_idx, recv_w, counts, inner, event = buf.dispatch(
-            x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-            num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
-            expert_alignment=1 if do_expand else align, num_worst_tokens=worst, config=config,
-            async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+        # exact counts without alignment: our expert-major dispatch lands V2's expanded layout as it is (the
+        # native backend copies received rows straight to their expert rows)
+        fused = do_expand and sync and align == 1
+        if fused:
+            x_exp, recv_idx, recv_w, counts, em, inner, event = buf.dispatch_expert_major(
+                x, topk_idx, topk_weights, num_experts, config=config, previous_event=previous_event,
+                async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+        else:
+            per_rank, per_rdma, per_expert, in_rank, _ = buf.get_dispatch_layout(
+                topk_idx, num_experts, previous_event=previous_event, async_finish=False,
+                allocate_on_comm_stream=False)
+            recv_x, recv_idx, recv_w, counts, inner, event = buf.dispatch(
+                x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
+                expert_alignment=1 if do_expand else align, num_worst_tokens=0 if sync else T * R, config=config,
+                async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
         if do_expand or cumulative_local_expert_recv_stats is not None:
             event.current_stream_wait()
         L = num_experts // R
@@ -292,24 +310,28 @@ class ElasticBuffer:
 
         aligned = (exact + align - 1) // align * align
         starts = aligned.cumsum(0, dtype=torch.int32) - aligned  # aligned start of each expert's block
-        if sync:
+        if fused:
+            counts_list = list(counts)
+            rows = sum(counts_list)
+        elif sync:
             counts_list = aligned.tolist()
             rows = sum(counts_list)
         else:
             counts_list = []
             rows = _align(R * T * min(k, L) + (align - 1) * L, align)
-        em = permute.expert_major_map(recv_idx, exact)  # rows at exact (unaligned) expert starts
-        if align > 1:
-            shift = torch.cat([starts - (exact.cumsum(0, dtype=torch.int32) - exact), starts.new_zeros(1)])
-            key = torch.where(em >= 0, recv_idx, L).long()
-            em = torch.where(em >= 0, em + shift[key], em).to(torch.int32).contiguous()
+        if not fused:
+            em = permute.expert_major_map(recv_idx, exact)  # rows at exact (unaligned) expert starts
+            if align > 1:
+                shift = torch.cat([starts - (exact.cumsum(0, dtype=torch.int32) - exact), starts.new_zeros(1)])
+                key = torch.where(em >= 0, recv_idx, L).long()
+                em = torch.where(em >= 0, em + shift[key], em).to(torch.int32).contiguous()
+            x_exp = permute.expand_rows_raw(recv_x, em, rows, padded=True)
         metadata[:, 2:] = em
-        x_exp = permute.expand_rows_raw(recv_x, em, rows, padded=True)
         w_exp = (None if recv_w is None else
                  permute.expand_rows_raw(recv_w.reshape(-1, 1), em.reshape(-1, 1), rows, padded=True).reshape(-1))
         h = EPHandle(True, num_experts, align, T, used_sms, saved_idx, num_recv, rows, counts_list,
                      sources.cumsum(0).to(torch.int32), (starts + exact).to(torch.int32), exact, metadata, inner,
-                     em, recv_idx)
+                     em, recv_idx, fused)
         return x_exp, None, w_exp, h, Buffer.capture()
 
     def _metadata(self, inner: HTHandle, sources: torch.Tensor, num_recv: int, T: int, k: int) -> torch.Tensor:
@@ -351,14 +373,17 @@ class ElasticBuffer:
             if topk_weights is not None and tuple(topk_weights.shape) != (handle.num_expanded_tokens,):
                 raise ValueError(f"topk_weights: expected [{handle.num_expanded_tokens}] (one weight per expanded "
                                  f"row), got {list(topk_weights.shape)}")
+            em = handle.expand_map
+            if topk_weights is not None:  # each (received token, slot) takes its row's weight back
+                topk_weights = torch.where(em >= 0, topk_weights[em.clamp(min=0).long()], 0).to(torch.float32)
+            if handle.fused and bias is None:  # the fold inside the combine (native: in its kernel, where faster)
+                return self.buffer.combine_expert_major(
+                    x, handle.inner, em, topk_weights=topk_weights, config=config, previous_event=previous_event,
+                    async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
             if previous_event is not None:
                 previous_event.current_stream_wait()
                 previous_event = None
-            em = handle.expand_map
             x = permute.reduce_rows_raw(x, em, em.size(0))
-            if topk_weights is not None:
-                safe = em.clamp(min=0).long()
-                topk_weights = torch.where(em >= 0, topk_weights[safe], 0).to(torch.float32)
         combined, combined_w, event = self.buffer.combine(
             x, handle.inner, topk_weights=topk_weights, bias=bias, config=config, previous_event=previous_event,
             async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
