@@ -349,3 +349,32 @@ def _paged_stash_runner(rank: int, world: int, device: str, tree: str) -> dict:
 def test_megatron_lm_main_paged_stash_runner_replays(world):
     got = run_ranks(_paged_stash_runner, world, _main_tree(), timeout=300)
     assert len({r["required"] for r in got}) == 1
+
+
+PARSER_PROBE = '''
+import argparse, os, sys, megatron.core, megatron_patch
+assert os.path.abspath(megatron.core.__file__).startswith(os.path.abspath(sys.argv[1])), megatron.core.__file__
+megatron_patch.apply()
+from megatron.training.arguments import add_megatron_arguments
+from megatron_patch import settings
+parser = settings.add_arguments(add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False)))
+a = parser.parse_args(["--moe-token-dispatcher-type", "uccl", "--moe-expert-rank-capacity-factor", "1.5",
+                       "--moe-flex-dispatcher-num-sms", "24"])
+b = parser.parse_args(["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "uccl"])
+print(a.moe_token_dispatcher_type, a.moe_expert_rank_capacity_factor, a.moe_flex_dispatcher_num_sms,
+      b.moe_flex_dispatcher_backend)
+'''
+
+
+@pytest.mark.skipif(not os.environ.get(MAIN_ENV), reason=f"set {MAIN_ENV} to a checkout")
+def test_megatron_lm_main_parser_takes_uccl_and_main_fields(tmp_path):
+    """Megatron-LM main's argument parser (megatron.training) accepts uccl as dispatcher type and flex
+    backend, next to main's budget and SM flags, once the patch is applied."""
+    import subprocess
+    tree = _main_tree()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([tree, repo]))
+    r = subprocess.run([sys.executable, "-c", PARSER_PROBE, tree], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["uccl", "1.5", "24", "uccl"]
