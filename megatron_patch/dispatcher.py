@@ -14,7 +14,7 @@ permute.expand_rows and permute.reduce_rows + combine, with the same values.
 Routing probabilities travel as the dispatch's top-k weights and are applied by the experts, as with
 alltoall; their gradient flows back through the combine of the weight gradients.
 
-Two paths, chosen from Megatron's settings and logged once:
+Three paths, chosen from Megatron's settings and logged once:
 - dropless, or token dropping without padding: the dispatch exchanges the per-expert counts and the host
   reads them (one sync per dispatch), because the experts need `tokens_per_expert` on the host anyway;
 - drop-and-pad (`moe_pad_expert_input_to_capacity` with `moe_expert_capacity_factor`): every expert gets
