@@ -4,7 +4,8 @@ After `apply()`:
 - `TransformerConfig(..., moe_token_dispatcher_type='uccl')` validates (with the alltoall dispatcher's
   rules plus ours, e.g. no expert tensor parallelism) and builds MoELayers with `UCCLTokenDispatcher`;
 - `moe_token_dispatcher_type='flex', moe_flex_dispatcher_backend='uccl'` runs Megatron's own flex/DeepEP
-  path with our `deep_ep` drop-in underneath (uccl_ep_train.compat);
+  path with our `deep_ep` drop-in underneath (uccl_ep_train.compat); why it is registered this way and not
+  as a manager of its own: docs/megatron.md, "Megatron-LM main";
 - Megatron-LM's argument parser (megatron.training) accepts `--moe-token-dispatcher-type uccl` and
   `--moe-flex-dispatcher-backend uccl`; our own flags come from `megatron_patch.settings.add_arguments`
   (the pretrain-gpt launcher passes them);
@@ -32,12 +33,28 @@ def _extend_literal(cls: type, field_name: str, value: str) -> None:
 @contextlib.contextmanager
 def _field_as(obj, name: str, value):
     """Let Megatron code that only knows its own choices see `value` for a while, then restore ours."""
-    ours = getattr(obj, name)
-    setattr(obj, name, value)
+    with _fields_as(obj, {name: value}):
+        yield
+
+
+@contextlib.contextmanager
+def _fields_as(obj, values: dict):
+    """_field_as for several fields; fields `obj` lacks (an older megatron-core) are left alone."""
+    ours = {name: getattr(obj, name) for name in values if hasattr(obj, name)}
+    for name in ours:
+        setattr(obj, name, values[name])
     try:
         yield
     finally:
-        setattr(obj, name, ours)
+        for name, value in ours.items():
+            setattr(obj, name, value)
+
+
+# Megatron-LM main validates these against its own backends (the receive budget "requires hybridep or ncclep",
+# paged stash requires the budget); the uccl dispatcher implements them and checks them itself (check_config),
+# so Megatron's post-init sees them unset.
+_OURS_WHEN_UCCL = {"moe_token_dispatcher_type": "alltoall", "moe_expert_rank_capacity_factor": None,
+                   "moe_paged_stash": False}
 
 
 def apply() -> None:
@@ -51,7 +68,7 @@ def apply() -> None:
     from megatron.core.transformer import transformer_config as tc
     from megatron.core.transformer.moe import moe_layer, token_dispatcher
 
-    from .dispatcher import UCCLTokenDispatcher, check_config
+    from .dispatcher import UCCLTokenDispatcher, check_config, check_flex_config
 
     for cls in (tc.TransformerConfig, getattr(tc, "MLATransformerConfig", None)):
         if cls is not None:
@@ -64,9 +81,10 @@ def apply() -> None:
         if self.moe_token_dispatcher_type == DISPATCHER:
             check_config(self)
             # uccl takes the alltoall dispatcher's validation rules (capacity factor, shared-expert overlap...)
-            with _field_as(self, "moe_token_dispatcher_type", "alltoall"):
+            with _fields_as(self, _OURS_WHEN_UCCL):
                 return original_post_init(self)
         if self.moe_flex_dispatcher_backend == DISPATCHER:
+            check_flex_config(self)
             with _field_as(self, "moe_flex_dispatcher_backend", "deepep"):
                 return original_post_init(self)
         return original_post_init(self)

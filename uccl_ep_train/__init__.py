@@ -1,7 +1,8 @@
 """uccl-ep-train: portable expert-parallel dispatch/combine for MoE training (UCCL-EP, DeepEP-compatible).
 
 Public API (DeepEP v1.2.1 call surface): `Buffer`, `Config`, `EventOverlap`, `EventHandle`,
-`initialize_uccl` / `destroy_uccl`; autograd pairing in `uccl_ep_train.autograd`.
+`initialize_uccl` / `destroy_uccl`; autograd pairing in `uccl_ep_train.autograd`; DeepEP V2's
+`ElasticBuffer` call shapes for the training path in `uccl_ep_train.elastic`.
 """
 __version__ = "0.1.0"
 
