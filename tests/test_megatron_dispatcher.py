@@ -53,7 +53,7 @@ def _gpt_parity(rank: int, world: int, device: str) -> list[float]:
 
     from uccl_ep_train.apps.train import train_rank
     args = argparse.Namespace(recipe="tiny", seq_length=32, micro_batch_size=2, lr=3e-3, seed=7, steps=20,
-                              quiet=True, log_every=100)
+                              quiet=True, log_every=100, num_sms=None)
     curves = {}
     for dispatcher in ("alltoall", "uccl"):
         args.dispatcher = dispatcher
