@@ -282,11 +282,11 @@ def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
         return _run_suite(rank, world, device, L, fault_seeds)
 
 
-# On one H200 with libfabric 2.6.0 (CUDA): GPU memory registers through FI_HMEM and the first dispatches (fresh
-# and cached) are bit-exact, but the first combine's reduce waits for a signal from the other node until the
-# deadline, though every arrival was released (UCCL_EP_DEBUG_FABRIC logs); not yet diagnosed. Strict: a fix
-# makes these fail until the mark goes.
-FABRIC_COMBINE_HANGS = pytest.mark.xfail(strict=True, reason="fabric on shm: the combine's reduce times out "
+# On one H200 with libfabric 2.6.0 (CUDA), and with libfabric main (2.7.0a1): GPU memory registers through FI_HMEM
+# and every op synchronised on its own is bit-exact, but in the 200 back-to-back dispatch + combine pairs a
+# combine's reduce waits for a chunk whose copy fence passes only after the reduce timed out (docs/internode.md,
+# 'Not (yet) here'). Strict: a fix makes these fail until the mark goes.
+FABRIC_COMBINE_HANGS = pytest.mark.xfail(strict=True, reason="fabric on shm: ops queued back to back time out "
                                                              "(docs/internode.md, 'Not (yet) here')")
 
 
