@@ -3,8 +3,10 @@ one function, through the launcher the commands use (uccl_ep_train.apps.launch);
 tracebacks."""
 from __future__ import annotations
 
+import contextlib
+import os
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -67,3 +69,22 @@ def gpu_ranks(world: int) -> dict:
     if count >= world:
         return {"device": "cuda"}
     return {"device": "cuda", "backend": "gloo", "ranks_per_gpu": -(-world // count)}
+
+
+@contextlib.contextmanager
+def env_set(**values: str) -> Iterator[None]:
+    """os.environ with `values` set (an empty value unsets), restored after (Buffers read it when made)."""
+    old = {k: os.environ.get(k) for k in values}
+    for k, v in values.items():
+        if v:
+            os.environ[k] = v
+        else:
+            os.environ.pop(k, None)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

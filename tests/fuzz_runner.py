@@ -22,18 +22,16 @@ Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
 from __future__ import annotations
 
 import argparse
-import contextlib
-import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # as a script: dist_utils, fuzz_cases, ...
 
-from dist_utils import run_ranks  # noqa: E402
+from dist_utils import env_set, run_ranks  # noqa: E402
 from fuzz_cases import CASES_PER_SEED, COMBINE_DTYPES, FuzzCase, case, generate, rank_inputs, rank_routing  # noqa: E402
 from test_internode_gpu import _check_handle, _same, reference_buffer  # noqa: E402
 
@@ -41,25 +39,6 @@ TIMEOUT_S = "30"  # UCCL_EP_TIMEOUT_S in the ranks: a rank failing alone fails i
 INTRANODE_HANDLE_ITEMS = ("rank_prefix_matrix", "send_head", "channel_prefix_matrix", "recv_channel_prefix_matrix")
 # combine: max abs / rel difference per output dtype (float32 sums in a different order, then one rounding)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
-
-
-@contextlib.contextmanager
-def _env(**values: str) -> Iterator[None]:
-    """os.environ with `values` set (an empty value unsets), restored after (Buffers read it when made)."""
-    old = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v:
-            os.environ[k] = v
-        else:
-            os.environ.pop(k, None)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class Ranks:
@@ -80,7 +59,7 @@ class Ranks:
         from uccl_ep_train import Buffer
 
         if self.sut == "native":
-            with _env(UCCL_EP_BACKEND="native"):
+            with env_set(UCCL_EP_BACKEND="native"):
                 buf = Buffer(self.group, **kw)
             assert buf.backend_name == "native", buf.backend_name
             return buf
@@ -299,7 +278,7 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
     M, H, E = c.max_tokens, c.hidden, c.experts
     local = E // world
     size = Buffer.get_low_latency_rdma_size_hint(M, H, world, E)
-    with _env(UCCL_EP_FAULT=c.fault):
+    with env_set(UCCL_EP_FAULT=c.fault):
         buf = r.buffer(num_rdma_bytes=size, low_latency_mode=True)
     ref = reference_buffer(r.group, num_rdma_bytes=size, low_latency_mode=True)
     try:
@@ -372,7 +351,7 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
             r.drop_shared()
             return run_ll(c, r)
         if c.fault:
-            with _env(UCCL_EP_FAULT=c.fault):
+            with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()
             try:
                 return (run_ht if c.kind == "ht" else run_expert_major)(c, r, buf)

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from dist_utils import run_ranks
+from dist_utils import env_set, run_ranks
 
 pytestmark = [pytest.mark.gpu]
 
@@ -76,16 +76,8 @@ def reference_buffer(group, **buffer_kwargs):
     if dist.get_backend(group) != "gloo":
         group = dist.new_group(list(range(dist.get_world_size(group))), backend="gloo")
 
-    old = {k: os.environ.get(k) for k in ("UCCL_EP_DEVICE", "UCCL_EP_BACKEND")}
-    os.environ.update(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference")
-    try:
+    with env_set(UCCL_EP_DEVICE="cpu", UCCL_EP_BACKEND="reference"):
         ref = Buffer(group, **buffer_kwargs)
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     assert ref.device.type == "cpu"
     return ref
 
