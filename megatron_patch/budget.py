@@ -14,7 +14,10 @@ How the budget maps onto our Buffer: the static mode is the capacity layout of
 `Buffer.dispatch_expert_major` (docs/api.md), the one drop-and-pad uses, so it needs no new kernel and is
 sync-free and capturable on the native one-node backend. The budget of R rows per rank becomes
 `capacity = ceil(R / (num_local_experts * ep_size))` rows per (local expert, source rank) block, and the
-receive is exactly `num_local_experts * ep_size * capacity` rows. The sender keeps, for each expert, its
+receive is exactly `num_local_experts * ep_size * capacity` rows (uccl_ep_train.sizing.budget_capacity);
+the receive-order rows before the expansion, the dispatch's num_worst_tokens, are at most
+`ep_size * min(tokens, num_local_experts * capacity)` (sizing.capacity_recv_tokens), which is what the
+native backend's buffer is sized for: not every token of every rank. The sender keeps, for each expert, its
 first `capacity` tokens in token order (local work on the routing map, no communication) and drops the
 rest; the overflow flag and the capacity needed are device tensors, accumulated per dispatch, never read on
 the host. A block budget is stricter than a whole-rank one (ncclep's): a rank whose total fits can still
@@ -23,11 +26,12 @@ to it always fits the routing that overflowed.
 """
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from uccl_ep_train import sizing
 
 
 def capacity_factor_of(config) -> Optional[float]:
@@ -67,9 +71,13 @@ class RecvBudget:
 
     @property
     def worst_recv_tokens(self) -> int:
-        """Static mode: the receive-order rows of the capacity layout (every rank's tokens at most once);
+        """Static mode: the receive-order rows of the capacity layout (each source's tokens at most once, and
+        at most `capacity` per local expert: sizing.capacity_recv_tokens, not every token of every rank);
         eager: 0 (sized by the counts)."""
-        return self.ep_size * self._max_tokens_per_rank if self.static else 0
+        if not self.static:
+            return 0
+        return sizing.capacity_recv_tokens(self._max_tokens_per_rank, self.num_local_experts, self.ep_size,
+                                           self.capacity)
 
     def bootstrap(self, num_tokens: int, device: torch.device) -> None:
         """Derive the mode and, when static, the capacity, on the first dispatch and after
@@ -94,11 +102,10 @@ class RecvBudget:
             most = torch.tensor([num_tokens], dtype=torch.int64, device=device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
             self._max_tokens_per_rank = int(most.item())
-            budget = math.ceil(self._max_tokens_per_rank * self.router_topk * factor)
-            budget = max(budget, self._recv_capacity_override or 0, 1)
-            blocks = self.num_local_experts * self.ep_size
-            self.capacity = math.ceil(budget / blocks)
-            self._recv_capacity = self.capacity * blocks
+            self.capacity = sizing.budget_capacity(self._max_tokens_per_rank, self.router_topk, factor,
+                                                   self.num_local_experts, self.ep_size,
+                                                   self._recv_capacity_override or 0)
+            self._recv_capacity = self.capacity * self.num_local_experts * self.ep_size
         self._bootstrapped = True
 
     def limit(self, routing_map: torch.Tensor) -> torch.Tensor:

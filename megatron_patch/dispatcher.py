@@ -38,7 +38,8 @@ from megatron.core.transformer.moe.moe_utils import get_capacity
 from megatron.core.transformer.moe.token_dispatcher import MoETokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from uccl_ep_train import Buffer, Config, permute, validation
+from uccl_ep_train import Buffer, permute, sizing, validation
+from uccl_ep_train.config import default_nvl_bytes
 from uccl_ep_train import autograd as ep_autograd
 
 from . import settings
@@ -63,9 +64,7 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
     if buf is not None and fit in _fits:
         return buf  # every call after a layer's first: no size arithmetic on the host's critical path
     num_ranks = group.size()
-    need = max(Config(Buffer.num_sms, 6, 256).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+    need = default_nvl_bytes(hidden_bytes, num_ranks, Buffer.num_sms)
     if buf is None or buf.num_nvl_bytes < need:
         if buf is not None:
             _retired.append(buf)
@@ -185,7 +184,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
         # rows per (local expert, EP rank) of this batch's capacity layout (drop-and-pad or a static receive
         # budget), None for exact counts
         self.capacity: Optional[int] = None
-        self.worst_tokens = 0  # receive-order rows of the capacity layout (every rank's tokens at most once)
+        self.worst_tokens = 0  # receive-order rows of the capacity layout (sizing.capacity_recv_tokens)
         # Megatron-LM main's paged-stash runner reads and writes the budget as `_comm_manager` (budget.py)
         self._comm_manager = RecvBudget(config, num_local_experts, self.ep_size, self.router_topk, self.ep_group)
 
@@ -201,7 +200,8 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             self.capacity = get_capacity(num_tokens=num_tokens * self.router_topk,
                                          num_experts=self.num_experts,
                                          capacity_factor=self.config.moe_expert_capacity_factor)
-            self.worst_tokens = self.ep_size * num_tokens
+            self.worst_tokens = sizing.capacity_recv_tokens(num_tokens, self.num_local_experts, self.ep_size,
+                                                            self.capacity)
             routing_map = routing_map & (probs != 0)
         else:
             budget = self._comm_manager

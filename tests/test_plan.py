@@ -422,3 +422,94 @@ def test_backends_check_the_built_module_against_the_shared_limits():
                          ("INTRANODE_MAX_RANKS", MAX_RANKS_PER_NODE), ("LL_MAX_LOCAL", MAX_RANKS_PER_NODE)):
         if hasattr(_native, name):
             assert native_limit(_native, name, shared) == shared
+
+
+needs_layouts = pytest.mark.skipif(not plan.sizing.layouts_available(), reason="native module not built")
+
+
+@needs_layouts
+def test_ep_buffer_modes_one_node(capsys):
+    """One node (EP 8): each mode's bytes are what the backends' sizing gives for the shape: the dispatcher's
+    Buffer (DeepEP's config hints), grown for a uniformly routed step, the receive budget's bound, the worst case
+    and the LL hint; the memory estimate counts the eager step."""
+    from uccl_ep_train import Buffer, sizing
+
+    argv = ["--recipe", "deepseek-v3", "--nodes", "16", "--gpus-per-node", "8", "--ep", "8", "--pp", "16",
+            "--gpu-mem-gib", "1000", "--capacity-factor", "0.5"]
+    rc, out, err = run(capsys, *argv, "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    shape = rep["ep_shape"]
+    assert shape == {"hidden": 7168, "topk": 8, "experts": 256, "tokens": 4096, "ranks": 8, "ranks_per_node": 8,
+                     "element_bytes": 2}
+    modes = {m["mode"]: m for m in rep["ep_buffer_modes"]}
+    assert list(modes) == ["eager start", "eager step", "static budget", "worst case", "low-latency"]
+    hb, T, k = 7168 * 2, 4096, 8
+    start = max(Buffer.get_dispatch_config(8).get_nvl_buffer_size_hint(hb, 8),
+                Buffer.get_combine_config(8).get_nvl_buffer_size_hint(hb, 8), 32 << 20)
+    assert modes["eager start"]["nvl_bytes"] == start and modes["eager start"]["rdma_bytes"] == 0
+    step = modes["eager step"]
+    assert step["nvl_bytes"] >= start and step["out_rows"] == T * k
+    assert sizing.intranode_row_capacity(step["nvl_bytes"], hb, 0, k, True) >= sizing.typical_rows(T, k, 256, 8)
+    # the budget: 0.5 x 4096 tokens x top-8 = 16384 rows per rank, 64 per (local expert, source rank) block;
+    # a source sends a rank at most 32 experts x 64 = 2048 tokens: 8 x 2048 rows, not every token of every rank
+    static, worst = modes["static budget"], modes["worst case"]
+    assert static["out_rows"] == 32 * 8 * 64 and "capacity 64" in static["note"]
+    assert sizing.intranode_row_capacity(static["nvl_bytes"], hb, 0, k, True) >= 8 * 2048
+    assert static["nvl_bytes"] < worst["nvl_bytes"]
+    assert sizing.intranode_row_capacity(worst["nvl_bytes"], hb, 0, k, True) >= 8 * T
+    assert modes["low-latency"]["rdma_bytes"] == Buffer.get_low_latency_rdma_size_hint(T, 7168, 8, 256)
+    assert rep["memory"]["ep_buffers"] == step["nvl_bytes"]
+    rc, out, _ = run(capsys, *argv)
+    assert rc == 0
+    assert "EP buffers per rank by mode (4096 tokens x hidden 7168 x 2 bytes, top-8 of 256 experts, EP 8, 8 per node):" in out
+    lines = out.splitlines()
+    head = lines.index("  mode                NVLink        RDMA       total     outputs  rows out")
+    assert [ln.split()[0] for ln in lines[head + 1:head + 6]] == ["eager", "eager", "static", "worst", "low-latency"]
+    assert lines[head + 4].startswith("  worst case ") and "32768: num_worst_tokens=32768" in lines[head + 4]
+
+
+@needs_layouts
+def test_ep_buffer_modes_across_nodes(capsys, monkeypatch):
+    """EP 32 over 4 nodes: the worst case is what get_rdma_buffer_size_hint(num_tokens=...) reserves, the eager
+    step the internode layout of a uniformly routed step, grown from the 32 MiB the backend opens with."""
+    from uccl_ep_train import sizing
+    from uccl_ep_train.config import Config
+
+    rc, out, err = run(capsys, "--recipe", "deepseek-v3", "--nodes", "32", "--gpus-per-node", "8", "--json")
+    assert rc == 0, err
+    rep = json.loads(out)
+    modes = {m["mode"]: m for m in rep["ep_buffer_modes"]}
+    hb, T, k, R, L = 7168 * 2, 4096, 8, 32, 8
+    monkeypatch.setenv("UCCL_EP_RANKS_PER_NODE", str(L))
+    assert modes["worst case"]["rdma_bytes"] == Config().get_rdma_buffer_size_hint(hb, R, num_tokens=T, num_topk=k)
+    assert modes["eager start"]["rdma_bytes"] == 32 << 20
+    rd = [sizing.typical_node_tokens(T, k, 256, R // L)] * (R * R // L)
+    need_rdma, need_nvl = sizing.internode_need(rd, R, L, hb, 0, k, hb, sizing.typical_rows(T, k, 256, R))
+    step = modes["eager step"]
+    assert need_rdma <= step["rdma_bytes"] < need_rdma + need_rdma // 8 + (64 << 20)
+    assert need_nvl <= step["nvl_bytes"] < need_nvl + need_nvl // 8 + (64 << 20)
+    # uniform routing sends nearly every token to every node (top-8 of 256 over 4 nodes: 97 %): the RDMA need
+    # is close to the worst case's (growing's margin can even pass it); the NVL receive rows are far below
+    assert need_rdma <= modes["worst case"]["rdma_bytes"]
+    assert step["nvl_bytes"] < modes["worst case"]["nvl_bytes"]
+    assert rep["memory"]["ep_buffers"] == step["nvl_bytes"] + step["rdma_bytes"]
+
+
+def test_ep_buffer_table_without_the_native_module(capsys, monkeypatch):
+    """Without the native module's layouts the table says what to build, and the estimate counts the Buffer
+    the dispatcher opens (DeepEP's config hints, which need no native module)."""
+    from uccl_ep_train.config import default_nvl_bytes
+
+    monkeypatch.setattr(plan.sizing, "layouts_available", lambda: False)
+    rc, out, _ = run(capsys, "--recipe", "tiny", "--nodes", "1", "--gpus-per-node", "2")
+    assert rc == 0
+    assert "(needs the native module uccl_ep_train._native, any build" in out
+    lay = check_layout(load_recipe("tiny"), 1, 2)
+    assert estimate_memory(load_recipe("tiny"), lay).ep_buffers == default_nvl_bytes(64 * 4, 2)
+
+
+@pytest.mark.parametrize("flag", ["--tokens-per-rank", "--capacity-factor"])
+def test_ep_buffer_table_options_must_be_positive(capsys, flag):
+    rc, _, err = run(capsys, "--recipe", "tiny", "--nodes", "1", "--gpus-per-node", "2", flag, "0")
+    assert rc == 2 and f"{flag} must be > 0, got 0" in err

@@ -128,11 +128,10 @@ class Config:
         if num_ranks <= per_node:
             return 0
         if num_tokens is not None:
-            from .backends.internode import rdma_bytes_needed
+            from . import sizing
 
-            need = rdma_bytes_needed(num_tokens, hidden_bytes, num_ranks, per_node, num_topk)
-            if need is not None:
-                return need
+            if sizing.layouts_available():
+                return sizing.internode_worst_need(num_tokens, hidden_bytes, num_ranks, per_node, num_topk)[0]
         rdma_ranks = -(-num_ranks // per_node)
         slots = self.num_channels * rdma_ranks * self.num_max_rdma_chunked_recv_tokens * 2  # send + recv
         return _align(slots * (hidden_bytes + _TOKEN_META_BYTES) + self.num_channels * rdma_ranks * 64, 128)
@@ -156,6 +155,14 @@ def default_config(table: dict, num_sms: int, num_ranks: int) -> Config:
         raise ValueError(f"num_ranks must be > 0, got {num_ranks}")
     keys = sorted(k for k in table if k <= num_ranks) or [min(table)]
     return Config(num_sms, *table[keys[-1]])
+
+
+def default_nvl_bytes(hidden_bytes: int, num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
+    """NVLink bytes for rows of `hidden_bytes` at `num_ranks` ranks: the larger of the default dispatch and
+    combine configs' size hints (what the uccl dispatcher and ElasticBuffer make their Buffers with). Our
+    native backends open that much and grow when a call needs more (uccl_ep_train.sizing)."""
+    return max(default_config(DEFAULT_DISPATCH, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               default_config(DEFAULT_COMBINE, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
 
 
 def env_number(name: str, default, cast=float):

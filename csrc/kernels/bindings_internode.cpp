@@ -1,19 +1,16 @@
 // pybind11 face of the internode path: `_native.InternodeBuffer` and the layout helpers.
 // Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream): no libtorch here.
-// Without a GPU compiler nothing is registered, and Python uses the reference backend across nodes.
+// Without a GPU compiler only the layout helpers are registered (host arithmetic, layouts.cpp: sizes for
+// `uccl-ep-train plan`), and Python uses the reference backend across nodes.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "kernels/internode_api.h"
-#endif
 
 namespace py = pybind11;
 
 void register_internode(py::module_& m) {
-#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   namespace in = uccl_ep::internode;
-  using in::InternodeBuffer;
   m.attr("INTERNODE_MAX_LOCAL") = in::kMaxLocal;
   m.attr("INTERNODE_MAX_NODES") = in::kMaxNodes;
   m.attr("INTERNODE_MAX_EXPERTS") = in::kMaxExperts;
@@ -42,6 +39,8 @@ void register_internode(py::module_& m) {
       py::arg("scale_bytes"), py::arg("num_topk"), py::arg("y_bytes"), py::arg("num_recv_rows"),
       "One rank's layout for one call (internode_api.h: make_layout): RDMA region / NVL buffer bytes, row sizes,\n"
       "the RDMA areas' offsets (notify, send, recv, csend, crecv, end), and each node's segment rows");
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
+  using in::InternodeBuffer;
   py::class_<InternodeBuffer>(m, "InternodeBuffer",
                               "One rank's NVL buffer, RDMA and flag regions, and the internode kernels")
       .def(py::init<int, int, int, int, int64_t, int64_t, double>(), py::arg("device"), py::arg("rank"),
@@ -63,7 +62,5 @@ void register_internode(py::module_& m) {
       .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
       .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("combine", &InternodeBuffer::combine, py::call_guard<py::gil_scoped_release>());
-#else
-  (void)m;
 #endif
 }

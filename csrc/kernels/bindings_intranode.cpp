@@ -1,18 +1,27 @@
 // pybind11 face of the intranode path: `_native.IntranodeBuffer` (+ `_native.intranode_row_capacity`,
 // `_native.ipc_mappings_open`).
 // Pointers and streams are plain integers (tensor.data_ptr(), stream.cuda_stream): no libtorch here.
-// Without a GPU compiler nothing is registered, and Python falls back to the reference backend.
+// Without a GPU compiler only the buffer's layout is registered (host arithmetic, layouts.cpp: sizes for
+// `uccl-ep-train plan`), and Python falls back to the reference backend.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
-#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "kernels/intranode_api.h"
+#if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
 #include "kernels/ipc_handles.h"
 #endif
 
 namespace py = pybind11;
 
 void register_intranode(py::module_& m) {
+  m.attr("INTRANODE_HEADER_BYTES") = uccl_ep::intranode::kHeaderBytes;
+  m.def(
+      "intranode_row_capacity",
+      [](int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
+        return uccl_ep::intranode::make_row_layout(data_bytes, x_bytes, scale_bytes, num_topk, with_src).cap_rows;
+      },
+      "rows of (x, scales, topk idx/weights, src idx) that fit in `data_bytes` of an intranode buffer (after its "
+      "INTRANODE_HEADER_BYTES header)");
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   using uccl_ep::intranode::IntranodeBuffer;
   m.attr("INTRANODE_MAX_RANKS") = uccl_ep::intranode::kMaxRanks;
@@ -23,12 +32,6 @@ void register_intranode(py::module_& m) {
     for (int i = 0; i < uccl_ep::intranode::kShapeInts; ++i) fields[i] = py::str(uccl_ep::intranode::kShapeFields[i]);
     m.attr("INTRANODE_SHAPE_FIELDS") = fields;
   }
-  m.def(
-      "intranode_row_capacity",
-      [](int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
-        return uccl_ep::intranode::make_row_layout(data_bytes, x_bytes, scale_bytes, num_topk, with_src).cap_rows;
-      },
-      "rows of (x, scales, topk idx/weights, src idx) that fit in `data_bytes` of an intranode buffer");
   m.def(
       "ipc_mappings_open", [] { return uccl_ep::ipc_mappings().load(); },
       "peer buffers this process has mapped through IPC and not unmapped (intranode and internode buffers)");
@@ -53,7 +56,5 @@ void register_intranode(py::module_& m) {
       .def("notify", &IntranodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
       .def("dispatch", &IntranodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("combine", &IntranodeBuffer::combine, py::call_guard<py::gil_scoped_release>());
-#else
-  (void)m;
 #endif
 }

@@ -19,25 +19,7 @@ namespace uccl_ep::intranode {
 
 constexpr int kWarpSize = UCCL_WARP_SIZE;
 
-// Header of every rank's IPC buffer (byte offsets). Signals are monotonically increasing counters:
-//   arrive[s]  in the receiver's buffer: blocks of rank s that finished pushing into it
-//   free_[r]   in the sender's buffer:   blocks of rank r that finished reading their own buffer
-constexpr int64_t kArriveOffset = 0;
-constexpr int64_t kFreeOffset = 256;
-constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
-constexpr int64_t kSideWorkOffset = 2048;  // SideWork's counters (local use only): see SideWork below
-constexpr int64_t kOpSeqOffset = 3072;     // OpSeq: the signal base of the next op (local use only)
-// int[kMaxRanks][kShapeInts]: slot s is the shape of rank s's current dispatch / combine rows (see
-// publish_shape), so that the calls without a notify (cached dispatch, combine) still check that the ranks agree
-constexpr int64_t kShapeSlotsOffset = 3584;
-constexpr int64_t kCountsOffset = 4096;
-static_assert(kShapeSlotsOffset + kMaxRanks * kShapeInts * 4 <= kCountsOffset, "shape slots overlap the counts");
-constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
-constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
-constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row landed" flag per receive row
-// combine with fold blocks: one uint32 "row folded" flag per row this rank sends back (local use only)
-constexpr int64_t kFoldReadyOffset = kFlagsOffset + kMaxFlagRows * 4;
-constexpr int64_t kHeaderBytes = kFoldReadyOffset + kMaxFlagRows * 4;  // 9 MiB + 4 KiB
+// The header of every rank's IPC buffer (kArriveOffset ... kHeaderBytes): intranode_api.h.
 
 // Host: the SM count of `device` and the clock cycles a wait of `timeout_s` seconds lasts on it (an unknown
 // clock counts as 2 GHz). Returns the first failing attribute query's error.

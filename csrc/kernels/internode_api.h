@@ -41,6 +41,18 @@ constexpr int kMaxRings = 16;       // proxy threads (rings) a kernel can push i
 constexpr int kHeaderInts = 8;      // count row header: tokens, x bytes, scale bytes, top-k, weights, experts, ...
 constexpr int kMaxExperts = 2048;   // count rows have room for this many experts (the notify area never moves)
 
+// NVL buffer header (byte offsets; local words except bar, which node peers write).
+constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at
+constexpr int64_t kDoneOffset = 256;         // uint64: blocks of this rank that finished a last-block kernel
+constexpr int64_t kClaimOffset = 512;        // int: the first error claims the report
+constexpr int64_t kChunkCountOffset = 4096;  // int [kMaxNodes * kMaxChunks]: rows done per chunk (per kernel)
+// uint64 [2][kMaxNodes * kMaxChunks]: dispatch / combine chunk j from node n landed in op `value` (block 0's
+// watcher mirrors the host flags here for the other blocks; op numbers only grow, so nothing is reset)
+constexpr int64_t kArrivalMirrorOffset = kChunkCountOffset + int64_t(kMaxNodes) * kMaxChunks * 4;
+constexpr int64_t kNvlHeaderBytes = kArrivalMirrorOffset + 2 * int64_t(kMaxNodes) * kMaxChunks * 8;
+
+// The row and layout arithmetic below is host code in every build (layouts.cpp), so that Python sizes buffers
+// from it without GPU kernels.
 // Bytes of one dispatch row: x | scales | top-k ids (int32) | weights (float32) | source token | source rank |
 // the row's position among the tokens sent to each rank of the destination node (int32 x L); 16-aligned.
 int64_t dispatch_row_bytes(int64_t x_bytes, int64_t scale_bytes, int num_topk, int ranks_per_node);

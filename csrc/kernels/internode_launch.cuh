@@ -14,16 +14,8 @@ using intranode::ErrorRecord;
 
 constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
 
-// NVL buffer header (byte offsets; local words except bar, which node peers write).
-constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at
-constexpr int64_t kDoneOffset = 256;         // uint64: blocks of this rank that finished a last-block kernel
-constexpr int64_t kClaimOffset = 512;        // int: the first error claims the report
-constexpr int64_t kChunkCountOffset = 4096;  // int [kMaxNodes * kMaxChunks]: rows done per chunk (per kernel)
+// NVL buffer header: internode_api.h (kBarOffset ... kNvlHeaderBytes)
 static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
-// uint64 [2][kMaxNodes * kMaxChunks]: dispatch / combine chunk j from node n landed in op `value` (block 0's
-// watcher mirrors the host flags here for the other blocks; op numbers only grow, so nothing is reset)
-constexpr int64_t kArrivalMirrorOffset = kChunkCountOffset + int64_t(kMaxNodes) * kMaxChunks * 4;
-constexpr int64_t kNvlHeaderBytes = kArrivalMirrorOffset + 2 * int64_t(kMaxNodes) * kMaxChunks * 8;
 
 // Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.
 //   [0, R)                notify rows arrived from rank s (cumulative)

@@ -1,7 +1,8 @@
 // Host-side interface of the intranode (NVLink / xGMI) high-throughput path.
 //
 // Plain C++ (no GPU headers), so the pybind11 bindings compile with the host compiler; the implementation
-// lives in intranode_buffer.cu / layout.cu / intranode.cu and is built only when nvcc or hipcc is found.
+// lives in intranode_buffer.cu / layout.cu / intranode.cu and is built only when nvcc or hipcc is found, except
+// the buffer's layout (the header below, make_row_layout: layouts.cpp), which every build has.
 // Every pointer and stream crosses this boundary as an integer: the native module never sees torch.
 #pragma once
 
@@ -25,13 +26,34 @@ constexpr const char* kShapeFields[kShapeInts] = {"num_tokens", "x row bytes", "
 constexpr int kShapeExpertCapacity = kShapeInts - 1;
 constexpr int kMaxExpertMajorTopk = 32;  // top-k slots per row in expert-major dispatch / fold combine (one warp)
 
+// Header of every rank's IPC buffer (byte offsets). Signals are monotonically increasing counters:
+//   arrive[s]  in the receiver's buffer: blocks of rank s that finished pushing into it
+//   free_[r]   in the sender's buffer:   blocks of rank r that finished reading their own buffer
+constexpr int64_t kArriveOffset = 0;
+constexpr int64_t kFreeOffset = 256;
+constexpr int64_t kErrorClaimOffset = 1024;  // int: the first error of a kernel claims the report
+constexpr int64_t kSideWorkOffset = 2048;  // SideWork's counters (local use only): device_utils.cuh
+constexpr int64_t kOpSeqOffset = 3072;     // OpSeq: the signal base of the next op (local use only)
+// int[kMaxRanks][kShapeInts]: slot s is the shape of rank s's current dispatch / combine rows (see
+// publish_shape), so that the calls without a notify (cached dispatch, combine) still check that the ranks agree
+constexpr int64_t kShapeSlotsOffset = 3584;
+constexpr int64_t kCountsOffset = 4096;
+static_assert(kShapeSlotsOffset + kMaxRanks * kShapeInts * 4 <= kCountsOffset, "shape slots overlap the counts");
+constexpr int64_t kCountsSlotInts = 32768;               // per source rank: R per-rank counts + local experts
+constexpr int64_t kFlagsOffset = kCountsOffset + 8 * kCountsSlotInts * 4;
+constexpr int64_t kMaxFlagRows = 1 << 20;                 // one uint32 "row landed" flag per receive row
+// combine with fold blocks: one uint32 "row folded" flag per row this rank sends back (local use only)
+constexpr int64_t kFoldReadyOffset = kFlagsOffset + kMaxFlagRows * 4;
+constexpr int64_t kHeaderBytes = kFoldReadyOffset + kMaxFlagRows * 4;  // 9 MiB + 4 KiB
+
 // Byte offsets of the per-row arrays inside the data region of a rank's buffer, for one call.
 struct RowLayout {
   int64_t cap_rows = 0;  // rows that fit
   int64_t off_x = 0, off_scales = 0, off_topk_idx = 0, off_topk_w = 0, off_src = 0;
 };
 
-// Computes the layout of `rows` of (x_bytes, scale_bytes, topk*8, topk*4, 4) in `data_bytes`.
+// Computes the layout of `rows` of (x_bytes, scale_bytes, topk*8, topk*4, 4) in `data_bytes` (layouts.cpp: host
+// arithmetic, in every build, so that Python sizes buffers from it without GPU kernels).
 RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk,
                           bool with_src);
 

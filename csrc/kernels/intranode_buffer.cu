@@ -9,24 +9,7 @@
 
 namespace uccl_ep::intranode {
 
-RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
-  RowLayout l;
-  const int64_t per_row = x_bytes + scale_bytes + (int64_t)num_topk * 12 + (with_src ? 4 : 0);
-  const int64_t slack = 5 * 256;  // alignment of the five arrays
-  if (per_row <= 0 || data_bytes <= slack) return l;
-  l.cap_rows = (data_bytes - slack) / per_row;
-  int64_t off = 0;
-  l.off_x = off;
-  off = align_up(off + l.cap_rows * x_bytes, 256);
-  l.off_scales = off;
-  off = align_up(off + l.cap_rows * scale_bytes, 256);
-  l.off_topk_idx = off;
-  off = align_up(off + l.cap_rows * num_topk * 8, 256);
-  l.off_topk_w = off;
-  off = align_up(off + l.cap_rows * num_topk * 4, 256);
-  l.off_src = off;
-  return l;
-}
+// make_row_layout: layouts.cpp
 
 IntranodeBuffer::IntranodeBuffer(int device, int rank, int num_ranks, int64_t num_bytes, double timeout_s)
     : device_(device), rank_(rank), num_ranks_(num_ranks), num_bytes_(num_bytes), timeout_s_(timeout_s) {

@@ -34,7 +34,10 @@ import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from uccl_ep_train import sizing
 from uccl_ep_train.apps.recipes import NIC_PROFILES, Recipe, load_recipe, nic_env
+from uccl_ep_train.buffer import Buffer
+from uccl_ep_train.config import DEFAULT_NUM_SMS, default_nvl_bytes
 from uccl_ep_train.topology import MAX_NODES, MAX_RANKS_PER_NODE
 
 GiB = 1024 ** 3
@@ -330,17 +333,139 @@ class MemoryEstimate:
     total: int
 
 
-def _ep_buffer_bytes(hidden: int, ep: int) -> int:
-    """Bytes the uccl Buffer registers for HT dispatch/combine at this EP size (BF16 tokens)."""
-    try:
-        from uccl_ep_train.config import DEFAULT_COMBINE, DEFAULT_DISPATCH, default_config
-        hint = 0
-        for table in (DEFAULT_DISPATCH, DEFAULT_COMBINE):
-            cfg = default_config(table, 20, ep)
-            hint = max(hint, cfg.get_nvl_buffer_size_hint(hidden * 2, ep) + cfg.get_rdma_buffer_size_hint(hidden * 2, ep))
-        return hint
-    except ImportError:  # pragma: no cover - the Buffer's sizing moved; fall back to DeepEP's ~1 GB default
-        return GiB
+# ---------------------------------------------------------------------------------------------------------
+# EP buffers per mode (uccl_ep_train.sizing: the rules the native backends size and grow their buffers by)
+# ---------------------------------------------------------------------------------------------------------
+# The receive budget plan reports when the recipe sets none (Megatron-LM's moe_expert_rank_capacity_factor)
+DEFAULT_CAPACITY_FACTOR = 1.0
+
+
+@dataclass
+class EpShape:
+    """What sizes one rank's EP buffers: the tokens one MoE layer dispatches per rank and the EP group."""
+    hidden: int
+    topk: int
+    experts: int
+    tokens: int             # tokens per rank and dispatch (one micro-batch, split over CP and sequence-parallel TP)
+    ranks: int              # EP group size
+    ranks_per_node: int     # of the EP group, on one node
+    element_bytes: int      # bytes per activation value (2: BF16)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * self.element_bytes
+
+
+@dataclass
+class BufferMode:
+    """One mode's memory on one rank: the communication buffers (NVLink / xGMI, RDMA) and the dispatch's
+    output rows of `hidden` values (eager and static: the experts' expert-major rows, expected / fixed; worst
+    case: num_worst_tokens receive rows; low-latency: [local experts, ranks x tokens] rows)."""
+    mode: str
+    nvl_bytes: int
+    rdma_bytes: int
+    out_rows: int
+    out_bytes: int
+    note: str
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self.nvl_bytes + self.rdma_bytes
+
+
+def ep_shape(recipe: Recipe, lay: Layout, tokens: Optional[int] = None) -> Optional[EpShape]:
+    """The EP shape of `recipe` on `lay` (None without experts or with EP 1). tokens: tokens per rank and
+    dispatch, default one micro-batch's share (seq_length x micro_batch_size over CP, and over TP with sequence
+    parallelism)."""
+    a = recipe.args
+    experts = int(a.get("num_experts") or 0)
+    group = lay.ep * lay.etp
+    if not experts or group <= 1:
+        return None
+    sp = lay.tp if a.get("sequence_parallel") else 1
+    if tokens is None:
+        tokens = max(1, int(a["seq_length"]) * int(a["micro_batch_size"]) // (lay.cp * sp))
+    return EpShape(int(a["hidden_size"]), int(a["moe_router_topk"]), experts, tokens, group,
+                   min(group, lay.gpus_per_node), 2 if (a.get("bf16") or a.get("fp16")) else 4)
+
+
+def ep_buffer_modes(shape: EpShape, capacity_factor: float = DEFAULT_CAPACITY_FACTOR,
+                    num_sms: int = DEFAULT_NUM_SMS) -> list[BufferMode]:
+    """Per-rank memory of each mode for `shape`, from the sizing functions the native backends use:
+    eager (the uccl dispatcher's Buffer as it opens, and after a step of uniformly routed tokens), the static
+    receive budget (`capacity_factor`), the worst case (every token of every rank to one rank) and
+    low-latency. Needs the native module (any build: the layouts are host arithmetic)."""
+    R, L, T, k, E = shape.ranks, shape.ranks_per_node, shape.tokens, shape.topk, shape.experts
+    hb, epr = shape.row_bytes, E // R
+    start_nvl = default_nvl_bytes(hb, R, num_sms)
+    rows = sizing.typical_rows(T, k, E, R)
+    cap = sizing.budget_capacity(T, k, capacity_factor, epr, R)
+    static_recv = sizing.capacity_recv_tokens(T, epr, R, cap)
+    static_rows = epr * R * cap
+    worst_recv = R * T
+
+    def rows_mode(name: str, nvl: int, rdma: int, out_rows: int, note: str) -> BufferMode:
+        return BufferMode(name, nvl, rdma, out_rows, out_rows * hb, note)
+
+    if R <= L:  # one node: the intranode buffer
+        nvl0 = max(start_nvl, sizing.MIN_BYTES)
+        step = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(rows, rows, hb, 0, k, hb))
+        static = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
+            static_recv, sizing.worst_send_rows(static_recv, R, T, epr, cap), hb, 0, k, hb))
+        worst = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
+            worst_recv, sizing.worst_send_rows(worst_recv, R, T, epr, 0), hb, 0, k, hb))
+        modes = [rows_mode("eager start", nvl0, 0, 0, "what the uccl dispatcher's Buffer opens with"),
+                 rows_mode("eager step", step, 0, T * k, f"grown for ~{rows} rows received per rank"),
+                 rows_mode("static budget", static, 0, static_rows,
+                           f"factor {capacity_factor:g}: capacity {cap} per (expert, rank), {static_recv} rows "
+                           "received at most"),
+                 rows_mode("worst case", worst, 0, worst_recv, f"num_worst_tokens={worst_recv}: every token to one "
+                           "rank")]
+    else:  # several nodes: NVL buffer + RDMA region, sized from the per-node counts
+        N = R // L
+        nvl0, rdma0 = sizing.internode_start(start_nvl, 0)
+        rd = [sizing.typical_node_tokens(T, k, E, N)] * (R * N)
+        need_rdma, need_nvl = sizing.internode_need(rd, R, L, hb, 0, k, hb, rows, ranks=[0])
+        step = (sizing.internode_grow(nvl0, need_nvl), sizing.internode_grow(rdma0, need_rdma))
+        w_rdma, w_nvl = sizing.internode_worst_need(T, hb, R, L, k)
+        modes = [rows_mode("eager start", nvl0, rdma0, 0, "what the uccl dispatcher's Buffer opens with"),
+                 rows_mode("eager step", *step, T * k, f"grown for ~{rd[0]} tokens per node, ~{rows} rows received"),
+                 rows_mode("static budget", *step, static_rows,
+                           f"factor {capacity_factor:g}: capacity {cap}; buffers sized from the counts as eager "
+                           "(only the outputs are fixed)"),
+                 rows_mode("worst case", w_nvl, w_rdma, worst_recv,
+                           f"get_rdma_buffer_size_hint(num_tokens={T}): any routing without growing")]
+    ll = Buffer.get_low_latency_rdma_size_hint(T, shape.hidden, R, E)
+    modes.append(rows_mode("low-latency", 0, ll, epr * R * T,
+                           f"get_low_latency_rdma_size_hint({T}, {shape.hidden}, {R}, {E})"))
+    return modes
+
+
+def ep_buffer_lines(shape: Optional[EpShape], modes: list[BufferMode]) -> list[str]:
+    """The report's EP buffer table (nothing without an EP group)."""
+    if shape is None:
+        return []
+    head = (f"EP buffers per rank by mode ({shape.tokens} tokens x hidden {shape.hidden} x {shape.element_bytes} "
+            f"bytes, top-{shape.topk} of {shape.experts} experts, EP {shape.ranks}, {shape.ranks_per_node} per node):")
+    if not modes:
+        return [head, "  (needs the native module uccl_ep_train._native, any build: python setup.py build_ext "
+                      "--inplace)"]
+    lines = [head, f"  {'mode':<14}{'NVLink':>12}{'RDMA':>12}{'total':>12}{'outputs':>12}  rows out"]
+    for m in modes:
+        lines.append(f"  {m.mode:<14}{_fmt_gib(m.nvl_bytes):>12}{_fmt_gib(m.rdma_bytes):>12}"
+                     f"{_fmt_gib(m.buffer_bytes):>12}{_fmt_gib(m.out_bytes):>12}  {m.out_rows}: {m.note}")
+    return lines
+
+
+def _ep_buffer_bytes(recipe: Recipe, lay: Layout) -> int:
+    """EP buffer bytes the memory estimate counts: the eager mode's buffers after a typical step (the uccl
+    dispatcher's default), or, without the native module's layouts, what its Buffer opens with."""
+    shape = ep_shape(recipe, lay)
+    if shape is None:
+        return 0
+    if not sizing.layouts_available():
+        return default_nvl_bytes(shape.row_bytes, shape.ranks)
+    return next(m.buffer_bytes for m in ep_buffer_modes(shape) if m.mode == "eager step")
 
 
 def estimate_memory(recipe: Recipe, lay: Layout) -> MemoryEstimate:
@@ -420,7 +545,7 @@ def estimate_memory(recipe: Recipe, lay: Layout) -> MemoryEstimate:
             acts = sum(per_layer) * in_flight
         if s == len(stages) - 1:
             acts += tokens * vocab // tp * 4 * 2                      # fp32 logits and their gradient
-        epb = _ep_buffer_bytes(h, ep * etp) if experts and ep > 1 else 0
+        epb = _ep_buffer_bytes(recipe, lay)
         total = weights + grads + optimizer + acts + epb
         est = MemoryEstimate(s, p_dense, p_expert, weights, grads, optimizer, acts, epb, total)
         if best is None or est.total > best.total:
@@ -581,6 +706,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep-stage-layers", action="store_true",
                    help="with --pp, keep the recipe's first/last pipeline stage layer counts")
     p.add_argument("--gpu-mem-gib", type=float, default=80.0, help="GPU memory to compare against (GiB)")
+    p.add_argument("--tokens-per-rank", type=int, default=None,
+                   help="tokens per rank and dispatch for the EP buffer table (default: one micro-batch's share)")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="receive budget for the table's static mode (default: the recipe's "
+                        f"moe_expert_rank_capacity_factor, else {DEFAULT_CAPACITY_FACTOR:g})")
     p.add_argument("--entry", choices=("pretrain-gpt", "train"), default="pretrain-gpt",
                    help="what torchrun runs: Megatron-LM's pretrain_gpt through our patch, or our train job")
     p.add_argument("--node-rank", default="$NODE_RANK")
@@ -656,8 +786,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     if ns.emit == "megatron-args":
         print(" ".join(shlex.quote(c) for c in recipe.megatron_args() + extra))
         return 0
+    for name in ("tokens_per_rank", "capacity_factor"):
+        v = getattr(ns, name)
+        if v is not None and not v > 0:
+            print(f"uccl-ep-train plan: --{name.replace('_', '-')} must be > 0, got {v}", file=sys.stderr)
+            return 2
     pb = count_params(recipe)
     mem = estimate_memory(recipe, lay)
+    factor = ns.capacity_factor or recipe.args.get("moe_expert_rank_capacity_factor") or DEFAULT_CAPACITY_FACTOR
+    shape = ep_shape(recipe, lay, ns.tokens_per_rank)
+    modes = ep_buffer_modes(shape, factor) if shape is not None and sizing.layouts_available() else []
     sbatch = ["sbatch", f"--nodes={nodes}", f"--gpus-per-node={gpn}", "slurm/train.sbatch", recipe.name]
     fits = mem.total <= ns.gpu_mem_gib * GiB
     found, advice = ([], []) if fits else layout_advice(recipe, ns.recipe, nodes, gpn, ns.gpu_mem_gib, limit)
@@ -666,6 +804,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         "stage_layers": x.stage_layers, "memory_total": m.total} for _, x, m in found]
         report = json.dumps({"recipe": recipe.name, "layout": asdict(lay), "params": asdict(pb),
                              "memory": asdict(mem), "gpu_mem_gib": ns.gpu_mem_gib, "fits": fits,
+                             "ep_shape": None if shape is None else asdict(shape),
+                             "ep_buffer_modes": [asdict(m) for m in modes],
                              "suggestions": suggestions, "sbatch": sbatch, "torchrun": cmd, "env": env}, indent=1)
         if ns.json == "-":
             print(report)
@@ -691,6 +831,7 @@ def main(argv: Optional[list[str]] = None) -> int:
            f"  EP buffers   {_fmt_gib(mem.ep_buffers)}",
            f"  total        {_fmt_gib(mem.total)}  " + ("fits" if fits else "DOES NOT FIT")
            + f" in {ns.gpu_mem_gib:g} GiB"]
+    out += ep_buffer_lines(shape, modes)
     out += [f"note      {n}" for n in lay.notes]
     out += ["launch    " + " ".join(sbatch),
             "per node  " + " ".join(f"{k}={v}" for k, v in env.items()),

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from .. import sizing
 from ..config import Config, env_number, timeout_s
 from ..events import current_raw_stream
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
@@ -40,8 +41,6 @@ from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check
 
 log = logging.getLogger("uccl_ep_train")
 
-_MIN_BYTES = 32 << 20  # first NVL buffer / RDMA region (grown on demand)
-_GROW_STEP = 64 << 20
 # Bytes per RDMA chunk (one proxy write + its flag), by transport: large enough that the per-command cost is
 # small against the transfer, small enough that forwarding starts early. A NIC's work request costs about a
 # microsecond; the ipc copy agent's copy (a copy launch and an event in another process) tens of them:
@@ -110,7 +109,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._proxy = None
         self._failed: Optional[str] = None
         self._pinned: Optional[torch.Tensor] = None
-        first = (max(max(s[0] for s in sizes), _MIN_BYTES), max(max(s[1] for s in sizes), _MIN_BYTES))
+        first = sizing.internode_start(max(s[0] for s in sizes), max(s[1] for s in sizes))
         self._unopened = first if open_at_first_dispatch else None
         if not open_at_first_dispatch:
             self._open(*first)
@@ -166,8 +165,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""
         if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
             return
-        grow = lambda have, need: have if need <= have else -(-(need + need // 8) // _GROW_STEP) * _GROW_STEP  # noqa: E731
-        rdma, nvl = grow(self._buf.rdma_bytes(), rdma_need), grow(self._buf.nvl_bytes(), nvl_need)
+        rdma = sizing.internode_grow(self._buf.rdma_bytes(), rdma_need)
+        nvl = sizing.internode_grow(self._buf.nvl_bytes(), nvl_need)
         if self.rank == 0:
             log.warning("uccl_ep_train native internode: growing the RDMA region to %d and the NVL buffer to %d "
                         "bytes (pass num_rdma_bytes / num_nvl_bytes at least this large to avoid it)", rdma, nvl)
@@ -318,13 +317,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     def _ensure_for(self, st: InternodeState, x_bytes: int, scale_bytes: int, num_topk: int, y_bytes: int) -> None:
         """Grows the buffers (collectively) to what a dispatch of these rows and its combine need on any rank."""
-        rdma = nvl = 0
-        for r in range(self.num_ranks):
-            for xb, yb in ((x_bytes, 0), (0, y_bytes)):
-                lay = self._native.internode_layout(st.rd, self.num_ranks, self.L, r, xb, scale_bytes if xb else 0,
-                                                    num_topk, yb, st.max_recv)
-                rdma, nvl = max(rdma, lay["rdma_bytes"]), max(nvl, lay["nvl_bytes"])
-        self._ensure(rdma, nvl)
+        self._ensure(*sizing.internode_need(st.rd, self.num_ranks, self.L, x_bytes, scale_bytes, num_topk, y_bytes,
+                                            st.max_recv))
 
     def _launch_dispatch(self, st, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, num_topk, num_experts,
                          node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config):
@@ -396,24 +390,6 @@ def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
     if recv_per_rank[busiest] > num_worst_tokens:
         raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
                            f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
-
-
-def rdma_bytes_needed(num_tokens: int, hidden_bytes: int, num_ranks: int, ranks_per_node: int,
-                      num_topk: int) -> Optional[int]:
-    """RDMA-region bytes the native internode kernels need for a dispatch (rows of hidden_bytes) and a combine
-    (rows of hidden_bytes) of num_tokens tokens per rank under any routing: the layout of the worst case,
-    where every token goes to every node and every rank's tokens come to one rank (the layout grows with
-    each count). None without the native internode module."""
-    try:
-        m = _module()
-    except ImportError:
-        return None
-    if not hasattr(m, "internode_layout"):
-        return None
-    rd = [int(num_tokens)] * (num_ranks * (num_ranks // ranks_per_node))
-    return max(m.internode_layout(rd, num_ranks, ranks_per_node, 0, xb, 0, num_topk, yb,
-                                  num_tokens * num_ranks)["rdma_bytes"]
-               for xb, yb in ((hidden_bytes, 0), (0, hidden_bytes)))
 
 
 def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int, proxy_groups: int) -> dict:

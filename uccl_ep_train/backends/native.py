@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .. import permute
+from .. import permute, sizing
 from ..config import Config, timeout_s
 from ..errors import ranks_disagree
 from ..events import capturing, current_raw_stream
@@ -43,7 +43,6 @@ from .base import Backend, WithoutLowLatency
 
 log = logging.getLogger("uccl_ep_train")
 
-_GROW_STEP = 64 << 20  # grown buffers are rounded up to this
 # Of the 16 warps of a block, how many push; the others copy landed rows out (dispatch) or reduce landed
 # rows (combine) while the pushes go on, and push warps join them when done. For the combine, the more
 # blocks, the fewer push warps keep NVLink busy: (up to this many SMs, push warps). `bench intranode --sms
@@ -148,6 +147,9 @@ def native_problem() -> str:
 # INTRANODE_SHAPE_FIELDS name its ints. The ranks must agree on all of it but the token count: else they write
 # rows of different sizes, or id words of different formats, into each other's buffers.
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
+
+
+_SHAPE_EXPERT_CAPACITY = 7  # shape_header's last int (the native INTRANODE_SHAPE_FIELDS' "expert_capacity")
 
 
 def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
@@ -266,12 +268,10 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
         self._failed: Optional[str] = None
         self._buf = None
-        self._open(max(int(num_nvl_bytes), self._min_bytes()))
+        # header (counts, row flags: ~9 MiB) + a first data region; grows on demand (uccl_ep_train.sizing)
+        self._open(max(int(num_nvl_bytes), sizing.MIN_BYTES))
 
     # ---- buffer lifetime -----------------------------------------------------------------------------
-    def _min_bytes(self) -> int:
-        return 32 << 20  # header (counts, row flags: ~5 MiB) + a first data region; grows on demand
-
     def _open(self, nbytes: int) -> None:
         with torch.cuda.device(self.device):
             buf = self._native.IntranodeBuffer(self.device.index, self.rank, self.num_ranks, int(nbytes), self._timeout)
@@ -281,32 +281,26 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         self._buf = buf
         self._nbytes = int(nbytes)
 
-    def _grow(self, need_bytes: int) -> None:
+    def _grow(self, new_bytes: int) -> None:
         """Collective: every rank calls it with the same size (decided from globally known counts)."""
-        new_bytes = _align_up(need_bytes + need_bytes // 8, _GROW_STEP)
         if self.rank == 0:
             log.warning("uccl_ep_train native: growing the NVLink buffer from %d to %d bytes (pass "
-                        "num_nvl_bytes >= %d to avoid this)", self._nbytes, new_bytes, need_bytes)
+                        "num_nvl_bytes >= %d to avoid this)", self._nbytes, new_bytes, new_bytes)
         quiesce(self.device, self.group)  # nobody still reads or writes the old buffers
         old = self._buf
         self._buf = None
         old.destroy()
         self._open(new_bytes)
 
-    def _bytes_for(self, rows: int, x_bytes: int, scale_bytes: int, num_topk: int, with_src: bool) -> int:
-        per_row = x_bytes + scale_bytes + num_topk * 12 + (4 if with_src else 0)
-        return self._buf.header_bytes() + rows * per_row + 5 * 256 + 4096
-
     def _ensure(self, rows: int, x_bytes: int, scale_bytes: int, num_topk: int, with_src: bool) -> None:
-        cap = self._native.intranode_row_capacity(self._buf.data_bytes(), x_bytes, scale_bytes, num_topk, with_src)
-        if rows > cap:
-            need = self._bytes_for(rows, x_bytes, scale_bytes, num_topk, with_src)
+        new_bytes = sizing.intranode_grow_to(self._nbytes, rows, x_bytes, scale_bytes, num_topk, with_src)
+        if new_bytes is not None:
             if capturing():
-                raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) must grow to {need} "
-                                   "bytes for this call, which cannot happen inside CUDA-graph capture (it is "
-                                   "collective); make the Buffer with num_nvl_bytes >= that, or run the call once "
-                                   "before capturing")
-            self._grow(need)
+                raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) must grow to "
+                                   f"{new_bytes} bytes for this call, which cannot happen inside CUDA-graph capture "
+                                   "(it is collective); make the Buffer with num_nvl_bytes >= that, or run the "
+                                   "call once before capturing")
+            self._grow(new_bytes)
 
     def release(self) -> None:
         if self._buf is None:
@@ -375,9 +369,10 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                     (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
             c.out_rows = int(num_worst_tokens)
-            # Assumes every rank passes the same num_worst_tokens and token count (the kernels check the
-            # real counts against the buffer and report instead of overflowing).
-            c.max_recv, c.max_send = c.out_rows, min(n * R, R * c.out_rows)
+            # Assumes every rank passes the same num_worst_tokens and, without a capacity layout, the same token
+            # count (the kernels check the real counts against the buffer and report instead of overflowing).
+            c.max_recv = c.out_rows
+            c.max_send = sizing.worst_send_rows(c.out_rows, R, n, epr, shape[_SHAPE_EXPERT_CAPACITY])
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(info.numel())
@@ -686,12 +681,8 @@ def _expected_width(num_topk: int, num_experts: int, num_ranks: int) -> float:
     """Expert-major rows per received row under uniform top-k routing: the k/R slots a rank gets per token,
     over the chance that a token has any expert there (1 - C(E - E/R, k) / C(E, k)). The same on every
     rank: EP=2 top-8 of 256 gives 4.0, EP=8 1.5."""
-    epr = num_experts // num_ranks
     k = min(num_topk, num_experts)
-    p_none = 1.0
-    for i in range(k):  # C(E - epr, k) / C(E, k) as a product
-        p_none *= max(num_experts - epr - i, 0) / (num_experts - i)
-    return (k / num_ranks) / max(1.0 - p_none, 1e-9)
+    return (k / num_ranks) / max(sizing.p_token_reaches(num_topk, num_experts, num_experts // num_ranks), 1e-9)
 
 
 def _by_sms(table: tuple, num_sms: int) -> int:
