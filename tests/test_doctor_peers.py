@@ -91,15 +91,9 @@ def _one_dying_proxy(rank, world, opts):
 def test_a_rank_failing_mid_transfer_is_the_first_problem_and_its_peers_stop_at_their_deadline(loopback):
     opts = preflight.Options(transport="fabric", mib=4, rounds=2, timeout_s=3)
     start = time.monotonic()
-    try:
-        rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
-    except RuntimeError as e:
-        # about 1 run in 10 under load: rank 1, whose proxy thread died, crashes (SIGSEGV inside libfabric 1.17's
-        # fi_close, from FabricTransport::close in Proxy::stop) after the check and exits without a result;
-        # not diagnosed, not this command's bug
-        if "ranks [1] of 3 failed" in str(e) and "exited with code" in str(e):
-            pytest.xfail(f"fabric teardown after a dead proxy thread crashed rank 1: {e}")
-        raise
+    # rank 1 closes endpoints whose peers' writes its dead threads left half received: they quiesce first
+    # (libfabric 1.17's rxm used to crash in fi_close there; tests/test_fabric.py repeats that teardown)
+    rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
     assert time.monotonic() - start < 90
     assert [r["bytes_verified"] for r in rows] == [2 * preflight.CHUNK] * 3   # the pattern passed everywhere
     assert rows[1]["phase"] == "bulk" and rows[1]["cause"] == "own" and "die_after" in rows[1]["error"]

@@ -115,7 +115,8 @@ class ProxyThread {
   ProxyThread(Proxy* owner, int index);
   ~ProxyThread();
   void start();
-  void stop();  // joins
+  void request_stop();  // returns at once; stop() joins
+  void stop();
   RingBuffer& ring() { return *ring_; }
   Transport& transport() { return *transport_; }
   ProxyStats stats() const;
@@ -130,6 +131,7 @@ class ProxyThread {
     std::chrono::steady_clock::time_point t;
   };
   void run();
+  void finish(bool failed);            // after stop(): drain, then Transport::quiesce (bounded)
   bool step();                         // one loop iteration; true when it did work
   bool handle(const Command& c, bool* stall, uint64_t pickup_ticks);
   void on_completions(const Completion* c, int n);
