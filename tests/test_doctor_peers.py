@@ -149,13 +149,20 @@ def test_without_a_launcher_or_ranks_the_check_says_what_to_give(monkeypatch, ca
 
 
 @pytest.mark.gpu
-def test_ranks_sharing_a_gpu_check_each_other_over_ipc(mps, monkeypatch, tmp_path, capsys):
-    """Two ranks on GPU 0 (MPS): GPU regions, commands pushed by a kernel, the ipc transport chosen by itself."""
+@pytest.mark.parametrize("nics", [None, "1=no_such_nic0"])
+def test_ranks_sharing_a_gpu_check_each_other_over_ipc(nics, mps, monkeypatch, tmp_path, capsys):
+    """Two ranks on GPU 0 (MPS): GPU regions, commands pushed by a kernel, the ipc transport chosen by itself.
+    ipc opens no NIC, so a UCCL_EP_NICS that verbs or fabric would refuse (rank 0: no entry, rank 1: a device
+    the host lacks) changes nothing."""
     if "ipc" not in P.compiled_transports():
         pytest.skip("native module without the ipc transport (a CUDA build)")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "2")
     monkeypatch.delenv("UCCL_EP_TRANSPORT", raising=False)
+    if nics:
+        monkeypatch.setenv("UCCL_EP_NICS", nics)
+    else:
+        monkeypatch.delenv("UCCL_EP_NICS", raising=False)
     out = tmp_path / "peers.json"
     code = cli_main(["doctor", "--peers", "--ranks", "2", "--mib", "64", "--json", str(out)])
     text = capsys.readouterr().out
