@@ -48,12 +48,25 @@ def test_local_ranks_check_every_byte_and_report_a_rate(ranks, loopback, tmp_pat
         assert r["error"] == "" and r["phase"] == ""
         assert r["peers"] == [p for p in range(ranks) if p != r["rank"]]
         assert r["bytes_verified"] == (ranks - 1) * preflight.CHUNK
-        assert r["transport"].startswith("fabric") and r["gpu"] == "cpu"
+        assert r["transport"] == "fabric (tcp;ofi_rxm)" and r["gpu"] == "cpu"   # FI_PROVIDER=tcp: an alias
         assert len(r["nics"]) == 2 and r["gbps"]["total"] > 0
         assert r["registration"].startswith("host")
     lines = _table_lines(text)
     assert len(lines) == ranks and all(line.rstrip().endswith("ok") for line in lines), text
     assert "every byte checked" in text and "FIRST PROBLEM" not in text
+
+
+@needs_fabric
+def test_the_table_shows_the_provider_and_domain_the_endpoints_opened(loopback, monkeypatch, tmp_path):
+    """FI_PROVIDER unset: libfabric picks. The table names what the endpoints opened (the transport's own
+    selection, which `fabric_probe` runs too), not the empty setting."""
+    monkeypatch.delenv("FI_PROVIDER")
+    probe = P._native.fabric_probe("", "", False)
+    out = tmp_path / "peers.json"
+    assert cli_main(["doctor", "--peers", "--ranks", "2", *ARGS, "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["transport"] == f"fabric ({probe['provider']})" and r["nics"] == [probe["domain"]] * 2, r
+        assert r["registration"] == f"host ({probe['provider']})"
 
 
 def _one_bad_provider(rank, world, opts):
@@ -234,5 +247,5 @@ def test_ranks_sharing_a_gpu_check_each_other_over_fabric_with_gpu_memory(mps, m
     text = capsys.readouterr().out
     assert code == 0, text
     for r in json.loads(out.read_text())["rows"]:
-        assert r["transport"] == "fabric (tcp)" and r["registration"].startswith("GPU via FI_HMEM")
+        assert r["transport"] == "fabric (tcp;ofi_rxm)" and r["registration"].startswith("GPU via FI_HMEM")
         assert r["bytes_verified"] == preflight.CHUNK and r["gbps"]["total"] > 0

@@ -525,6 +525,12 @@ Proxy::~Proxy() { stop(); }
 uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
 bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 
+std::vector<std::pair<std::string, std::string>> Proxy::opened() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& t : threads_) out.emplace_back(t->transport_->opened_provider(), t->transport_->opened_device());
+  return out;
+}
+
 void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
   if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");
   if (connected_) UCCL_THROW("register_region: regions must be registered before connect()");

@@ -200,6 +200,8 @@ class FabricTransport final : public Transport {
     hmem_ = o.gpu >= 0;
     info_ = select_info(o.provider, o.device, hmem_);
     fi_info* info = info_.get();
+    provider_name_ = info->fabric_attr->prov_name ? info->fabric_attr->prov_name : "";
+    domain_name_ = info->domain_attr->name ? info->domain_attr->name : "";
     cq_data_bytes_ = cq_data_bytes_for(info, o.world);
     mr_mode_ = info->domain_attr->mr_mode;
     max_msg_ = info->ep_attr->max_msg_size;
@@ -316,6 +318,8 @@ class FabricTransport final : public Transport {
   }
 
   const char* name() const override { return "fabric"; }
+  std::string opened_provider() const override { return provider_name_; }
+  std::string opened_device() const override { return domain_name_; }
 
   std::string address() override {
     char buf[256];
@@ -719,6 +723,7 @@ class FabricTransport final : public Transport {
 
   TransportOptions opts_;
   InfoPtr info_;
+  std::string provider_name_, domain_name_;  // of info_, kept past close()
   Fid fabric_, domain_, cq_, av_, ep_, ctrl_mr_;
   fid_domain* domain_p_ = nullptr;
   fid_cq* cq_p_ = nullptr;
