@@ -211,14 +211,13 @@ def _dying_rank_worker(rank, world, rounds):
             rows = [(P.OP_WRITE, d, t, 0, chunk, 0, 2 * chunk) for d in range(world) if d != rank for _ in range(4)]
             g.push(t, P.make_commands(rows))
         error = ""
-        if rank == 1:  # both threads took their second command and stopped
-            deadline = time.monotonic() + 10
-            while g.stats()["commands"] < 4 and time.monotonic() < deadline:
-                time.sleep(0.001)
+        deadline = time.monotonic() + 10
+        while rank == 1 and not error and time.monotonic() < deadline:  # until a thread took its 2nd and stopped
             try:
                 g.check()
             except RuntimeError as e:
                 error = str(e)
+            time.sleep(0.001)
         dist.barrier()
         start = time.monotonic()
         g.close()
