@@ -395,7 +395,8 @@ class ProxyGroup:
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Joins the threads and releases transports and registrations; idempotent, safe after errors."""
+        """Stops the threads (each first quiesces its endpoint with the peers', bounded by min(timeout_s, 10 s):
+        ranks should close together) and releases transports and registrations; idempotent, safe after errors."""
         if self._closed:
             return
         self._closed = True
