@@ -48,12 +48,25 @@ def test_local_ranks_check_every_byte_and_report_a_rate(ranks, loopback, tmp_pat
         assert r["error"] == "" and r["phase"] == ""
         assert r["peers"] == [p for p in range(ranks) if p != r["rank"]]
         assert r["bytes_verified"] == (ranks - 1) * preflight.CHUNK
-        assert r["transport"].startswith("fabric") and r["gpu"] == "cpu"
+        assert r["transport"] == "fabric (tcp;ofi_rxm)" and r["gpu"] == "cpu"   # FI_PROVIDER=tcp: an alias
         assert len(r["nics"]) == 2 and r["gbps"]["total"] > 0
         assert r["registration"].startswith("host")
     lines = _table_lines(text)
     assert len(lines) == ranks and all(line.rstrip().endswith("ok") for line in lines), text
     assert "every byte checked" in text and "FIRST PROBLEM" not in text
+
+
+@needs_fabric
+def test_the_table_shows_the_provider_and_domain_the_endpoints_opened(loopback, monkeypatch, tmp_path):
+    """FI_PROVIDER unset: libfabric picks. The table names what the endpoints opened (the transport's own
+    selection, which `fabric_probe` runs too), not the empty setting."""
+    monkeypatch.delenv("FI_PROVIDER")
+    probe = P._native.fabric_probe("", "", False)
+    out = tmp_path / "peers.json"
+    assert cli_main(["doctor", "--peers", "--ranks", "2", *ARGS, "--json", str(out)]) == 0
+    for r in json.loads(out.read_text())["rows"]:
+        assert r["transport"] == f"fabric ({probe['provider']})" and r["nics"] == [probe["domain"]] * 2, r
+        assert r["registration"] == f"host ({probe['provider']})"
 
 
 def _one_bad_provider(rank, world, opts):
@@ -91,15 +104,9 @@ def _one_dying_proxy(rank, world, opts):
 def test_a_rank_failing_mid_transfer_is_the_first_problem_and_its_peers_stop_at_their_deadline(loopback):
     opts = preflight.Options(transport="fabric", mib=4, rounds=2, timeout_s=3)
     start = time.monotonic()
-    try:
-        rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
-    except RuntimeError as e:
-        # about 1 run in 10 under load: rank 1, whose proxy thread died, crashes (SIGSEGV inside libfabric 1.17's
-        # fi_close, from FabricTransport::close in Proxy::stop) after the check and exits without a result;
-        # not diagnosed, not this command's bug
-        if "ranks [1] of 3 failed" in str(e) and "exited with code" in str(e):
-            pytest.xfail(f"fabric teardown after a dead proxy thread crashed rank 1: {e}")
-        raise
+    # rank 1 closes endpoints whose peers' writes its dead threads left half received: they quiesce first
+    # (libfabric 1.17's rxm used to crash in fi_close there; tests/test_fabric.py repeats that teardown)
+    rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
     assert time.monotonic() - start < 90
     assert [r["bytes_verified"] for r in rows] == [2 * preflight.CHUNK] * 3   # the pattern passed everywhere
     assert rows[1]["phase"] == "bulk" and rows[1]["cause"] == "own" and "die_after" in rows[1]["error"]
@@ -155,13 +162,20 @@ def test_without_a_launcher_or_ranks_the_check_says_what_to_give(monkeypatch, ca
 
 
 @pytest.mark.gpu
-def test_ranks_sharing_a_gpu_check_each_other_over_ipc(mps, monkeypatch, tmp_path, capsys):
-    """Two ranks on GPU 0 (MPS): GPU regions, commands pushed by a kernel, the ipc transport chosen by itself."""
+@pytest.mark.parametrize("nics", [None, "1=no_such_nic0"])
+def test_ranks_sharing_a_gpu_check_each_other_over_ipc(nics, mps, monkeypatch, tmp_path, capsys):
+    """Two ranks on GPU 0 (MPS): GPU regions, commands pushed by a kernel, the ipc transport chosen by itself.
+    ipc opens no NIC, so a UCCL_EP_NICS that verbs or fabric would refuse (rank 0: no entry, rank 1: a device
+    the host lacks) changes nothing."""
     if "ipc" not in P.compiled_transports():
         pytest.skip("native module without the ipc transport (a CUDA build)")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
     monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "2")
     monkeypatch.delenv("UCCL_EP_TRANSPORT", raising=False)
+    if nics:
+        monkeypatch.setenv("UCCL_EP_NICS", nics)
+    else:
+        monkeypatch.delenv("UCCL_EP_NICS", raising=False)
     out = tmp_path / "peers.json"
     code = cli_main(["doctor", "--peers", "--ranks", "2", "--mib", "64", "--json", str(out)])
     text = capsys.readouterr().out
@@ -233,5 +247,5 @@ def test_ranks_sharing_a_gpu_check_each_other_over_fabric_with_gpu_memory(mps, m
     text = capsys.readouterr().out
     assert code == 0, text
     for r in json.loads(out.read_text())["rows"]:
-        assert r["transport"] == "fabric (tcp)" and r["registration"].startswith("GPU via FI_HMEM")
+        assert r["transport"] == "fabric (tcp;ofi_rxm)" and r["registration"].startswith("GPU via FI_HMEM")
         assert r["bytes_verified"] == preflight.CHUNK and r["gbps"]["total"] > 0

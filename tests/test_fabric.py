@@ -193,6 +193,52 @@ def test_silent_peer_times_out_with_rank_peer_channel_phase():
         assert part in msg, msg
 
 
+def _dying_rank_worker(rank, world, rounds):
+    """Rounds of: every rank writes 1 MiB chunks to every other on both proxy threads while rank 1's threads die
+    after their second command (die_after), so the peers' writes to rank 1 stop half received; then every rank
+    closes. Returns, per round, rank 1's error (rank 1) or how long close() took (every rank)."""
+    os.environ.update(FI_PROVIDER="tcp", FI_TCP_IFACE="lo")
+    import time
+
+    import torch.distributed as dist
+    dist.init_process_group("gloo")
+    chunk, out = 1 << 20, []
+    for _ in range(rounds):
+        buf = np.zeros(4 * chunk, np.uint8)
+        g = P.ProxyGroup(rank, world, {0: buf}, transport="fabric", num_threads=2, pin_threads=False, timeout_s=5,
+                         fault="die_after=2" if rank == 1 else "")
+        for t in range(2):
+            rows = [(P.OP_WRITE, d, t, 0, chunk, 0, 2 * chunk) for d in range(world) if d != rank for _ in range(4)]
+            g.push(t, P.make_commands(rows))
+        error = ""
+        deadline = time.monotonic() + 10
+        while rank == 1 and not error and time.monotonic() < deadline:  # until a thread took its 2nd and stopped
+            try:
+                g.check()
+            except RuntimeError as e:
+                error = str(e)
+            time.sleep(0.001)
+        dist.barrier()
+        start = time.monotonic()
+        g.close()
+        out.append((error, time.monotonic() - start))
+        dist.barrier()
+    return out
+
+
+def test_closing_after_a_proxy_thread_died_mid_transfer_never_crashes(capfd):
+    """libfabric 1.17's tcp;ofi_rxm segfaults in fi_close when an endpoint closes with a peer's write half
+    received (rank 1's threads died with the peers' writes to it in flight: the old teardown crashed in most of
+    these rounds). Every endpoint now quiesces with its peers first (Transport::quiesce): no rank crashes (a
+    crash fails spawn), every close agrees with the peers quickly, and rank 1 still reports its thread's death."""
+    rounds = 8
+    res = spawn(_dying_rank_worker, 3, rounds, timeout=240)
+    assert all("die_after" in error for error, _ in res[1]), res[1]
+    for rank in range(3):
+        assert len(res[rank]) == rounds and all(took < 5 for _, took in res[rank]), res[rank]
+    assert "closes a busy endpoint" not in capfd.readouterr().err
+
+
 def _bootstrap_fail_worker(rank, world):
     os.environ["FI_TCP_IFACE"] = "lo"
     import torch.distributed as dist

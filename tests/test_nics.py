@@ -251,6 +251,41 @@ def test_transport_not_compiled_in_names_the_fix():
     assert unknown.transport == "verbs" and "assumed RC" in unknown.reason
 
 
+def test_a_bad_nics_setting_fails_only_the_transports_that_open_nics():
+    """ipc opens no NIC: UCCL_EP_NICS may be wrong for it (one setting for a job that also runs across hosts);
+    verbs and fabric open the NICs it names, so there it is an error, with the setting's own message."""
+    bad = N.NicChoice((), "", "not chosen", error="UCCL_EP_NICS names no_such_nic0, not an RDMA device of this host")
+    every = ["fabric", "ipc", "verbs"]
+    assert P.choose_transport(bad, every, same_host=True, gpu=0).transport == "ipc"
+    asked = P.choose_transport(bad, every, same_host=False, gpu=-1, requested="ipc")
+    assert (asked.transport, asked.devices, asked.provider) == ("ipc", (), None)
+    for requested in (None, "fabric", "verbs"):
+        with pytest.raises(ValueError, match="^UCCL_EP_NICS names no_such_nic0"):
+            P.choose_transport(bad, every, same_host=False, gpu=0, requested=requested)
+    with pytest.raises(ValueError, match="^UCCL_EP_NICS names no_such_nic0"):  # one host, but CPU ranks: fabric
+        P.choose_transport(bad, every, same_host=True, gpu=-1)
+
+
+def test_an_ipc_group_runs_with_a_bad_nics_setting_and_logs_it(monkeypatch, caplog):
+    """The setting's error travels to the transport choice, not ahead of it: an ipc ProxyGroup gets past the
+    choice with one log line (here it then stops at the native ipc transport, which needs a GPU: that error, not
+    the setting's), while a verbs group fails on the setting, naming it."""
+    if not P.available():
+        pytest.skip("native module not built")
+    monkeypatch.setattr(P, "compiled_transports", lambda: ["fabric", "ipc", "verbs"])
+    monkeypatch.setenv("UCCL_EP_NICS", "1=no_such_nic0")   # this rank is local rank 0: no entry for it
+    choices = P._local_choices(-1, "ipc", None)
+    assert all(c[0].transport == "ipc" and "no entry for local rank 0" in c[1].error for c in choices.values())
+    with caplog.at_level("INFO", logger="uccl_ep_train"), \
+            pytest.raises(RuntimeError, match="needs a GPU|not compiled in|needs CUDA") as got:
+        P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="ipc", gpu=-1, pin_threads=False)
+    assert "UCCL_EP_NICS" not in str(got.value)
+    assert any("ipc transport opens no NIC; ignored: UCCL_EP_NICS has no entry for local rank 0" in r.getMessage()
+               for r in caplog.records), caplog.text
+    with pytest.raises(RuntimeError, match="no usable transport: rank 0: UCCL_EP_NICS has no entry for local rank 0"):
+        P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="verbs", pin_threads=False)
+
+
 def test_ranks_that_disagree_or_fail_raise_the_same_error_everywhere():
     rc = N.NicChoice(("mlx5_0",), "mlx5", N.REASON_SWITCH)
     efa = N.NicChoice(("rdmap1s0",), "efa", N.REASON_SWITCH)

@@ -60,6 +60,21 @@ def test_proxies_can_be_rebuilt_in_one_process_and_close_is_idempotent():
         g.close()
 
 
+def test_config_says_what_each_endpoint_opened(monkeypatch):
+    """`config()["opened"]`: the provider and domain the fabric transport's fi_info names, per thread (the
+    setting "tcp" is an alias; with none, libfabric picks), the same selection `fabric_probe` runs."""
+    if "fabric" not in P.compiled_transports():
+        pytest.skip("fabric transport not built")
+    from uccl_ep_train import _native
+    for provider in ("tcp", ""):
+        monkeypatch.setenv("FI_PROVIDER", provider)
+        probe = _native.fabric_probe(provider, "", False)
+        assert probe["provider"] and probe["domain"]
+        with P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="fabric", num_threads=2, pin_threads=False) as g:
+            assert g.config()["provider"] == provider
+            assert g.config()["opened"] == [{"provider": probe["provider"], "device": probe["domain"]}] * 2
+
+
 def test_runtime_hook_starts_and_stops_proxies(monkeypatch):
     if "fabric" not in P.compiled_transports():
         pytest.skip("fabric transport not built")

@@ -89,6 +89,9 @@ class NicChoice:
     kind: str                          # the devices' kind; "" with no devices
     reason: str
     found: tuple[str, ...] = field(default=())  # every RDMA device of the host, "name (kind, state)"
+    # Why no NIC could be chosen (a bad UCCL_EP_NICS; `devices` is then empty). Only the transports that open
+    # NICs fail on it (proxy.choose_transport): ipc ignores it.
+    error: str = ""
 
 
 # -- sysfs ------------------------------------------------------------------------------------------

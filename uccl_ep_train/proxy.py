@@ -114,7 +114,8 @@ def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu:
     `requested`: the caller's or UCCL_EP_TRANSPORT's transport (None: automatic); `provider`: the caller's
     or FI_PROVIDER's fabric provider. Automatic: GPUs whose ranks all share one host -> ipc; EFA -> fabric
     (efa provider); RC NICs (mlx5, bnxt_re, ionic, irdma) -> verbs; no RDMA NIC -> fabric over tcp.
-    Raises ValueError, naming what was found and what to set, for a choice that cannot work."""
+    Raises ValueError, naming what was found and what to set, for a choice that cannot work; `nics.error` (a
+    bad UCCL_EP_NICS) only where NICs are opened (verbs, fabric): ipc opens none."""
     kind = nics.kind or "none"
     found = f"this rank's NICs: {', '.join(nics.devices) or 'none'} ({kind}; {nics.reason})"
     if requested:
@@ -133,6 +134,8 @@ def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu:
                                    "UCCL_EP_TRANSPORT=fabric if they have no RC queue pairs")
     else:
         transport, why = "fabric", "no RDMA NIC: libfabric over tcp"
+    if nics.error and transport != "ipc":
+        raise ValueError(nics.error)
     if transport not in compiled:
         raise ValueError(f"transport {transport} ({why}) is not compiled in (native module's transports: "
                          f"{', '.join(compiled) or 'none'}; {found}): {_BUILD_HINT[transport]}, or set "
@@ -161,11 +164,12 @@ def choose_transport(nics: NicChoice, compiled: list[str], same_host: bool, gpu:
 
 def _local_choices(gpu: int, requested: Optional[str], provider: Optional[str]) -> dict[bool, Any]:
     """This rank's TransportChoice (or error text) for both answers to "are all ranks on one host?", so
-    that one exchange settles the transport (the answer is known only once every host name is in)."""
+    that one exchange settles the transport (the answer is known only once every host name is in). A bad
+    UCCL_EP_NICS fails only the transports that open NICs (`choose_transport`)."""
     try:
         nics = choose_nics(gpu_bus_id(gpu), local_rank(gpu))
     except ValueError as exc:
-        return {True: str(exc), False: str(exc)}
+        nics = NicChoice((), "", "not chosen (the setting is unusable here)", error=str(exc))
     compiled = compiled_transports()
     out: dict[bool, Any] = {}
     for same_host in (True, False):
@@ -256,6 +260,8 @@ class ProxyGroup:
         job = info[0][0]
         same_host = len({h for _, h, _ in info}) == 1
         choice, self.nics = _agree([c[same_host] for _, _, c in info], rank)
+        if self.nics.error:  # only ipc gets here with one: it opens no NIC
+            log.info("uccl_ep_train: the %s transport opens no NIC; ignored: %s", choice.transport, self.nics.error)
         self.transport, self.transport_reason, self.devices = choice.transport, choice.reason, choice.devices
         if choice.provider:
             options["provider"] = choice.provider
@@ -389,7 +395,8 @@ class ProxyGroup:
 
     # -- teardown ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Joins the threads and releases transports and registrations; idempotent, safe after errors."""
+        """Stops the threads (each first quiesces its endpoint with the peers', bounded by min(timeout_s, 10 s):
+        ranks should close together) and releases transports and registrations; idempotent, safe after errors."""
         if self._closed:
             return
         self._closed = True

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -187,8 +188,10 @@ void ProxyThread::start() {
   thread_ = std::thread([this] { run(); });
 }
 
+void ProxyThread::request_stop() { stop_ = true; }
+
 void ProxyThread::stop() {
-  stop_ = true;
+  request_stop();
   if (thread_.joinable()) thread_.join();
 }
 
@@ -220,6 +223,7 @@ void ProxyThread::run() {
   }
   uint64_t idle = 0;
   uint32_t sleep_us = 1;
+  bool failed = false;
   try {
 #if UCCL_EP_WITH_GPU
     if (p_->cfg_.gpu >= 0) UCCL_CHECK_GPU(gpuSetDevice(p_->cfg_.gpu));  // a failure is this thread's error
@@ -241,18 +245,39 @@ void ProxyThread::run() {
         uccl_cpu_relax();
       }
     }
-    // Drain: finish what was posted so memory can be released safely (bounded by the timeout).
-    auto deadline = Clock::now() + std::chrono::duration<double>(std::min(p_->cfg_.timeout_s, 10.0));
-    while ((inflight_total_ > 0 || fault_.holding()) && Clock::now() < deadline) {
+  } catch (const std::exception& e) {
+    std::ostringstream os;
+    os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
+    p_->set_error(os.str());
+    failed = true;
+  }
+  // A thread stopped by an error stays silent until stop(): its peers see what a crashed thread shows them.
+  while (!stop_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  finish(failed);
+}
+
+void ProxyThread::finish(bool failed) {
+  // Bounded by the timeout, and by 10 s: a peer that is gone must not hold a closing process for long.
+  const auto deadline = Clock::now() + std::chrono::duration<double>(std::min(p_->cfg_.timeout_s, 10.0));
+  // Drain what this thread posted (its bookkeeping; a thread stopped by an error skips it, the transport's own
+  // count below still waits for its operations).
+  try {
+    while (!failed && (inflight_total_ > 0 || fault_.holding()) && Clock::now() < deadline) {
       Completion c[64];
       int n = transport_->poll(c, 64);
       on_completions(c, n);
     }
   } catch (const std::exception& e) {
     std::ostringstream os;
-    os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
+    os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << " while stopping: " << e.what();
     p_->set_error(os.str());
   }
+  // Then the endpoint agrees with its peers' that nothing more is in flight, so Proxy::stop closes idle ones.
+  const double left = std::max(0.0, std::chrono::duration<double>(deadline - Clock::now()).count());
+  const std::string busy = transport_->quiesce(left);
+  if (!busy.empty())
+    std::fprintf(stderr, "uccl_ep_train native: rank %d proxy thread %d closes a busy endpoint: %s\n", p_->cfg_.rank,
+                 index_, busy.c_str());
 }
 
 void ProxyThread::reject(const Command& c, const std::string& why) {
@@ -500,6 +525,12 @@ Proxy::~Proxy() { stop(); }
 uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
 bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 
+std::vector<std::pair<std::string, std::string>> Proxy::opened() const {
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& t : threads_) out.emplace_back(t->transport_->opened_provider(), t->transport_->opened_device());
+  return out;
+}
+
 void Proxy::register_region(int id, uint64_t ptr, uint64_t size, bool device) {
   if (id < 0 || id >= 256) UCCL_THROW("register_region: id " << id << " must be in [0, 256)");
   if (connected_) UCCL_THROW("register_region: regions must be registered before connect()");
@@ -577,6 +608,9 @@ void Proxy::start() {
 }
 
 void Proxy::stop() {
+  // Every thread at once: each endpoint quiesces with its peers' (ProxyThread::finish), and a rank that stopped
+  // its threads one by one would leave its other endpoints unprogressed while the peers wait on them.
+  for (auto& t : threads_) t->request_stop();
   for (auto& t : threads_) t->stop();
   running_ = false;
   for (auto& t : threads_)

@@ -115,7 +115,8 @@ class ProxyThread {
   ProxyThread(Proxy* owner, int index);
   ~ProxyThread();
   void start();
-  void stop();  // joins
+  void request_stop();  // returns at once; stop() joins
+  void stop();
   RingBuffer& ring() { return *ring_; }
   Transport& transport() { return *transport_; }
   ProxyStats stats() const;
@@ -130,6 +131,7 @@ class ProxyThread {
     std::chrono::steady_clock::time_point t;
   };
   void run();
+  void finish(bool failed);            // after stop(): drain, then Transport::quiesce (bounded)
   bool step();                         // one loop iteration; true when it did work
   bool handle(const Command& c, bool* stall, uint64_t pickup_ticks);
   void on_completions(const Completion* c, int n);
@@ -207,6 +209,8 @@ class Proxy {
   // Sequence-number bits the transport carries (24, or 17 in fabric's 4-byte CQ-data layout).
   uint32_t imm_seq_bits() const;
   bool waits_for_default_stream() const;  // Transport::waits_for_default_stream
+  // Per thread: the (provider, device) its endpoint opened (Transport::opened_provider, opened_device).
+  std::vector<std::pair<std::string, std::string>> opened() const;
   const FaultSpec& fault() const { return fault_; }
 
  private:

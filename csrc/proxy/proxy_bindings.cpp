@@ -262,9 +262,17 @@ void register_proxy(py::module_& m) {
              d["imm_seq_bits"] = p.imm_seq_bits();
              d["waits_for_default_stream"] = p.waits_for_default_stream();
              d["devices"] = c.devices;
-             py::list per_thread;  // the NIC each thread opened ("" : the transport's default)
+             py::list per_thread;  // the NIC each thread was given ("" : the transport's default)
              for (int t = 0; t < p.num_threads(); ++t) per_thread.append(c.device_for(t));
              d["thread_devices"] = per_thread;
+             py::list opened;  // what each thread's endpoint opened: {"provider", "device"} ("" : none)
+             for (const auto& o : p.opened()) {
+               py::dict e;
+               e["provider"] = o.first;
+               e["device"] = o.second;
+               opened.append(e);
+             }
+             d["opened"] = opened;
              return d;
            })
       .def("push",

@@ -39,15 +39,19 @@ struct RegionKey {
   uint64_t valid;
 };
 
-// A control message (atomic, marker, zero-length write). 32 bytes.
+// A control message (atomic, marker, zero-length write, or the endpoint's goodbye). 32 bytes.
 struct CtrlMsg {
-  uint32_t kind;  // Completion::Kind
+  uint32_t kind;  // Completion::Kind, or kCtrlBye
   uint32_t imm;
   uint32_t region;
   int32_t src;
   uint64_t offset;
   int64_t value;
 };
+
+// The last message an endpoint sends each peer (FabricTransport::quiesce): everything it posted completed
+// and it posts nothing more. Never reported as a completion.
+constexpr uint32_t kCtrlBye = 0xb7e;
 
 enum CtxType : uint32_t { kCtxWrite = 1, kCtxSend = 2, kCtxRecv = 3 };
 
@@ -187,7 +191,8 @@ FabricProbe probe_fabric(const std::string& provider, const std::string& device,
 
 class FabricTransport final : public Transport {
  public:
-  explicit FabricTransport(const TransportOptions& o) : opts_(o), peers_(o.world), remote_(o.world) {
+  explicit FabricTransport(const TransportOptions& o)
+      : opts_(o), peers_(o.world), connected_(o.world, 0), bye_from_(o.world, 0), remote_(o.world) {
     // The efa provider forks safely only when told before it opens a device (data loaders fork).
     if (o.provider == "efa" || env_str("FI_PROVIDER") == "efa") setenv("FI_EFA_FORK_SAFE", "1", 0);
     // A proxy fed by a GPU moves GPU memory: ask for FI_HMEM now, so a libfabric without it fails here, at
@@ -195,6 +200,8 @@ class FabricTransport final : public Transport {
     hmem_ = o.gpu >= 0;
     info_ = select_info(o.provider, o.device, hmem_);
     fi_info* info = info_.get();
+    provider_name_ = info->fabric_attr->prov_name ? info->fabric_attr->prov_name : "";
+    domain_name_ = info->domain_attr->name ? info->domain_attr->name : "";
     cq_data_bytes_ = cq_data_bytes_for(info, o.world);
     mr_mode_ = info->domain_attr->mr_mode;
     max_msg_ = info->ep_attr->max_msg_size;
@@ -243,6 +250,46 @@ class FabricTransport final : public Transport {
 
   ~FabricTransport() override { close(); }
 
+  // Why: closing an rxm endpoint (libfabric 1.17, tcp;ofi_rxm) while a peer's fi_writedata is half received
+  // makes the tcp provider cancel that write with a null context, which rxm dereferences inside fi_close:
+  // the segfault a rank whose proxy thread died used to meet at teardown. So, before close(): (1) progress
+  // until every operation this endpoint posted completed, (2) send each connected peer a goodbye (after those
+  // operations, on the same connection), (3) progress until every peer's goodbye came and ours left. A
+  // peer's goodbye follows everything it sent here, so nothing is half received when it came. Completions
+  // read meanwhile are dropped: the proxy thread has stopped.
+  std::string quiesce(double timeout_s) override {
+    if (closed_ || !ep_) return "";
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    size_t peers = 0;
+    for (int p = 0; p < opts_.world; ++p) peers += connected_[p] ? 1 : 0;
+    try {
+      Completion sink[64];
+      while (outstanding() > 0) {
+        if (std::chrono::steady_clock::now() > deadline)
+          return "fabric: " + std::to_string(outstanding()) + " operations of this endpoint did not complete "
+                 "within " + std::to_string(timeout_s) + " s of stopping (a peer stopped progressing)";
+        read_cq(sink, 64);
+      }
+      for (int p = 0; p < opts_.world; ++p)
+        if (connected_[p]) send_ctrl(p, kCtrlBye, 0, kNoRegion, 0, 0, 0);
+      while (byes_ < peers || outstanding() > 0) {
+        if (std::chrono::steady_clock::now() > deadline) {
+          std::string missing;
+          for (int p = 0; p < opts_.world; ++p)
+            if (connected_[p] && !bye_from_[p]) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+          return "fabric: no goodbye from rank(s) " + (missing.empty() ? std::string("-") : missing) +
+                 " within " + std::to_string(timeout_s) + " s of stopping (they did not close their proxies " +
+                 "at the same time); their writes may be cut off by this close";
+        }
+        read_cq(sink, 64);
+      }
+      backlog_.clear();
+    } catch (const std::exception& e) {
+      return std::string("fabric: quiescing the endpoint failed: ") + e.what();
+    }
+    return "";
+  }
+
   void close() override {
     if (closed_) return;
     closed_ = true;
@@ -271,6 +318,8 @@ class FabricTransport final : public Transport {
   }
 
   const char* name() const override { return "fabric"; }
+  std::string opened_provider() const override { return provider_name_; }
+  std::string opened_device() const override { return domain_name_; }
 
   std::string address() override {
     char buf[256];
@@ -325,6 +374,7 @@ class FabricTransport final : public Transport {
       int n = fi_av_insert(av_p_, raw.data(), 1, &a, 0, nullptr);
       if (n != 1) UCCL_THROW("fabric: fi_av_insert of peer " << peer << " failed (" << n << ")");
       peers_[peer] = a;
+      connected_[peer] = 1;
     }
     auto& rr = remote_[peer];
     rr.assign(keys.size(), RegionKey{});
@@ -497,11 +547,15 @@ class FabricTransport final : public Transport {
     post_retry([&] { return fi_recv(ep_p_, &ctrl_[slot], sizeof(CtrlMsg), ctrl_desc_, FI_ADDR_UNSPEC, c); }, "fi_recv", -1);
   }
 
-  void send_ctrl(int peer, Completion::Kind kind, uint32_t imm, uint32_t region, uint64_t off, int64_t value, uint64_t wr_id) {
+  // Operations posted and not yet completed: writes (their contexts in use) and control sends (their slots).
+  size_t outstanding() const { return (ctx_pool_.size() - free_ctx_.size()) + (size_t(kSend) - free_send_.size()); }
+
+  // kind: a Completion::Kind the peer reports, or kCtrlBye (never to this rank itself).
+  void send_ctrl(int peer, uint32_t kind, uint32_t imm, uint32_t region, uint64_t off, int64_t value, uint64_t wr_id) {
     if (peer == opts_.rank) {
       backlog_.push_back(local_completion(wr_id));
       Completion a;
-      a.kind = kind;
+      a.kind = Completion::Kind(kind);
       a.peer = peer;
       a.imm = imm;
       a.region = region;
@@ -590,6 +644,12 @@ class FabricTransport final : public Transport {
       if (c->type == kCtxRecv) {
         const CtrlMsg m = ctrl_[c->slot];
         post_recv(c->slot);
+        if (m.kind == kCtrlBye) {  // a peer's goodbye (quiesce): noted, not reported
+          if (m.src < 0 || m.src >= opts_.world) UCCL_THROW("fabric: goodbye from rank " << m.src << " out of range");
+          byes_ += bye_from_[m.src] ? 0 : 1;
+          bye_from_[m.src] = 1;
+          continue;
+        }
         Completion a;
         a.kind = Completion::Kind(m.kind);
         a.peer = m.src;
@@ -663,6 +723,7 @@ class FabricTransport final : public Transport {
 
   TransportOptions opts_;
   InfoPtr info_;
+  std::string provider_name_, domain_name_;  // of info_, kept past close()
   Fid fabric_, domain_, cq_, av_, ep_, ctrl_mr_;
   fid_domain* domain_p_ = nullptr;
   fid_cq* cq_p_ = nullptr;
@@ -687,6 +748,9 @@ class FabricTransport final : public Transport {
   std::vector<LocalRegion> local_;
   std::vector<void*> descs_;
   std::vector<fi_addr_t> peers_;
+  std::vector<char> connected_;  // per rank: connect() inserted its address (this rank itself excluded)
+  std::vector<char> bye_from_;   // per rank: its goodbye arrived (quiesce)
+  size_t byes_ = 0;
   std::vector<std::vector<RegionKey>> remote_;
   std::vector<CtrlMsg> ctrl_;
   void* ctrl_desc_ = nullptr;

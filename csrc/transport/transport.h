@@ -95,6 +95,21 @@ class Transport {
   // kernels that wait for those arrivals must then run on other streams, and the default stream must not
   // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
   virtual bool waits_for_default_stream() const { return false; }
+  // What this endpoint opened, as the transport resolved it (a setting may name a provider by an alias, or
+  // none, leaving the choice to the library): the libfabric provider ("" where there is none: verbs, ipc) and
+  // the NIC (verbs device, libfabric domain; "" for ipc). `doctor --peers` reports these, not the settings.
+  virtual std::string opened_provider() const { return ""; }
+  virtual std::string opened_device() const { return ""; }
+  // Called once the endpoint's proxy thread has stopped, before close(): completes what this endpoint posted
+  // and agrees with every connected peer's endpoint that nothing more is in flight between them, so that
+  // close() releases an idle endpoint (libfabric 1.17's tcp;ofi_rxm dereferences a null context, and crashes,
+  // when an endpoint closes in the middle of a peer's incoming write). Gives up at `timeout_s`. Returns "" when
+  // the endpoint is idle, else what is still outstanding. Transports whose close is safe mid-transfer agree at
+  // once.
+  virtual std::string quiesce(double timeout_s) {
+    (void)timeout_s;
+    return "";
+  }
   // Releases everything (also done by the destructor); idempotent.
   virtual void close() {}
 };

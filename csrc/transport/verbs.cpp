@@ -240,6 +240,7 @@ class VerbsTransport final : public Transport {
   ~VerbsTransport() override { close(); }
 
   const char* name() const override { return "verbs"; }
+  std::string opened_device() const override { return dev_name_; }
 
   std::string address() override {
     std::string out(sizeof(VerbsAddress) + 4 * qps_.size(), '\0');

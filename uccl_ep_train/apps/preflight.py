@@ -34,7 +34,7 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -72,7 +72,7 @@ class Row:
     host: str = "-"
     gpu: str = "cpu"                  # "index name" or "cpu"
     transport: str = "-"
-    nics: list[str] = field(default_factory=list)       # each proxy thread's device ("-": the transport's default)
+    nics: list[str] = field(default_factory=list)       # the NIC each proxy thread's endpoint opened ("-": none, ipc)
     gid: list[str] = field(default_factory=list)        # per NIC (verbs only): "index type address"
     path_mtu: list[str] = field(default_factory=list)   # per NIC (verbs only): the port's active MTU
     registration: str = "-"
@@ -207,14 +207,18 @@ class _Rank:
                 raise _PeerFailed(f"stopped: {exc}") from None
             raise
         g = self.group
-        self.row.transport = g.transport + (f" ({g.config()['provider']})" if g.config().get("provider") else "")
-        self.row.nics = [d or "-" for d in g.config()["thread_devices"]]
+        # What the endpoints opened (fabric: the provider and domain of its fi_info; verbs: the device), not what
+        # FI_PROVIDER or UCCL_EP_NICS asked for: an alias ("tcp"), or nothing at all, leaves that to the library.
+        opened = g.config()["opened"]
+        provider = ", ".join(_distinct(o["provider"] for o in opened if o["provider"]))
+        self.row.transport = g.transport + (f" ({provider})" if provider else "")
+        self.row.nics = [o["device"] or "-" for o in opened]
         if g.transport == "verbs":
             for nic in _distinct(self.row.nics):
                 gid, mtu = verbs_port(nic)
                 self.row.gid.append(gid)
                 self.row.path_mtu.append(mtu)
-        self.row.registration = registration_method(g.transport, self.gpu >= 0, g.config().get("provider", ""))
+        self.row.registration = registration_method(g.transport, self.gpu >= 0, provider)
 
     # -- pattern: one signalled write to every peer, every byte checked ----------------------------
     def _pattern(self) -> None:
@@ -369,7 +373,7 @@ class _Rank:
                 self.group.close()
 
 
-def _distinct(items: Sequence[str]) -> list[str]:
+def _distinct(items: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(items))
 
 
@@ -399,7 +403,8 @@ def verbs_port(device: str) -> tuple[str, str]:
 
 def registration_method(transport: str, gpu: bool, provider: str) -> str:
     """How the transport registered the region, as far as it says: verbs tries peer memory then DMA-BUF for
-    GPU memory (which one took is on stderr, not exposed), fabric registers GPU memory through FI_HMEM."""
+    GPU memory (which one took is on stderr, not exposed), fabric registers GPU memory through FI_HMEM, with
+    `provider` the one its endpoints opened."""
     if transport == "ipc":
         return "ipc: CUDA/HIP IPC handle" if gpu else "ipc: host memory"
     if transport == "fabric":
