@@ -72,8 +72,8 @@ def gpu_ranks(world: int) -> dict:
 
 
 @contextlib.contextmanager
-def env_set(**values: str) -> Iterator[None]:
-    """os.environ with `values` set (an empty value unsets), restored after (Buffers read it when made)."""
+def env_set(**values: "str | None") -> Iterator[None]:
+    """os.environ with `values` set (an empty value or None unsets), restored after (Buffers read it when made)."""
     old = {k: os.environ.get(k) for k in values}
     for k, v in values.items():
         if v:

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist_utils import run_ranks
+from dist_utils import env_set, run_ranks
 from uccl_ep_train import Buffer
 from uccl_ep_train.agreement import _disagreements
 
@@ -30,23 +30,12 @@ def _mismatch(rank: int, world: int, device: str) -> list:
                         ({"low_latency_mode": rank == 1, "num_rdma_bytes": 1 << 20}, {}),
                         ({}, {"UCCL_EP_RDMA_CHUNK_BYTES": str(1 << (20 + rank))}),
                         ({}, {"UCCL_EP_VERBS_NATIVE_ATOMICS": "1" if rank else None})):
-        saved = {k: os.environ.get(k) for k in env}
-        for k, v in env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        try:
-            Buffer(group, **kwargs)
-            messages.append("no error")
-        except ValueError as exc:
-            messages.append(str(exc))
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
+        with env_set(**env):
+            try:
+                Buffer(group, **kwargs)
+                messages.append("no error")
+            except ValueError as exc:
+                messages.append(str(exc))
     buf = Buffer(group, 1 << 20)  # agreeing ranks go on: no rank was left in a collective
     buf.destroy()
     return messages
