@@ -81,8 +81,8 @@ class RecvBudget:
 
     def bootstrap(self, num_tokens: int, device: torch.device) -> None:
         """Derive the mode and, when static, the capacity, on the first dispatch and after
-        `invalidate_ep_bootstrap`. Static: one all-reduce (MAX of the token counts over the EP group, a host
-        sync) so that every rank lays out the same capacity; every rank bootstraps at the same dispatch
+        `invalidate_ep_bootstrap`. Static: one all-reduce (MAX of the token counts and of the grown budgets over
+        the EP group, a host sync) so that every rank lays out the same capacity; every rank bootstraps at the same dispatch
         (the hooks are called on every rank), so the collective matches. Not during CUDA-graph capture."""
         if self.over_budget is None or self.over_budget.device != device:
             self.over_budget = torch.zeros(1, dtype=torch.bool, device=device)
@@ -92,19 +92,21 @@ class RecvBudget:
                 raise ValueError(
                     f"moe_expert_rank_capacity_factor: this rank has {num_tokens} tokens, more than the "
                     f"{self._max_tokens_per_rank} its static receive budget was sized for; call "
-                    "invalidate_ep_bootstrap() on every rank before the step, or leave the factor unset (eager)")
+                    "invalidate_ep_bootstrap() on every rank before the step, or leave the factor unset (eager); "
+                    "only this rank raises here, so its peers wait in the dispatch until UCCL_EP_TIMEOUT_S")
             return
         factor = self.moe_expert_rank_capacity_factor
         if factor is None:
             self._max_tokens_per_rank = num_tokens
             self._recv_capacity = self.capacity = None
         else:
-            most = torch.tensor([num_tokens], dtype=torch.int64, device=device)
+            # the grown budget rides along: a caller that grew ranks by their own needs still lays out one capacity
+            most = torch.tensor([num_tokens, self._recv_capacity_override or 0], dtype=torch.int64, device=device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-            self._max_tokens_per_rank = int(most.item())
+            self._max_tokens_per_rank, override = (int(v) for v in most.tolist())
+            self._recv_capacity_override = override or None
             self.capacity = sizing.budget_capacity(self._max_tokens_per_rank, self.router_topk, factor,
-                                                   self.num_local_experts, self.ep_size,
-                                                   self._recv_capacity_override or 0)
+                                                   self.num_local_experts, self.ep_size, override)
             self._recv_capacity = self.capacity * self.num_local_experts * self.ep_size
         self._bootstrapped = True
 

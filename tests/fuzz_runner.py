@@ -72,7 +72,7 @@ class Ranks:
         return self._shared
 
     def drop_shared(self) -> None:
-        """Destroy the shared Buffer (collective): before an LL case, so that no rank runs two sets of proxies
+        """Destroy the shared Buffer (collective): before an LL or fault-injection case, so that no rank runs two sets of proxies
         and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU come close to its
         clients limit)."""
         if self._shared is not None:
@@ -351,6 +351,7 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
             r.drop_shared()
             return run_ll(c, r)
         if c.fault:
+            r.drop_shared()  # one set of proxies and copy agents per rank, as for LL
             with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()
             try:

@@ -15,7 +15,10 @@ How the calls map: a dispatch is `Buffer.get_dispatch_layout` + `Buffer.dispatch
 receive order within an expert: source rank, then source token, which is V2's order with
 `deterministic=True`); the expanded combine folds each received token's expert rows (`permute.reduce_rows_raw`,
 float32 in slot order) and combines the sums (`Buffer.combine`), V2's `allow_multiple_reduction=True`.
-Every step is device work with sizes known on the host, so without a CPU sync nothing waits for the GPU.
+Every step is device work with sizes known on the host, so without a CPU sync nothing waits for the GPU,
+within one node: across nodes the internode backend still reads the per-node counts on the host (one
+sync per fresh dispatch, `num_worst_tokens` included) to size its transfers, so there `do_cpu_sync=False`
+gives the worst-case shapes but not a sync-free call.
 With a CPU sync and expert_alignment 1 the expanded layout is exactly our expert-major one, so those calls
 go to `Buffer.dispatch_expert_major` / `dispatch_expert_major_cached` / `combine_expert_major`, which the
 native backend fuses with the transfer (the same values: the reference backend composes them as above).

@@ -221,8 +221,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     @property
     def checks_expert_ids_on_device(self) -> bool:
-        """The layout kernel records bad ids once the buffers are open (before that it has nowhere to)."""
-        return self._buf is not None
+        """False: the host checks the ids. The layout kernel also records a bad one once the buffers are open,
+        but that path failed its GPU test (tests/test_errors.py, internode-2x1) and is not relied on yet."""
+        return False
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _notify(self, header: list[int], per_rank, per_node, per_expert, num_experts: int) -> np.ndarray:
