@@ -159,7 +159,7 @@ def default_config(table: dict, num_sms: int, num_ranks: int) -> Config:
 
 def default_nvl_bytes(hidden_bytes: int, num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
     """NVLink bytes for rows of `hidden_bytes` at `num_ranks` ranks: the larger of the default dispatch and
-    combine configs' size hints (what the uccl dispatcher and ElasticBuffer make their Buffers with). Our
+    combine configs' size hints (what the uccl dispatcher makes its Buffers with). Our
     native backends open that much and grow when a call needs more (uccl_ep_train.sizing)."""
     return max(default_config(DEFAULT_DISPATCH, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                default_config(DEFAULT_COMBINE, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))

@@ -149,9 +149,6 @@ def native_problem() -> str:
 _X_DTYPES = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3, torch.float8_e4m3fn: 4, torch.float8_e4m3fnuz: 5}
 
 
-_SHAPE_EXPERT_CAPACITY = 7  # shape_header's last int (the native INTRANODE_SHAPE_FIELDS' "expert_capacity")
-
-
 def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_experts: int, expert_capacity: int = 0,
                  expert_major_ids: bool = False) -> list[int]:
@@ -372,7 +369,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
             # Assumes every rank passes the same num_worst_tokens and, without a capacity layout, the same token
             # count (the kernels check the real counts against the buffer and report instead of overflowing).
             c.max_recv = c.out_rows
-            c.max_send = sizing.worst_send_rows(c.out_rows, R, n, epr, shape[_SHAPE_EXPERT_CAPACITY])
+            capacity = shape[self._native.INTRANODE_SHAPE_FIELDS.index("expert_capacity")]
+            c.max_send = sizing.worst_send_rows(c.out_rows, R, n, epr, capacity)
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(info.numel())
@@ -438,8 +436,9 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         scale_bytes = 0 if x_scales is None else x_scales.size(1) * 4
         with_topk = topk_idx is not None
         num_topk = topk_idx.size(1) if with_topk else 0
-        self._ensure(c.max_recv, x_bytes, scale_bytes, num_topk, True)
-        self._ensure(c.max_send, hidden * 4 if x.dtype == torch.float32 else hidden * 2, 0, num_topk, False)  # combine
+        for need in sizing.intranode_dispatch_needs(c.max_recv, c.max_send, x_bytes, scale_bytes, num_topk,
+                                                    hidden * 4 if x.dtype == torch.float32 else hidden * 2):
+            self._ensure(*need)  # its receive rows, then its combine's rows
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
@@ -523,8 +522,9 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                 em_map = permute.expert_major_map(recv_topk_idx, per_expert)
             x_em = permute.expand_rows_raw(recv_x, em_map, num_rows, padded)
             return x_em, recv_topk_idx, recv_topk_weights, per_expert, em_map, handle
-        self._ensure(c.max_recv, x_bytes, 0, num_topk, True)
-        self._ensure(c.max_send, hidden * x.element_size(), 0, num_topk, False)  # its combine
+        for need in sizing.intranode_dispatch_needs(c.max_recv, c.max_send, x_bytes, 0, num_topk,
+                                                    hidden * x.element_size()):
+            self._ensure(*need)  # its receive rows, then its combine's rows
         dev = x.device
         # at least one row each: an empty tensor has no data pointer, and the kernels tell the expert-major
         # mode by a non-null output. A capacity layout's rows that no token fills stay zeros.
