@@ -69,10 +69,10 @@ def test_the_table_shows_the_provider_and_domain_the_endpoints_opened(loopback, 
         assert r["registration"] == f"host ({probe['provider']})"
 
 
-def _one_bad_provider(rank, world, opts):
-    """Rank 1 asks libfabric for a provider that does not exist: its endpoints cannot open."""
+def _rank_1_with(rank, world, opts, name, value):
+    """The check with `name`=`value` in rank 1's environment only."""
     if rank == 1:
-        os.environ["FI_PROVIDER"] = "no-such-provider"
+        os.environ[name] = value
     return preflight.check_rank(rank, world, opts)
 
 
@@ -80,7 +80,8 @@ def _one_bad_provider(rank, world, opts):
 def test_a_rank_whose_proxies_cannot_start_is_named_and_nobody_hangs(loopback):
     opts = preflight.Options(transport="fabric", mib=4, rounds=2, timeout_s=5)
     start = time.monotonic()
-    rows = spawn(_one_bad_provider, 3, opts, env=LOOPBACK, timeout=120)
+    # rank 1 asks libfabric for a provider that does not exist: its endpoints cannot open
+    rows = spawn(_rank_1_with, 3, opts, "FI_PROVIDER", "no-such-provider", env=LOOPBACK, timeout=120)
     assert time.monotonic() - start < 120
     assert [r["phase"] for r in rows] == ["connect"] * 3
     assert "no-such-provider" in rows[1]["error"] and not rows[1]["error"].startswith("stopped:")
@@ -93,20 +94,14 @@ def test_a_rank_whose_proxies_cannot_start_is_named_and_nobody_hangs(loopback):
     assert "FIRST PROBLEM: rank 1" in text and "no-such-provider" in text.split("FIRST PROBLEM")[1]
 
 
-def _one_dying_proxy(rank, world, opts):
-    """Rank 1's proxy threads fail (fault injection) once past the pattern's commands: in the bulk rounds."""
-    if rank == 1:
-        os.environ["UCCL_EP_FAULT"] = "die_after=3"
-    return preflight.check_rank(rank, world, opts)
-
-
 @needs_fabric
 def test_a_rank_failing_mid_transfer_is_the_first_problem_and_its_peers_stop_at_their_deadline(loopback):
     opts = preflight.Options(transport="fabric", mib=4, rounds=2, timeout_s=3)
     start = time.monotonic()
     # rank 1 closes endpoints whose peers' writes its dead threads left half received: they quiesce first
     # (libfabric 1.17's rxm used to crash in fi_close there; tests/test_fabric.py repeats that teardown)
-    rows = spawn(_one_dying_proxy, 3, opts, env=LOOPBACK, timeout=120)
+    # rank 1's proxy threads fail (fault injection) once past the pattern's commands: in the bulk rounds
+    rows = spawn(_rank_1_with, 3, opts, "UCCL_EP_FAULT", "die_after=3", env=LOOPBACK, timeout=120)
     assert time.monotonic() - start < 90
     assert [r["bytes_verified"] for r in rows] == [2 * preflight.CHUNK] * 3   # the pattern passed everywhere
     assert rows[1]["phase"] == "bulk" and rows[1]["cause"] == "own" and "die_after" in rows[1]["error"]
