@@ -11,11 +11,7 @@
 # module built for this GPU (`python setup.py build_ext --inplace`, or scripts/gpu_check.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-}
-if [ -z "$py" ]; then
-  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
-fi
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast: it can take a shared host's GPUs down
+. scripts/gpu_env.sh  # $py and the NVLink multicast ban
 export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_NVML_BASED_CUDA_CHECK=1  # the parent asks NVML for GPUs: it stays off the CUDA driver (MPS)
 if ! bash scripts/mps.sh status 2>/dev/null | grep -q "running"; then

@@ -9,11 +9,7 @@
 # build/gpu_check_build.log; the native module is built with the C/C++ compilers in CC / CXX.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-py=${PYTHON:-}
-if [ -z "$py" ]; then
-  if [ -x .venv/bin/python ]; then py=.venv/bin/python; else py=python3; fi
-fi
-export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1  # never NVLink multicast: it can take a shared host's GPUs down
+. scripts/gpu_env.sh  # $py and the NVLink multicast ban
 mkdir -p build
 echo "gpu_check: building the native module (log: build/gpu_check_build.log)"
 if ! "$py" setup.py build_ext --inplace > build/gpu_check_build.log 2>&1; then
