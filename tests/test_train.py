@@ -289,3 +289,34 @@ def test_compare_run_plots_both_curves_and_records_provenance(tmp_path):
     log = json.loads((tmp_path / "runs" / "train" / "uccl.json").read_text())
     assert log["command"] == "uccl-ep-train train " + " ".join(base[4:] + ["--compare", ref_log, "--plot", "both.png"])
     assert log["collectives"] == "gloo" and log["ranks_per_gpu"] == 0 and log["date"].endswith(" UTC")
+
+
+def test_the_learning_rate_defaults_to_the_recipes(tmp_path):
+    """--lr unset: the recipe's lr (deepseek-v3-small's 1e-3; at 3e-3 its training is chaotic, see
+    docs/megatron.md); a recipe without one is refused, naming the flag."""
+    from uccl_ep_train.apps.recipes import load_recipe
+    from uccl_ep_train.apps.train import build_parser, recipe_lr
+
+    assert build_parser().parse_args([]).lr is None
+    assert recipe_lr("deepseek-v3-small") == load_recipe("deepseek-v3-small").args["lr"] == 1e-3
+    no_lr = tmp_path / "no_lr.json"
+    no_lr.write_text(json.dumps({"name": "no-lr", "args": {"num_layers": 2, "hidden_size": 64,
+                                                          "num_attention_heads": 2, "seq_length": 64,
+                                                          "micro_batch_size": 1, "global_batch_size": 4}}))
+    with pytest.raises(SystemExit, match="has no lr; pass --lr"):
+        recipe_lr(str(no_lr))
+
+
+def test_deterministic_turns_on_torchs_deterministic_algorithms(monkeypatch):
+    import torch
+
+    from uccl_ep_train.apps.train import use_deterministic_algorithms
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+    try:
+        use_deterministic_algorithms()
+        assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])

@@ -46,6 +46,13 @@ def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def _always(event: Optional[EventOverlap]) -> EventOverlap:
+    """V2 returns an event from every call and its users wait on it unconditionally; our Buffer returns one
+    without a CUDA event when the call was not async (its work is then already ordered before the current
+    stream's next work), so an event recorded here, on the current stream, marks the same point."""
+    return event if event is not None and event.event is not None else EventOverlap(EventHandle())
+
+
 @dataclasses.dataclass
 class EPHandle:
     """The layout of one `ElasticBuffer.dispatch`, for its combine and for cached dispatches (V2's EPHandle
@@ -255,11 +262,12 @@ class ElasticBuffer:
                     x, handle.inner, handle.expand_map, handle.num_expanded_tokens, config=config,
                     previous_event=previous_event, async_finish=async_with_compute_stream,
                     allocate_on_comm_stream=allocate_on_comm_stream)
-                return x_exp, None, None, handle, event
+                return x_exp, None, None, handle, _always(event)
             recv_x, _, _, _, _, event = buf.dispatch(x, handle=handle.inner, config=config,
                                                      previous_event=previous_event,
                                                      async_finish=async_with_compute_stream,
                                                      allocate_on_comm_stream=allocate_on_comm_stream)
+            event = _always(event)
             if not handle.do_expand:
                 return recv_x, handle.recv_topk_idx, None, handle, event
             event.current_stream_wait()
@@ -294,6 +302,7 @@ class ElasticBuffer:
                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                 expert_alignment=1 if do_expand else align, num_worst_tokens=0 if sync else T * R, config=config,
                 async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+        event = _always(event)
         if do_expand or cumulative_local_expert_recv_stats is not None:
             event.current_stream_wait()
         L = num_experts // R
@@ -380,9 +389,10 @@ class ElasticBuffer:
             if topk_weights is not None:  # each (received token, slot) takes its row's weight back
                 topk_weights = torch.where(em >= 0, topk_weights[em.clamp(min=0).long()], 0).to(torch.float32)
             if handle.fused and bias is None:  # the fold inside the combine (native: in its kernel, where faster)
-                return self.buffer.combine_expert_major(
+                combined, combined_w, event = self.buffer.combine_expert_major(
                     x, handle.inner, em, topk_weights=topk_weights, config=config, previous_event=previous_event,
                     async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+                return combined, combined_w, _always(event)
             if previous_event is not None:
                 previous_event.current_stream_wait()
                 previous_event = None
@@ -390,4 +400,4 @@ class ElasticBuffer:
         combined, combined_w, event = self.buffer.combine(
             x, handle.inner, topk_weights=topk_weights, bias=bias, config=config, previous_event=previous_event,
             async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
-        return combined, combined_w, event
+        return combined, combined_w, _always(event)

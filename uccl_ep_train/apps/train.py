@@ -62,8 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.apps.recipes)")
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's lr)")
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--deterministic", action="store_true",
+                   help="torch's deterministic algorithms in every rank (Megatron's unpermute then sums with "
+                        "index_add instead of atomics): two runs of the same seeds and dispatcher are bit-equal, "
+                        "so a comparison's differences are the dispatchers' own")
     p.add_argument("--num-sms", type=int, default=None,
                    help="SMs of each uccl dispatch / combine (even; Megatron's --uccl-ep-num-sms; default: the "
                         "dispatcher's, capped at each rank's share when ranks share a GPU)")
@@ -81,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--verbose", action="store_true",
                    help="every rank's warnings and the libraries' info logs (default: rank 0's, filtered)")
     return p
+
+
+def recipe_lr(recipe: str) -> float:
+    """The recipe's peak learning rate, the run's default: at a higher rate the V3-shaped recipe's training
+    turns chaotic (two alltoall runs of the same seeds drift apart by several percent), and a comparison
+    between dispatchers then measures the chaos, not the dispatchers."""
+    from .recipes import load_recipe
+
+    lr = load_recipe(recipe).args.get("lr")
+    if lr is None:
+        raise SystemExit(f"--recipe {recipe}: the recipe has no lr; pass --lr")
+    return float(lr)
 
 
 def log_path(args: argparse.Namespace) -> str:
@@ -266,6 +282,8 @@ def train_rank(rank: int, world: int, args, device: torch.device) -> list[dict[s
 
     from .data import ByteBatches, corpus_text
 
+    if args.lr is None:  # resolved here, in the rank: the log (rank 0) records the rate used
+        args.lr = recipe_lr(args.recipe)
     model, config = build_model(args, world, device)
     probe = DispatcherProbe(model, device.type == "cuda")
     batches = ByteBatches(corpus_text(seed=0), args.seq_length, args.micro_batch_size, seed=args.seed + rank)
@@ -363,12 +381,22 @@ def use_ranks_per_node(ranks_per_node: Optional[int]) -> None:
         os.environ["UCCL_EP_RANKS_PER_NODE"] = str(ranks_per_node)
 
 
+def use_deterministic_algorithms() -> None:
+    """In a rank, before CUDA starts: torch's deterministic kernels (cuBLAS needs its workspace fixed for
+    that, hence the variable). warn_only: an op without a deterministic kernel warns instead of stopping
+    the run; such an op remains a source of run-to-run differences, and its warning names it."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def _rank_main(rank: int, world: int, args) -> None:
     quiet_libraries(rank, args.verbose)
     use_ranks_per_node(getattr(args, "ranks_per_node", None))
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    if getattr(args, "deterministic", False):
+        use_deterministic_algorithms()
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     # device_count asks NVML: CUDA is not started yet, so a launcher's ranks still take shared_gpu_env
     per_gpu = ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", world)), torch.cuda.device_count())
@@ -407,7 +435,8 @@ def _write_log(args, world: int, device: torch.device, history: list[dict]) -> N
                    "ranks_per_node": getattr(args, "ranks_per_node", None), "device": name,
                    "ranks_per_gpu": ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", world)),
                                                   torch.cuda.device_count()) if device.type == "cuda" else 0,
-                   "collectives": dist.get_backend(), **getattr(args, "provenance", {}),
+                   "collectives": dist.get_backend(), "deterministic": bool(getattr(args, "deterministic", False)),
+                   "lr": args.lr, "seed": args.seed, **getattr(args, "provenance", {}),
                    "seq_length": args.seq_length, "micro_batch_size": args.micro_batch_size,
                    "steps": history}, f, indent=1)
 
