@@ -10,9 +10,10 @@
 #
 # CHECKOUT: a Megatron-LM checkout (pretrain_gpt.py at its root). DISPATCHERS: comma-separated, from
 # alltoall,uccl,flex (default all three; alltoall first: it is the reference). Settings (environment):
-# PYTHON (interpreter, as scripts/gpu_env.sh picks it), RUN_TIMEOUT_S (per dispatcher, default 420),
-# MLM_WHEELS (a folder of wheels Megatron-LM needs beyond torch, installed with --no-deps into
-# LOGDIR/site; default build/wheels-mlm when present). Exit status: 0 only if every run trained and matched.
+# PYTHON (interpreter, as scripts/gpu_env.sh picks it), RUN_TIMEOUT_S (per dispatcher, default 180:
+# the three runs fit a 10-minute slot),
+# MLM_WHEELS (a folder, relative to the repository, of pure-python wheels Megatron-LM needs beyond torch,
+# put on PYTHONPATH as they are; default build/wheels-mlm). Exit status: 0 only if every run trained and matched.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
@@ -25,15 +26,14 @@ case ",$dispatchers," in *,alltoall,*) ;; *) echo "DISPATCHERS: alltoall must be
 for d in ${dispatchers//,/ }; do
   case "$d" in alltoall|uccl|flex) ;; *) echo "DISPATCHERS: unknown '$d' (alltoall, uccl, flex)" >&2; exit 2 ;; esac
 done
-timeout_s=${RUN_TIMEOUT_S:-420}
+timeout_s=${RUN_TIMEOUT_S:-180}
 [ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || echo "warning: CUDA_MPS_PIPE_DIRECTORY unset: start MPS first (eval \"\$(bash scripts/mps.sh start | grep '^export')\")" >&2
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 wheels=${MLM_WHEELS:-build/wheels-mlm}
-if compgen -G "$wheels/*.whl" >/dev/null; then
-  "$py" -m pip install -q --no-index --no-deps --no-compile --target "$logdir/site" "$wheels"/*.whl || exit 1
-  export PYTHONPATH="$PYTHONPATH:$logdir/site"  # after ours and the venv's: only what is missing comes from here
-fi
+for whl in "$wheels"/*.whl; do  # pure-python wheels import from the zip itself: no pip, nothing installed
+  [ -f "$whl" ] && export PYTHONPATH="$PYTHONPATH:$(realpath "$whl")"  # after ours and the venv's: only what is missing
+done
 
 # Megatron-LM's rank 0 builds its dataset helpers (megatron/core/datasets/Makefile) with `python3 -m
 # pybind11` and `python3-config`, which in a venv may be another Python or missing: build them here with
