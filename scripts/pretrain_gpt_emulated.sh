@@ -38,6 +38,8 @@ done
 # Megatron-LM's rank 0 builds its dataset helpers (megatron/core/datasets/Makefile) with `python3 -m
 # pybind11` and `python3-config`, which in a venv may be another Python or missing: build them here with
 # this interpreter, and pass the same suffix to rank 0's make (MAKEFLAGS) so it finds them up to date.
+command -v make >/dev/null && command -v "${CXX:-g++}" >/dev/null \
+  || { echo "needs make and ${CXX:-g++}: Megatron-LM's rank 0 runs make on its dataset helpers at every start" >&2; exit 1; }
 ext=$("$py" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 make -s -C "$checkout/megatron/core/datasets" LIBEXT="$ext" CPPFLAGS="$("$py" -m pybind11 --includes)" \
   || { echo "could not build $checkout/megatron/core/datasets/helpers_cpp$ext (needs g++ and pybind11)" >&2; exit 1; }
