@@ -13,7 +13,8 @@ Ranks sharing a GPU (torchrun's LOCAL_WORLD_SIZE beyond the host's GPUs: emulate
 MPS): `share_gpus` points LOCAL_RANK at the rank's GPU before Megatron-LM reads it (its
 `_initialize_distributed` calls `torch.cuda.set_device(LOCAL_RANK)`) and sets what the ranks need
 (gpu_sharing.shared_gpu_env); Megatron-LM's groups must then be gloo (`--distributed-backend gloo`), since
-NCCL refuses two ranks on one GPU.
+NCCL refuses two ranks on one GPU. On gloo, Megatron's coalesced gradient all-reduce is split into single
+calls (megatron_patch.gloo_grad_sync: gloo has no coalesced all-reduce for CUDA tensors).
 """
 from __future__ import annotations
 
@@ -39,6 +40,13 @@ def find_checkout(explicit: Optional[str]) -> str:
                      f"MEGATRON_LM_PATH=PATH")
 
 
+def distributed_backend(megatron_argv: list[str]) -> str:
+    """Megatron-LM's `--distributed-backend` in its command line (its default: nccl)."""
+    flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    flag.add_argument("--distributed-backend", default="nccl")
+    return flag.parse_known_args(megatron_argv)[0].distributed_backend
+
+
 def share_gpus(megatron_argv: list[str]) -> int:
     """Before Megatron-LM starts in this rank: when the host's ranks (LOCAL_WORLD_SIZE) outnumber its GPUs,
     LOCAL_RANK becomes this rank's GPU (consecutive ranks share one) and shared_gpu_env is set; returns the
@@ -48,9 +56,7 @@ def share_gpus(megatron_argv: list[str]) -> int:
     per_gpu = ranks_per_gpu_on_host(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), torch.cuda.device_count())
     if per_gpu <= 1:
         return per_gpu
-    flag = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
-    flag.add_argument("--distributed-backend", default="nccl")
-    backend = flag.parse_known_args(megatron_argv)[0].distributed_backend
+    backend = distributed_backend(megatron_argv)
     if backend != "gloo":
         raise SystemExit(f"pretrain-gpt: {os.environ['LOCAL_WORLD_SIZE']} ranks share {torch.cuda.device_count()} "
                          f"GPU(s) ({per_gpu} per GPU) and NCCL refuses two ranks on one GPU: pass "
@@ -72,6 +78,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sys.path.insert(0, checkout)  # before megatron is imported: the checkout's megatron package wins
     import megatron_patch
     megatron_patch.apply()
+    if distributed_backend(rest) == "gloo":
+        from megatron_patch import gloo_grad_sync
+        gloo_grad_sync.apply()
     script = os.path.join(checkout, "pretrain_gpt.py")
     sys.argv = [script] + rest
     runpy.run_path(script, run_name="__main__")

@@ -71,3 +71,15 @@ def test_ranks_sharing_a_gpu_get_its_index_as_local_rank_and_need_gloo(monkeypat
     monkeypatch.setenv("LOCAL_RANK", "2")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     assert share_gpus(["--distributed-backend=gloo"]) == 2 and os.environ["LOCAL_RANK"] == "1"
+
+
+def test_launcher_on_gloo_splits_megatron_coalesced_grad_sync(tmp_path):
+    checkout = tmp_path / "Megatron-LM"
+    checkout.mkdir()
+    (checkout / "pretrain_gpt.py").write_text(
+        "from megatron.core.distributed import param_and_grad_buffer as b\n"
+        "print('coalescing from', b._coalescing_manager.__module__)\n")
+    for backend, module in (("gloo", "megatron_patch.gloo_grad_sync"), ("nccl", "torch.distributed")):
+        r = _run(["--distributed-backend", backend], cwd=tmp_path, megatron_lm=str(checkout))
+        assert r.returncode == 0, r.stderr[-3000:]
+        assert f"coalescing from {module}" in r.stdout, (backend, r.stdout)
