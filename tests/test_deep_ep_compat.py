@@ -11,6 +11,8 @@ import torch
 
 from uccl_ep_train.compat import deep_ep_path
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: uccl_ep_train importable
+
 PROBE = textwrap.dedent('''
     import deep_ep, deep_ep.utils, deep_ep.buffer
     from deep_ep import Buffer, Config, EventOverlap
@@ -63,6 +65,17 @@ def test_install_refuses_to_shadow_an_imported_deep_ep(monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_ep", fake)
     with pytest.raises(RuntimeError, match="another deep_ep is already imported"):
         install_deep_ep(patch_megatron=False)
+
+
+def test_install_accepts_ours_imported_through_the_path():
+    """`import deep_ep` through deep_ep_path() on PYTHONPATH (how Megatron's flex dispatcher finds us), then
+    install_deep_ep() (our flex backend calls it): the same file, not another DeepEP (it refused this on a GPU
+    run of Megatron-LM main's pretrain_gpt.py)."""
+    code = ("import deep_ep, sys; from uccl_ep_train.compat import install_deep_ep; "
+            "install_deep_ep(patch_megatron=False); print(sys.modules['deep_ep'].Buffer is deep_ep.Buffer)")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([deep_ep_path(), ROOT]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 0 and r.stdout.strip() == "True", r.stderr[-2000:]
 
 
 def test_one_channel_handle_derives_deepeps_channel_matrices():

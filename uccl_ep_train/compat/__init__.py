@@ -36,7 +36,10 @@ def install_deep_ep(patch_megatron: bool = True) -> None:
     from .deep_ep import buffer as ours_buffer
     from .deep_ep import utils as ours_utils
     current = sys.modules.get("deep_ep")
-    if current is not None and current is not ours and not getattr(current, SHIM_MARK, False):
+    # ours already, loaded another way: through deep_ep_path() on PYTHONPATH (the same file under the name
+    # `deep_ep`, a second module object: Megatron's flex imports it so), or install-deep-ep's shim
+    if current is not None and current is not ours and not getattr(current, SHIM_MARK, False) \
+            and not serves_deep_ep(getattr(current, "__file__", None)):
         raise RuntimeError(f"install_deep_ep: another deep_ep is already imported ({current.__file__}); "
                            "call install_deep_ep() before anything imports DeepEP")
     sys.modules.update({"deep_ep": ours, "deep_ep.utils": ours_utils, "deep_ep.buffer": ours_buffer})
