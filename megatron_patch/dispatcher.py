@@ -72,8 +72,11 @@ def get_buffer(group: torch.distributed.ProcessGroup, hidden_bytes: int) -> Buff
         _buffers[key] = buf
         sms = buf.occupied_sms(expert_major=True)  # its dispatch / combine are the expert-major calls
         if buf.rank == 0 and sms is not None:
-            log.info("uccl dispatcher: %d EP ranks on the %s backend; each dispatch / combine occupies %d "
-                     "communication SMs and up to %d side blocks (%d SMs)", num_ranks, buf.backend_name,
+            topo = buf.topology
+            path = (f"internode, {topo.num_nodes} nodes x {topo.ranks_per_node} ranks" if topo.internode else
+                    "intranode")
+            log.info("uccl dispatcher: %d EP ranks on the %s backend (%s); each dispatch / combine occupies %d "
+                     "communication SMs and up to %d side blocks (%d SMs)", num_ranks, buf.backend_name, path,
                      sms["communication"], sms["side"], sms["total"])
     _fits.add(fit)  # (a replacement Buffer is larger: what fitted before still fits)
     return buf
