@@ -157,12 +157,15 @@ def default_config(table: dict, num_sms: int, num_ranks: int) -> Config:
     return Config(num_sms, *table[keys[-1]])
 
 
-def default_nvl_bytes(hidden_bytes: int, num_ranks: int, num_sms: int = DEFAULT_NUM_SMS) -> int:
-    """NVLink bytes for rows of `hidden_bytes` at `num_ranks` ranks: the larger of the default dispatch and
-    combine configs' size hints (what the uccl dispatcher makes its Buffers with). Our
-    native backends open that much and grow when a call needs more (uccl_ep_train.sizing)."""
+def default_nvl_bytes(hidden_bytes: int, num_ranks: int, num_sms: int = DEFAULT_NUM_SMS,
+                      combine_bytes: Optional[int] = None) -> int:
+    """NVLink bytes for dispatched rows of `hidden_bytes` (and combined rows of `combine_bytes`, default the
+    same) at `num_ranks` ranks: the larger of the default dispatch and combine configs' size hints (what the
+    uccl dispatcher and ElasticBuffer make their Buffers with). Our native backends open that much and grow
+    when a call needs more (uccl_ep_train.sizing)."""
+    combine = hidden_bytes if combine_bytes is None else combine_bytes
     return max(default_config(DEFAULT_DISPATCH, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               default_config(DEFAULT_COMBINE, num_sms, num_ranks).get_nvl_buffer_size_hint(hidden_bytes, num_ranks))
+               default_config(DEFAULT_COMBINE, num_sms, num_ranks).get_nvl_buffer_size_hint(combine, num_ranks))
 
 
 def env_number(name: str, default, cast=float):

@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import permute
 from .buffer import Buffer
-from .config import Config
+from .config import Config, default_nvl_bytes
 from .events import EventHandle, EventOverlap
 from .handles import HTHandle, rows_per_source
 
@@ -154,8 +154,7 @@ class ElasticBuffer:
             raise ValueError(f"get_buffer_size_hint: hidden must be a positive int, got {hidden!r}")
         num_ranks = group.size()
         dispatch_bytes = hidden + hidden // 128 * 4 if use_fp8_dispatch else hidden * 2
-        return max(Buffer.get_dispatch_config(num_ranks).get_nvl_buffer_size_hint(dispatch_bytes, num_ranks),
-                   Buffer.get_combine_config(num_ranks).get_nvl_buffer_size_hint(hidden * 2, num_ranks))
+        return default_nvl_bytes(dispatch_bytes, num_ranks, Buffer.num_sms, combine_bytes=hidden * 2)
 
     def destroy(self) -> None:
         """Release the Buffer (collective); requires explicitly_destroy=True at construction, as V2's."""
