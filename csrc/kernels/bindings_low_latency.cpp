@@ -35,6 +35,9 @@ void register_low_latency(py::module_& m) {
       .def("destroy", &LowLatencyBuffer::destroy)
       .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
       .def("error", &LowLatencyBuffer::error)
+      .def("abort", &LowLatencyBuffer::abort, py::arg("op"), py::call_guard<py::gil_scoped_release>(),
+           "tell every rank of the node that this rank raised inside call `op` (their waits end, they raise)")
+      .def("abort_source", &LowLatencyBuffer::abort_source)
       .def("ptr", &LowLatencyBuffer::ptr)
       .def("bytes", &LowLatencyBuffer::bytes)
       .def("flag_ptr", &LowLatencyBuffer::flag_ptr)

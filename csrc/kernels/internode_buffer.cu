@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "kernels/abort.h"
 #include "kernels/host_args.h"
 #include "kernels/internode_launch.cuh"
 #include "kernels/ipc_handles.h"
@@ -163,6 +164,16 @@ std::string InternodeBuffer::error() const {
   if (r->code <= 0) return "";
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
+
+void InternodeBuffer::abort(const std::string& op) {
+  UCCL_CHECK(nvl_ != nullptr, "abort: the internode buffer was destroyed");
+  UCCL_CHECK(opened_, "abort: the node peers' NVL buffers are not opened yet");
+  std::vector<int*> claims;
+  for (int j = 0; j < ranks_per_node_; ++j) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  publish_abort("internode buffer", device_, claims, rank_, local_, op);
+}
+
+std::pair<int, std::string> InternodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
 
 void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
                                       int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/portability.h"
@@ -66,6 +67,11 @@ class LowLatencyBuffer {
   void destroy();
   void clean();  // zero every signal, counter and area (the caller makes it collective)
   std::string error() const;
+  // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and
+  // raises this rank's aborted record; ranks on other nodes learn nothing from it (they time out).
+  // abort_source: (rank, op) of an aborted record held here, else (-1, "").
+  void abort(const std::string& op);
+  std::pair<int, std::string> abort_source() const;
 
   int64_t ptr() const { return reinterpret_cast<int64_t>(buf_); }
   int64_t bytes() const { return bytes_; }

@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "kernels/abort.h"
 #include "kernels/host_args.h"
 #include "kernels/ipc_handles.h"
 #include "kernels/low_latency_launch.cuh"
@@ -140,6 +141,16 @@ std::string LowLatencyBuffer::error() const {
   const int per_node = ranks_per_node_ < num_ranks_ ? ranks_per_node_ : 0;
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, per_node, timeout_s_});
 }
+
+void LowLatencyBuffer::abort(const std::string& op) {
+  UCCL_CHECK(buf_ != nullptr, "abort: the low-latency buffer was destroyed");
+  std::vector<int*> claims;  // the node peers mapped here (none when NVLink is not used for LL: own only)
+  for (int j = 0; j < ranks_per_node_; ++j)
+    if (peers_[j] != nullptr) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  publish_abort("low-latency buffer", device_, claims, rank_, rank_ % ranks_per_node_, op);
+}
+
+std::pair<int, std::string> LowLatencyBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
 
 void LowLatencyBuffer::check_ready(const char* what) const {
   UCCL_CHECK(buf_ != nullptr, what << ": the low-latency buffer was destroyed");
