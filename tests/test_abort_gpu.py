@@ -1,0 +1,127 @@
+"""A rank that raises on the host inside a collective call, after its peers started it, aborts the call on every
+rank of its node within a second (issue #42), with UCCL_EP_TIMEOUT_S=300: without the abort the peers' kernels
+spin for 300 s (the test's spawn timeout fails it first). On ONE GPU: ranks share it under MPS (gloo group,
+CUDA tensors).
+
+The refusal is rank 1's backend call raising on the host (its `combine` / `low_latency_combine` replaced by one
+that raises, standing for a native refusal or a failed allocation) while rank 0 calls the same combine normally:
+rank 0's kernel waits for rank 1's rows; the abort record ends it; rank 0 raises "rank 1 aborted 'combine':
+<rank 1's message>". Both Buffers then refuse further calls, saying they must be recreated.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from dist_utils import run_ranks
+
+pytestmark = [pytest.mark.gpu]
+
+HIDDEN, EXPERTS, TOPK, TOKENS = 256, 8, 2, 64
+REFUSAL = "combine refused on the host for this test (stands for a native refusal)"
+TIMEOUT = {"UCCL_EP_TIMEOUT_S": "300"}
+
+
+def _routing(rank: int, dev: torch.device):
+    g = torch.Generator().manual_seed(11 + rank)
+    x = torch.randn(TOKENS, HIDDEN, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(TOKENS)])
+    w = torch.rand(TOKENS, TOPK, generator=g)
+    return x.to(dev), idx.to(dev), w.to(dev)
+
+
+def _refuse(*args, **kwargs):
+    raise RuntimeError(REFUSAL)
+
+
+def _after(buf, call) -> tuple[str, float]:
+    """Runs `call` (a combine), waits for the GPU and the Buffer's error check: (what raised, seconds)."""
+    start = time.monotonic()
+    try:
+        call()
+        torch.cuda.synchronize()
+        buf.check_errors()
+    except RuntimeError as exc:
+        return str(exc), time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+def _next_call_refused(buf, call) -> str:
+    try:
+        call()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _ht_abort(rank: int, world: int, device: str) -> tuple:
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.new_group(list(range(world))), int(64e6), 0)
+    assert buf.backend_name == "native", buf.backend_name
+    x, idx, w = _routing(rank, dev)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                   topk_idx=idx, topk_weights=w)
+    torch.cuda.synchronize()
+    buf.check_errors()
+    if rank == 1:
+        buf.backend.combine = _refuse
+    dist.barrier()  # both start the combine together: rank 0's kernel waits for rank 1's rows
+    msg, took = _after(buf, lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+    later = _next_call_refused(buf, lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
+    return msg, took, later
+
+
+def _ll_abort(rank: int, world: int, device: str) -> tuple:
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.new_group(list(range(world))), 0,
+                 Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS), low_latency_mode=True)
+    assert type(buf.low_latency_backend).__name__ == "NativeLowLatencyBackend"
+    x, idx, w = _routing(rank, dev)
+    recv, _, handle, _, _ = buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)
+    torch.cuda.synchronize()
+    buf.check_errors()
+    if rank == 1:
+        buf.low_latency_backend.low_latency_combine = _refuse
+    dist.barrier()
+    msg, took = _after(buf, lambda: buf.low_latency_combine(recv, idx, w, handle))
+    later = _next_call_refused(buf, lambda: buf.low_latency_combine(recv, idx, w, handle))
+    return msg, took, later
+
+
+def _check(results, op: str) -> None:
+    (msg0, took0, later0), (msg1, _, later1) = results
+    assert msg1 == REFUSAL, msg1  # the refusing rank raises its own error, unchanged
+    assert f"rank 1 aborted '{op}': RuntimeError: {REFUSAL}" in msg0, msg0
+    assert took0 < 1.0, f"rank 0 raised {took0:.2f} s after its call"
+    for later in (later0, later1):
+        assert "unusable after an abort" in later and "make a new Buffer on every rank" in later, later
+
+
+def test_intranode_refusal_aborts_the_peers_within_a_second(mps):
+    from uccl_ep_train.backends.native import native_available
+
+    if not native_available():
+        pytest.skip("native module without the intranode kernels")
+    _check(run_ranks(_ht_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=TIMEOUT,
+                     hard_exit=True), "combine")
+
+
+def test_low_latency_refusal_aborts_the_peers_within_a_second(mps):
+    from uccl_ep_train.backends.low_latency import low_latency_available
+
+    if not low_latency_available():
+        pytest.skip("native module without the low-latency kernels")
+    _check(run_ranks(_ll_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=TIMEOUT,
+                     hard_exit=True), "low_latency_combine")
