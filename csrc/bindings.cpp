@@ -40,6 +40,7 @@ PYBIND11_MODULE(_native, m) {
   codes["ring_full"] = int(uccl_ep::kErrRingFull);
   codes["expert_full"] = int(uccl_ep::kErrExpertFull);
   codes["aborted"] = int(uccl_ep::kErrAborted);
+  codes["proxy_failed"] = int(uccl_ep::kErrProxyFailed);
   phases["intranode_notify"] = int(uccl_ep::intranode::kPhaseNotify);
   phases["intranode_dispatch"] = int(uccl_ep::intranode::kPhaseDispatch);
   phases["intranode_combine"] = int(uccl_ep::intranode::kPhaseCombine);

@@ -4,6 +4,7 @@ abort sent or received (CPU ranks: the reference backend, whose abort/aborted_by
 native backend reports, since its own collectives cannot abort)."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -113,3 +114,49 @@ def test_a_buffer_refuses_calls_after_an_abort_sent_or_received():
     for later in (later0, later1):
         assert later.startswith("combine: this Buffer is unusable after an abort (") and \
             "make a new Buffer on every rank" in later, later
+
+
+# ---- a proxy thread's failure record (issue #44): what the kernels' waits poll -----------------------------
+
+def _failure_record_worker(rank: int, world: int) -> tuple:
+    """Rank 1's proxy thread dies after its second command (die_after=2) while writing to rank 0; returns the
+    record's code and fields as the kernels would read them, before and after, and the thread's error text."""
+    import ctypes
+    import time
+
+    import numpy as np
+
+    from uccl_ep_train import proxy as P
+
+    os.environ.update(FI_PROVIDER="tcp", FI_TCP_IFACE="lo")
+    dist.init_process_group("gloo")
+    g = P.ProxyGroup(rank, world, {0: np.zeros(1 << 16, np.uint8)}, transport="fabric", num_threads=2,
+                     pin_threads=False, timeout_s=5, fault="die_after=2" if rank == 1 else "")
+    before = g.failure_code()
+    if rank == 1:
+        g.push(1, P.make_commands([(P.OP_WRITE, 0, 1, 0, 4096, 0, 4096) for _ in range(4)]))
+    error, deadline = "", time.monotonic() + 10
+    while rank == 1 and not error and time.monotonic() < deadline:
+        try:
+            g.check()
+        except RuntimeError as exc:
+            error = str(exc)
+        time.sleep(0.001)
+    fields = list((ctypes.c_int * 8).from_address(g.failure_record(device=False)))
+    dist.barrier()
+    g.close()
+    return before, fields, error
+
+
+def test_a_dying_proxy_thread_fills_the_failure_record_the_kernels_poll():
+    from uccl_ep_train.apps.launch import spawn
+
+    n = _native()
+    res = spawn(_failure_record_worker, 2, timeout=120)
+    (before0, fields0, _), (before1, fields1, error1) = res
+    assert before0 == before1 == 0
+    assert fields0 == [0] * 8, fields0  # rank 0's threads are fine
+    assert fields1[:4] == [n.ERROR_CODES["proxy_failed"], 1, 1, 1], fields1  # code, rank, peer, thread 1
+    assert "rank 1 proxy thread 1" in error1 and "die_after" in error1, error1
+    text = n.describe_error(*fields1[:7], reader=1, ranks_per_node=1, timeout_s=300)
+    assert text.startswith("rank 1 (node 1): proxy thread 1 stopped") and "own error follows" in text, text

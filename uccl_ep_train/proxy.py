@@ -355,6 +355,15 @@ class ProxyGroup:
     def ring_desc(self, ring: int, device: bool = True) -> dict:
         return self._native.ring_desc(ring, device)
 
+    def failure_record(self, device: bool = True) -> int:
+        """Address of the record a stopping proxy thread fills (pinned host memory; device=True: as the GPU sees
+        it): the kernels' waits poll it, so a dead thread ends them at once (docs/proxy.md, "Failures")."""
+        return int(self._native.failure_record(device))
+
+    def failure_code(self) -> int:
+        """The record's code: 0 until a thread stopped, then _native.ERROR_CODES["proxy_failed"]."""
+        return int(self._native.failure_code())
+
     def signals(self, device: bool = True) -> dict:
         return self._native.signals(device)
 

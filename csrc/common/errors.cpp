@@ -180,6 +180,13 @@ std::string describe_error(const ErrorFields& e, const ErrorContext& ctx) {
          << " were dropped (give each token distinct experts, or -1)";
       numbers = false;
       break;
+    case kErrProxyFailed:
+      os << me << ": proxy thread " << e.block << " stopped (a transport error, a peer that is gone, or UCCL_EP_FAULT "
+         << "die_after), so every wait on its traffic ended at once instead of at the " << ctx.timeout_s
+         << " s deadline; the thread's own error follows (`proxy: ...`: peer, NIC and transport status); "
+         << "`uccl-ep-train doctor --peers` checks the links";
+      numbers = false;
+      break;
     case kErrAborted:
       os << rank_aborted(e.rank, e.block >= 0 && e.block < kNumAbortOps ? kAbortOps[e.block] : "the call", "");
       numbers = false;

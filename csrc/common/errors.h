@@ -30,6 +30,7 @@ enum ErrorCode : int {
   kErrRingFull = 10,    // a proxy ring stayed full for the whole timeout (proxy thread dead or stuck)
   kErrExpertFull = 11,  // low latency: more than max_tokens rows for one expert from one rank (repeated ids)
   kErrAborted = 12,     // rank `rank` raised on the host inside call kAbortOps[block] (abort(), kernels/abort.h)
+  kErrProxyFailed = 13,  // proxy thread `block` of rank `rank` stopped (transport error, dead peer, die_after fault)
 };
 
 // The calls an abort names (kErrAborted's `block` indexes them): the Buffer's collective calls.

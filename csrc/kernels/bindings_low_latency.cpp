@@ -31,7 +31,7 @@ void register_low_latency(py::module_& m) {
            py::arg("num_blocks"), py::arg("timeout_s"))
       .def("ipc_handle", [](const LowLatencyBuffer& b) { return py::bytes(b.ipc_handle()); })
       .def("open_peers", &LowLatencyBuffer::open_peers, py::arg("handles"))
-      .def("set_rings", &LowLatencyBuffer::set_rings, py::arg("rings"))
+      .def("set_rings", &LowLatencyBuffer::set_rings, py::arg("rings"), py::arg("failure_record"))
       .def("destroy", &LowLatencyBuffer::destroy)
       .def("clean", &LowLatencyBuffer::clean, py::call_guard<py::gil_scoped_release>())
       .def("error", &LowLatencyBuffer::error)

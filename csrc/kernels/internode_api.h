@@ -105,7 +105,8 @@ class InternodeBuffer {
 
   // The proxy rings kernels push into: device descriptors (slots, claim, tail_cache, tail, flushed, echo,
   // capacity, publish: 0 fence / 1 vector), one per proxy thread; channel c goes through ring c % count.
-  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+  // failure_record: the proxies' failure record as the GPU sees it (Proxy::failure_record), which every wait polls.
+  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record);
 
   std::string error() const;
   // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and

@@ -140,7 +140,7 @@ void InternodeBuffer::destroy() {
   if (first != gpuSuccess) UCCL_THROW("internode buffer: releasing resources failed: " << gpuGetErrorString(first));
 }
 
-void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) {
+void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record) {
   UCCL_CHECK(!rings.empty() && (int)rings.size() <= kMaxRings, "internode buffer: " << rings.size() << " rings; 1.."
                                                                                     << kMaxRings << " supported");
   rings_.clear();
@@ -150,6 +150,8 @@ void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) 
     std::copy(r.begin(), r.end(), f);
     rings_.push_back(uccl::ring_desc_from(f));
   }
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset), failure_record));
 }
 
 void InternodeBuffer::check_ready(const char* what) const {

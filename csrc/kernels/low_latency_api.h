@@ -63,7 +63,9 @@ class LowLatencyBuffer {
 
   std::string ipc_handle() const;
   void open_peers(const std::vector<std::string>& handles);  // the node's ranks by local index (own ignored)
-  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+  // failure_record: the proxies' failure record as the GPU sees it (Proxy::failure_record), which every wait polls
+  // (kept across clean()).
+  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record);
   void destroy();
   void clean();  // zero every signal, counter and area (the caller makes it collective)
   std::string error() const;
@@ -109,6 +111,7 @@ class LowLatencyBuffer {
   void* err_host_ = nullptr;
   void* err_dev_ = nullptr;
   void* peers_[kMaxLocal] = {};
+  int64_t failure_record_ = 0;  // set_rings'
   bool opened_ = false;
   std::vector<uccl::RingDesc> rings_;
 };

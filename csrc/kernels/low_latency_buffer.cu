@@ -75,6 +75,7 @@ void LowLatencyBuffer::clean() {
   UCCL_CHECK_GPU(gpuMemset(buf_, 0, size_t(bytes_)));
   std::memset(flags_host_, 0, size_t(8 * flag_words_));
   std::memset(err_host_, 0, sizeof(ErrorRecord));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset), failure_record_));
   UCCL_CHECK_GPU(gpuDeviceSynchronize());
 }
 
@@ -102,7 +103,7 @@ void LowLatencyBuffer::open_peers(const std::vector<std::string>& handles) {
   opened_ = true;
 }
 
-void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) {
+void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record) {
   UCCL_CHECK((int)rings.size() <= kMaxRings, "low-latency buffer: " << rings.size() << " rings; at most " << kMaxRings);
   rings_.clear();
   for (const auto& r : rings) {
@@ -111,6 +112,9 @@ void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings)
     std::copy(r.begin(), r.end(), f);
     rings_.push_back(uccl::ring_desc_from(f));
   }
+  failure_record_ = failure_record;
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset), failure_record_));
 }
 
 void LowLatencyBuffer::destroy() {

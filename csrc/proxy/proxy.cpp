@@ -15,8 +15,12 @@
 
 #include "common/check.h"
 #include "common/env.h"
+#include "common/errors.h"
 
 namespace uccl {
+
+// The failure record after the signal words: the kernels' ErrorRecord (8 ints, kernels/device_utils.cuh).
+constexpr size_t kFailureRecordBytes = 8 * sizeof(int);
 
 using Clock = std::chrono::steady_clock;
 
@@ -249,6 +253,7 @@ void ProxyThread::run() {
     std::ostringstream os;
     os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
     p_->set_error(os.str());
+    p_->record_failure(index_);  // after the text: a kernel that stops on the record finds it
     failed = true;
   }
   // A thread stopped by an error stays silent until stop(): its peers see what a crashed thread shows them.
@@ -495,8 +500,12 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
     // allocate them on the GPU's NUMA node (pages land on the node of the allocating thread). Only the
     // allocations run under this affinity: threads created later must not inherit it.
     AffinityScope near_gpu(cpus);
-    sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long), cfg.gpu);
+    sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long) + kFailureRecordBytes, cfg.gpu);
   }
+  const size_t fail_off = (2 * n + size_t(cfg.world)) * sizeof(unsigned long long);
+  fail_host_ = reinterpret_cast<int*>(sig_mem_.host() + fail_off);
+  fail_dev_ = reinterpret_cast<int*>(sig_mem_.device() + fail_off);
+  std::memset(fail_host_, 0, kFailureRecordBytes);
   auto fill = [&](SignalBlock& s, char* base) {
     auto* p = reinterpret_cast<unsigned long long*>(base);
     s.seq_tail = p;
@@ -703,6 +712,22 @@ std::string Proxy::error() const {
   if (!failed_.load(std::memory_order_acquire)) return "";
   std::lock_guard<std::mutex> l(err_mu_);
   return error_;
+}
+
+uint64_t Proxy::failure_record(bool device) const {
+  return reinterpret_cast<uint64_t>(device ? fail_dev_ : fail_host_);
+}
+
+void Proxy::record_failure(int thread) {
+  if (failure_recorded_.exchange(true)) return;  // the first stopped thread names the failure
+  volatile int* r = fail_host_;
+  r[1] = cfg_.rank;
+  r[2] = cfg_.rank;  // (the peer, when one is to blame, is in the thread's error text)
+  r[3] = thread;
+  r[4] = r[5] = r[6] = r[7] = 0;
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the fields before the code the GPU polls
+  r[0] = uccl_ep::kErrProxyFailed;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 
 void Proxy::set_error(const std::string& e) {

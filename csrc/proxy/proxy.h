@@ -199,6 +199,11 @@ class Proxy {
   // First error recorded by any proxy thread, "" if none.
   std::string error() const;
   void set_error(const std::string& e);
+  // The failure record (8 ints, the kernels' ErrorRecord layout: kErrProxyFailed, rank, peer, thread, ...) in
+  // pinned host memory, which a stopping thread fills (record_failure) and the kernels' waits poll (the
+  // buffers' set_rings): its address on the host, or as the GPU sees it (== host without a GPU).
+  uint64_t failure_record(bool device) const;
+  void record_failure(int thread);
   ProxyStats stats() const;
   std::vector<int> thread_cpus() const;
 
@@ -227,6 +232,9 @@ class Proxy {
   mutable std::mutex err_mu_;
   std::string error_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> failure_recorded_{false};
+  int* fail_host_ = nullptr;  // in sig_mem_, after the signal words
+  int* fail_dev_ = nullptr;
 };
 
 // Cores near `gpu` (its NUMA node), intersected with this process's allowed CPUs; all allowed CPUs when
