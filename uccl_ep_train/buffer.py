@@ -34,6 +34,11 @@ from .proxy import check_caller_stream
 from .topology import Topology, detect_topology
 
 log = logging.getLogger("uccl_ep_train")
+
+# Errors a call raises alike on every rank (argument checks, ranks that disagree): no abort, the Buffer stays
+# usable. A value check that fails on one rank only raises ValueError too: its peers still wait for it to their
+# deadline (UCCL_EP_CHECK_VALUES=1 checks before any communication).
+_ALIKE_ERRORS = (ValueError, TypeError, NotImplementedError)
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
 
@@ -363,20 +368,24 @@ class Buffer:
 
     def _abort_on_error(self, op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
         """`fn` (a call's value checks or its backend call, which may have started communicating) such that an
-        error it raises reaches the peers at once (issue #42): a peer's abort becomes "rank R aborted 'op':
-        ..."; an error recorded by the kernels is re-raised as is (they told the node peers already); any other
-        error of this rank (a native refusal, a check of received sizes, a failed allocation) is published as
-        this rank's abort (the backend's `abort`, then the message in the store) and re-raised."""
+        error it raises reaches the peers at once (issue #42): an error the kernels recorded is re-raised as is
+        (they told the node peers already), or as "rank R aborted 'op': ..." when it is a peer's abort; an
+        argument error (_ALIKE_ERRORS: the backends' argument checks and the ranks' agreement checks, which every
+        rank makes alike) leaves the Buffer usable; any other error of this rank (a native refusal, a check of
+        received sizes, a failed allocation) is published as this rank's abort (the backend's `abort`, then the
+        message in the store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
+        come before any kernel is captured, and a copy outside the capture would break it)."""
 
         def guarded() -> Any:
             try:
                 return fn()
             except Exception as exc:
                 backend = self._backend_of(op)
-                received = self._received_abort(backend)
-                if received is not None:
-                    raise RuntimeError(received) from exc
-                if self._aborted is None and backend.recorded_error() is None:
+                if backend.recorded_error() is not None:
+                    received = self._received_abort(backend)
+                    if received is not None:
+                        raise RuntimeError(received) from exc
+                elif self._aborted is None and not isinstance(exc, _ALIKE_ERRORS) and not capturing():
                     self._publish_abort(backend, op, f"{type(exc).__name__}: {exc}")
                 raise
 
