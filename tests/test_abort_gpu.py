@@ -125,3 +125,55 @@ def test_low_latency_refusal_aborts_the_peers_within_a_second(mps):
         pytest.skip("native module without the low-latency kernels")
     _check(run_ranks(_ll_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=TIMEOUT,
                      hard_exit=True), "low_latency_combine")
+
+
+# ---- a proxy that dies ends its own rank's waiting kernels at once (issue #44, local half) --------------------
+# Two emulated nodes of one rank each (UCCL_EP_RANKS_PER_NODE=1) over the ipc transport, one proxy thread per
+# rank; rank 1's thread dies by fault injection (die_after) inside the first call. Rank 1's kernel waits for
+# rank 0's rows, which its dead thread would have delivered: the failure record it polls ends the wait at once,
+# not at UCCL_EP_TIMEOUT_S (10 s here, so the test stays short; without the record rank 1 waits all of it).
+# Rank 0 is not told yet (the goodbye across the transport is not built): it leaves at its own deadline.
+DEATH = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "10", "UCCL_EP_TRANSPORT": "ipc",
+         "UCCL_EP_PROXY_THREADS": "1"}
+
+
+def _dead_proxy(rank: int, world: int, device: str, low_latency: bool) -> tuple:
+    import os
+
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    if rank == 1:
+        os.environ["UCCL_EP_FAULT"] = "die_after=1" if low_latency else "die_after=3"
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(list(range(world)))
+    x, idx, w = _routing(rank, dev)
+    if low_latency:
+        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS),
+                     low_latency_mode=True)
+        call = lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)  # noqa: E731
+    else:
+        buf = Buffer(group, int(64e6), int(64e6))
+
+        def call():
+            per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                                topk_weights=w)
+    dist.barrier()
+    return _after(buf, call)
+
+
+@pytest.mark.parametrize("low_latency", [False, True], ids=["ht", "ll"])
+def test_a_dead_proxy_ends_its_ranks_waiting_kernel_at_once(mps, low_latency):
+    from uccl_ep_train.backends.internode import internode_available
+    from uccl_ep_train.backends.low_latency import low_latency_available
+
+    if not (low_latency_available() if low_latency else internode_available()):
+        pytest.skip("native module without the kernels / proxies")
+    (msg0, took0), (msg1, took1) = run_ranks(_dead_proxy, 2, low_latency, device="cuda", backend="gloo",
+                                             ranks_per_gpu=2, timeout=180, env=DEATH, hard_exit=True)
+    assert "rank 1 (node 1): proxy thread 0 stopped" in msg1, msg1  # kErrProxyFailed: the record, not a timeout
+    assert took1 < 2.0, f"rank 1's kernel ended {took1:.2f} s after its call (its deadline: 10 s)"
+    assert msg0 != "no error", msg0  # rank 0 raised too (its own deadline, until the goodbye exists)
