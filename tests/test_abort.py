@@ -116,47 +116,95 @@ def test_a_buffer_refuses_calls_after_an_abort_sent_or_received():
             "make a new Buffer on every rank" in later, later
 
 
-# ---- a proxy thread's failure record (issue #44): what the kernels' waits poll -----------------------------
+# ---- a proxy thread's failure record (issue #44) and a peer's abort across the proxies: what the kernels poll ----
 
-def _failure_record_worker(rank: int, world: int) -> tuple:
-    """Rank 1's proxy thread dies after its second command (die_after=2) while writing to rank 0; returns the
-    record's code and fields as the kernels would read them, before and after, and the thread's error text."""
+def _record(g) -> list:
     import ctypes
+
+    return list((ctypes.c_int * 8).from_address(g.failure_record(device=False)))
+
+
+def _wait_record(g, rank: int) -> list:
+    """The record once it is set (at most 5 s), as the kernels would read it."""
     import time
 
+    deadline = time.monotonic() + 5
+    while g.failure_code() == 0 and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return _record(g)
+
+
+def _proxy_group(rank: int, world: int, transport: str, fault: str = ""):
     import numpy as np
 
     from uccl_ep_train import proxy as P
 
     os.environ.update(FI_PROVIDER="tcp", FI_TCP_IFACE="lo")
     dist.init_process_group("gloo")
-    g = P.ProxyGroup(rank, world, {0: np.zeros(1 << 16, np.uint8)}, transport="fabric", num_threads=2,
-                     pin_threads=False, timeout_s=5, fault="die_after=2" if rank == 1 else "")
+    return P.ProxyGroup(rank, world, {0: np.zeros(1 << 16, np.uint8)}, transport=transport, num_threads=2,
+                        pin_threads=False, timeout_s=5, gpu=-1, fault=fault)
+
+
+def _failure_record_worker(rank: int, world: int) -> tuple:
+    """Rank 1's proxy thread 1 dies after its second command (die_after=2) while writing to rank 0: its record,
+    and rank 0's (told by the dying thread), with how long rank 0 waited for it; rank 1's error text."""
+    import time
+
+    from uccl_ep_train import proxy as P
+
+    g = _proxy_group(rank, world, "fabric", "die_after=2" if rank == 1 else "")
     before = g.failure_code()
+    dist.barrier()
+    start = time.monotonic()
     if rank == 1:
         g.push(1, P.make_commands([(P.OP_WRITE, 0, 1, 0, 4096, 0, 4096) for _ in range(4)]))
-    error, deadline = "", time.monotonic() + 10
-    while rank == 1 and not error and time.monotonic() < deadline:
+    fields = _wait_record(g, rank)
+    took = time.monotonic() - start
+    error = ""
+    if rank == 1:
         try:
             g.check()
         except RuntimeError as exc:
             error = str(exc)
-        time.sleep(0.001)
-    fields = list((ctypes.c_int * 8).from_address(g.failure_record(device=False)))
     dist.barrier()
     g.close()
-    return before, fields, error
+    return before, fields, took, error
 
 
-def test_a_dying_proxy_thread_fills_the_failure_record_the_kernels_poll():
+def test_a_dying_proxy_thread_fills_its_record_and_its_peers():
     from uccl_ep_train.apps.launch import spawn
 
     n = _native()
     res = spawn(_failure_record_worker, 2, timeout=120)
-    (before0, fields0, _), (before1, fields1, error1) = res
+    (before0, fields0, took0, _), (before1, fields1, _, error1) = res
     assert before0 == before1 == 0
-    assert fields0 == [0] * 8, fields0  # rank 0's threads are fine
-    assert fields1[:4] == [n.ERROR_CODES["proxy_failed"], 1, 1, 1], fields1  # code, rank, peer, thread 1
+    code = n.ERROR_CODES["proxy_failed"]
+    assert fields1[:4] == [code, 1, 1, 1], fields1  # code, rank, peer, thread 1
+    assert fields0[:4] == [code, 1, 1, 1], fields0  # told by rank 1's dying thread
+    assert took0 < 1.0, took0
     assert "rank 1 proxy thread 1" in error1 and "die_after" in error1, error1
     text = n.describe_error(*fields1[:7], reader=1, ranks_per_node=1, timeout_s=300)
     assert text.startswith("rank 1 (node 1): proxy thread 1 stopped") and "own error follows" in text, text
+    text = n.describe_error(*fields0[:7], reader=0, ranks_per_node=1, timeout_s=300)
+    assert text.endswith("[rank 1 reported it; rank 0 stopped with it]"), text
+
+
+def _abort_worker(rank: int, world: int, transport: str) -> tuple:
+    g = _proxy_group(rank, world, transport)
+    dist.barrier()
+    if rank == 2:
+        g.abort("combine")
+    fields = _wait_record(g, rank) if rank != 2 else _record(g)
+    dist.barrier()
+    g.close()
+    return fields
+
+
+def test_an_abort_reaches_every_peers_proxy():
+    """Over fabric (tcp on loopback); ipc needs a GPU: tests/test_abort_gpu.py's cases run over it."""
+    from uccl_ep_train.apps.launch import spawn
+
+    n = _native()
+    got = spawn(_abort_worker, 3, "fabric", timeout=120)
+    told = [n.ERROR_CODES["aborted"], 2, 2, n.ABORT_OPS.index("combine"), 0, 0, 0, 0]
+    assert got == [told, told, [0] * 8], got  # the aborting rank's own record stays clear (NVLink tells its node)

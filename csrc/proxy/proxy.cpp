@@ -239,7 +239,11 @@ void ProxyThread::run() {
         continue;
       }
       ++idle;
-      if ((idle & 1023) == 0) check_timeouts();
+      if ((idle & 1023) == 0) {
+        check_timeouts();
+        if (index_ == 0 && p_->abort_op_.load(std::memory_order_relaxed) >= 0)
+          tell_peers(uccl_ep::kErrAborted, p_->abort_op_.exchange(-2));
+      }
       // Sleep only when truly idle: nothing in flight, nothing held back, ring empty.
       if (p_->cfg_.adaptive_sleep && idle > 2048 && inflight_total_ == 0 && !fault_.holding()) {
         std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
@@ -253,8 +257,9 @@ void ProxyThread::run() {
     std::ostringstream os;
     os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
     p_->set_error(os.str());
-    p_->record_failure(index_);  // after the text: a kernel that stops on the record finds it
-    failed = true;
+    p_->record_failure(p_->cfg_.rank, uccl_ep::kErrProxyFailed, index_);  // after the text: a kernel that stops
+    failed = true;                                                        // on the record finds it
+    tell_peers(uccl_ep::kErrProxyFailed, index_);
   }
   // A thread stopped by an error stays silent until stop(): its peers see what a crashed thread shows them.
   while (!stop_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -393,6 +398,12 @@ void ProxyThread::on_completions(const Completion* in, int n) {
   }
   if (!scratch_.empty()) last_progress_ = Clock::now();
   for (const Completion& c : scratch_) {
+    if (c.kind == Completion::kLocal && c.wr_id == kUntrackedWr) continue;  // a failure message's send
+    if (c.kind == Completion::kFailure) {  // a peer's proxy stopped, or the peer aborted: stop this rank's waits
+      const int code = int(c.value & 0xff), block = int(c.value >> 8);
+      if (code == uccl_ep::kErrProxyFailed || code == uccl_ep::kErrAborted) p_->record_failure(c.peer, code, block);
+      continue;
+    }
     if (c.kind == Completion::kLocal) {
       auto it = posted_.find(c.wr_id);
       if (it == posted_.end()) UCCL_THROW("completion for unknown work request " << c.wr_id);
@@ -718,16 +729,49 @@ uint64_t Proxy::failure_record(bool device) const {
   return reinterpret_cast<uint64_t>(device ? fail_dev_ : fail_host_);
 }
 
-void Proxy::record_failure(int thread) {
-  if (failure_recorded_.exchange(true)) return;  // the first stopped thread names the failure
+void Proxy::record_failure(int rank, int code, int block) {
+  if (failure_recorded_.exchange(true)) return;  // the first failure names it
   volatile int* r = fail_host_;
-  r[1] = cfg_.rank;
-  r[2] = cfg_.rank;  // (the peer, when one is to blame, is in the thread's error text)
-  r[3] = thread;
+  r[1] = rank;
+  r[2] = rank;  // (the peer, when one is to blame, is in the failing thread's error text)
+  r[3] = block;
   r[4] = r[5] = r[6] = r[7] = 0;
   std::atomic_thread_fence(std::memory_order_seq_cst);  // the fields before the code the GPU polls
-  r[0] = uccl_ep::kErrProxyFailed;
+  r[0] = code;
   std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void Proxy::abort(int op) {
+  UCCL_CHECK(op >= 0 && op < uccl_ep::kNumAbortOps, "proxy abort: op " << op << " outside [0, " << uccl_ep::kNumAbortOps << ")");
+  int none = -1;
+  abort_op_.compare_exchange_strong(none, op);
+}
+
+namespace {
+// A failure as Completion::kFailure's value: code in the low 8 bits, block above.
+int64_t encode_failure(int code, int block) { return int64_t(code & 0xff) | (int64_t(block) << 8); }
+}  // namespace
+
+void ProxyThread::tell_peers(int code, int block) {
+  const int64_t v = encode_failure(code, block);
+  for (int peer = 0; peer < p_->cfg_.world; ++peer) {
+    if (peer == p_->cfg_.rank) continue;
+    try {
+      transport_->send_failure(peer, v);
+    } catch (const std::exception&) {  // that peer (or the link) is the failure: the others still hear of it
+    }
+  }
+  // Progress for a moment (some providers move messages only while polled); what arrives is dropped: a failed
+  // thread's traffic is lost anyway, and an aborting rank's peers stop on the record.
+  const auto until = Clock::now() + std::chrono::milliseconds(20);
+  Completion c[64];
+  while (Clock::now() < until) {
+    try {
+      transport_->poll(c, 64);
+    } catch (const std::exception&) {
+      break;
+    }
+  }
 }
 
 void Proxy::set_error(const std::string& e) {

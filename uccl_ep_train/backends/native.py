@@ -222,6 +222,8 @@ class RaisesRecordedErrors:
         engine, bounded); the backend is unusable afterwards, like after any recorded error."""
         if self._buf is None:
             return False
+        if self._proxy is not None:  # the other nodes, through the proxies (before the slower copies)
+            self._proxy.abort(op)
         self._buf.abort(op)
         if self._failed is None:
             self._failed = f"this rank aborted '{op}'"
