@@ -1,7 +1,8 @@
 """A rank that raises on the host inside a collective call, after its peers started it, aborts the call on every
-rank of its node within a second (issue #42), with UCCL_EP_TIMEOUT_S=300: without the abort the peers' kernels
-spin for 300 s (the test's spawn timeout fails it first). On ONE GPU: ranks share it under MPS (gloo group,
-CUDA tensors).
+rank within a second (issue #42: its node through NVLink, the other nodes through the proxies), with
+UCCL_EP_TIMEOUT_S=300: without the abort the peers' kernels spin for 300 s (the test's spawn timeout fails it
+first); and a proxy thread that dies ends every rank's waiting kernel at once (issue #44). On ONE GPU: ranks
+share it under MPS (gloo group, CUDA tensors); emulated nodes talk through the ipc transport.
 
 The refusal is rank 1's backend call raising on the host (its `combine` / `low_latency_combine` replaced by one
 that raises, standing for a native refusal or a failed allocation) while rank 0 calls the same combine normally:
@@ -101,39 +102,49 @@ def _ll_abort(rank: int, world: int, device: str) -> tuple:
 
 
 def _check(results, op: str) -> None:
-    (msg0, took0, later0), (msg1, _, later1) = results
-    assert msg1 == REFUSAL, msg1  # the refusing rank raises its own error, unchanged
-    assert f"rank 1 aborted '{op}': RuntimeError: {REFUSAL}" in msg0, msg0
-    assert took0 < 1.0, f"rank 0 raised {took0:.2f} s after its call"
-    for later in (later0, later1):
-        assert "unusable after an abort" in later and "make a new Buffer on every rank" in later, later
+    for rank, (msg, took, later) in enumerate(results):
+        if rank == 1:
+            assert msg == REFUSAL, msg  # the refusing rank raises its own error, unchanged
+        else:
+            assert f"rank 1 aborted '{op}': RuntimeError: {REFUSAL}" in msg, (rank, msg)
+            assert took < 1.0, f"rank {rank} raised {took:.2f} s after its call"
+        assert "unusable after an abort" in later and "make a new Buffer on every rank" in later, (rank, later)
 
 
-def test_intranode_refusal_aborts_the_peers_within_a_second(mps):
+# (world, UCCL_EP_RANKS_PER_NODE): one node (NVLink), 2 x 1 and 2 x 2 emulated nodes (the proxies, ipc)
+SHAPES = [(2, None), (2, "1"), (4, "2")]
+
+
+@pytest.mark.parametrize("world,per_node", SHAPES, ids=["intranode", "internode-2x1", "internode-2x2"])
+def test_a_refusal_in_combine_aborts_every_peer_within_a_second(mps, world, per_node):
+    from uccl_ep_train.backends.internode import internode_available
     from uccl_ep_train.backends.native import native_available
 
-    if not native_available():
-        pytest.skip("native module without the intranode kernels")
-    _check(run_ranks(_ht_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=TIMEOUT,
+    if not (internode_available() if per_node else native_available()):
+        pytest.skip("native module without the kernels / proxies")
+    env = {**TIMEOUT, **({"UCCL_EP_RANKS_PER_NODE": per_node, "UCCL_EP_TRANSPORT": "ipc"} if per_node else {})}
+    _check(run_ranks(_ht_abort, world, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=240, env=env,
                      hard_exit=True), "combine")
 
 
-def test_low_latency_refusal_aborts_the_peers_within_a_second(mps):
+@pytest.mark.parametrize("per_node", [None, "1"], ids=["one-node", "2x1"])
+def test_a_refusal_in_low_latency_combine_aborts_every_peer_within_a_second(mps, per_node):
     from uccl_ep_train.backends.low_latency import low_latency_available
 
     if not low_latency_available():
         pytest.skip("native module without the low-latency kernels")
-    _check(run_ranks(_ll_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=120, env=TIMEOUT,
+    env = {**TIMEOUT, **({"UCCL_EP_RANKS_PER_NODE": per_node, "UCCL_EP_TRANSPORT": "ipc"} if per_node else {})}
+    _check(run_ranks(_ll_abort, 2, device="cuda", backend="gloo", ranks_per_gpu=2, timeout=240, env=env,
                      hard_exit=True), "low_latency_combine")
 
 
-# ---- a proxy that dies ends its own rank's waiting kernels at once (issue #44, local half) --------------------
+# ---- a proxy that dies ends every rank's waiting kernels at once (issue #44) -----------------------------------
 # Two emulated nodes of one rank each (UCCL_EP_RANKS_PER_NODE=1) over the ipc transport, one proxy thread per
 # rank; rank 1's thread dies by fault injection (die_after) inside the first call. Rank 1's kernel waits for
-# rank 0's rows, which its dead thread would have delivered: the failure record it polls ends the wait at once,
-# not at UCCL_EP_TIMEOUT_S (10 s here, so the test stays short; without the record rank 1 waits all of it).
-# Rank 0 is not told yet (the goodbye across the transport is not built): it leaves at its own deadline.
-DEATH = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "10", "UCCL_EP_TRANSPORT": "ipc",
+# rank 0's rows, which its dead thread would have delivered; rank 0's waits for rank 1's, which it never sent:
+# rank 1's failure record, and rank 0's (filled by the dying thread's message), end both waits at once, not at
+# UCCL_EP_TIMEOUT_S (30 s here, so a regression costs 30 s, not 300).
+DEATH = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "30", "UCCL_EP_TRANSPORT": "ipc",
          "UCCL_EP_PROXY_THREADS": "1"}
 
 
@@ -166,7 +177,7 @@ def _dead_proxy(rank: int, world: int, device: str, low_latency: bool) -> tuple:
 
 
 @pytest.mark.parametrize("low_latency", [False, True], ids=["ht", "ll"])
-def test_a_dead_proxy_ends_its_ranks_waiting_kernel_at_once(mps, low_latency):
+def test_a_dead_proxy_ends_every_ranks_waiting_kernel_at_once(mps, low_latency):
     from uccl_ep_train.backends.internode import internode_available
     from uccl_ep_train.backends.low_latency import low_latency_available
 
@@ -174,6 +185,7 @@ def test_a_dead_proxy_ends_its_ranks_waiting_kernel_at_once(mps, low_latency):
         pytest.skip("native module without the kernels / proxies")
     (msg0, took0), (msg1, took1) = run_ranks(_dead_proxy, 2, low_latency, device="cuda", backend="gloo",
                                              ranks_per_gpu=2, timeout=180, env=DEATH, hard_exit=True)
-    assert "rank 1 (node 1): proxy thread 0 stopped" in msg1, msg1  # kErrProxyFailed: the record, not a timeout
-    assert took1 < 2.0, f"rank 1's kernel ended {took1:.2f} s after its call (its deadline: 10 s)"
-    assert msg0 != "no error", msg0  # rank 0 raised too (its own deadline, until the goodbye exists)
+    for rank, (msg, took) in enumerate(((msg0, took0), (msg1, took1))):
+        # kErrProxyFailed (the record, not a timeout); rank 0 adds "[rank 1 reported it; rank 0 stopped with it]"
+        assert "rank 1 (node 1): proxy thread 0 stopped" in msg, (rank, msg)
+        assert took < 2.0, f"rank {rank}'s kernel ended {took:.2f} s after its call (its deadline: 30 s)"
