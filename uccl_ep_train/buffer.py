@@ -409,9 +409,14 @@ class Buffer:
         `op` names the call: what raises from `checks` or `fn` (after the peers may have started the same call)
         aborts it on every rank (`_abort_on_error`)."""
         self._refuse_after_abort(op)
-        fn = self._abort_on_error(op, fn)
-        if checks is not None:
-            checks = self._abort_on_error(op, checks)
+        return self._run_guarded(self._abort_on_error(op, fn), inputs, previous_event, async_finish,
+                                 allocate_on_comm_stream, None if checks is None else self._abort_on_error(op, checks),
+                                 checked_on_device)
+
+    def _run_guarded(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
+                     async_finish: bool, allocate_on_comm_stream: bool, checks: Optional[Callable[[], None]],
+                     checked_on_device: Optional[bool]) -> tuple[Any, EventOverlap]:
+        """_run once `fn` and `checks` abort on error."""
         self._check_caller_stream()
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
@@ -443,7 +448,8 @@ class Buffer:
             # synchronous call on a second stream, the comm stream then waiting for the first one.
             if torch.cuda.current_device() != self.device.index:
                 with torch.cuda.device(self.device):  # the kernels take the current stream of their device
-                    return self._run(op, fn, inputs, None, False, allocate_on_comm_stream, checks)
+                    return self._run_guarded(fn, inputs, None, False, allocate_on_comm_stream, checks,
+                                             checked_on_device)
             if self._sync_stream is None:
                 self._sync_stream = torch.cuda.current_stream()  # once per Buffer
             if current_raw_stream(self.device.index) == self._sync_stream.cuda_stream:
@@ -608,7 +614,8 @@ class Buffer:
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(
-            "dispatch", lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
+            "dispatch",
+            lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
                                      num_tokens_per_rdma_rank),
             (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
@@ -739,7 +746,8 @@ class Buffer:
                                                  num_worst_tokens, expert_capacity)
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
-            "dispatch_expert_major", run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
+            "dispatch_expert_major", run, (x, topk_idx, topk_weights), previous_event, async_finish,
+            allocate_on_comm_stream,
             checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
             checked_on_device=backend.checks_expert_ids_on_device)
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
@@ -778,7 +786,8 @@ class Buffer:
         config = self._config(config, self.get_dispatch_config)
         backend = self.backend
         x_em, event = self._run(
-            "dispatch_expert_major", lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded),
+            "dispatch_expert_major",
+            lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded),
             (x, em_map, handle), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows",
                                                     padded=padded))

@@ -151,7 +151,8 @@ void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, 
     rings_.push_back(uccl::ring_desc_from(f));
   }
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset), failure_record));
+  int* claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim, failure_record));
 }
 
 void InternodeBuffer::check_ready(const char* what) const {
@@ -171,7 +172,8 @@ void InternodeBuffer::abort(const std::string& op) {
   UCCL_CHECK(nvl_ != nullptr, "abort: the internode buffer was destroyed");
   UCCL_CHECK(opened_, "abort: the node peers' NVL buffers are not opened yet");
   std::vector<int*> claims;
-  for (int j = 0; j < ranks_per_node_; ++j) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  for (int j = 0; j < ranks_per_node_; ++j)
+    claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
   publish_abort("internode buffer", device_, claims, rank_, local_, op);
 }
 

@@ -137,7 +137,8 @@ void IntranodeBuffer::clear_error() {
 void IntranodeBuffer::abort(const std::string& op) {
   check_open("abort");
   std::vector<int*> claims;
-  for (int r = 0; r < num_ranks_; ++r) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[r]) + kErrorClaimOffset));
+  for (int r = 0; r < num_ranks_; ++r)
+    claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[r]) + kErrorClaimOffset));
   publish_abort("intranode buffer", device_, claims, rank_, rank_, op);
 }
 

@@ -112,6 +112,7 @@ class LowLatencyBuffer {
   void* err_dev_ = nullptr;
   void* peers_[kMaxLocal] = {};
   int64_t failure_record_ = 0;  // set_rings'
+  int* claim_ptr() const;       // the claim word (and the error words after it) in buf_
   bool opened_ = false;
   std::vector<uccl::RingDesc> rings_;
 };

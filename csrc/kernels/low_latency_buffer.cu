@@ -75,7 +75,7 @@ void LowLatencyBuffer::clean() {
   UCCL_CHECK_GPU(gpuMemset(buf_, 0, size_t(bytes_)));
   std::memset(flags_host_, 0, size_t(8 * flag_words_));
   std::memset(err_host_, 0, sizeof(ErrorRecord));
-  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset), failure_record_));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim_ptr(), failure_record_));
   UCCL_CHECK_GPU(gpuDeviceSynchronize());
 }
 
@@ -114,7 +114,7 @@ void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings,
   }
   failure_record_ = failure_record;
   UCCL_CHECK_GPU(gpuSetDevice(device_));
-  UCCL_CHECK_GPU(intranode::set_proxy_failure(reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset), failure_record_));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim_ptr(), failure_record_));
 }
 
 void LowLatencyBuffer::destroy() {
@@ -144,6 +144,10 @@ std::string LowLatencyBuffer::error() const {
   // node names only when the ranks span nodes (one node: plain NVLink ranks)
   const int per_node = ranks_per_node_ < num_ranks_ ? ranks_per_node_ : 0;
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, per_node, timeout_s_});
+}
+
+int* LowLatencyBuffer::claim_ptr() const {
+  return reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset);
 }
 
 void LowLatencyBuffer::abort(const std::string& op) {
@@ -179,7 +183,7 @@ Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_exp
   a.timeout_cycles = timeout_cycles_;
   a.ring_spins = (unsigned long long)(timeout_s_ * 1e6) + 1;  // a host-tail poll is >= ~1 us over PCIe
   a.err = static_cast<ErrorRecord*>(err_dev_);
-  a.claim = reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset);
+  a.claim = claim_ptr();
   a.buf = static_cast<char*>(buf_);
   a.host_flags = static_cast<uint64_t*>(flags_dev_);
   for (int j = 0; j < ranks_per_node_; ++j) a.peers[j] = static_cast<char*>(peers_[j]);
