@@ -39,6 +39,8 @@ PYBIND11_MODULE(_native, m) {
   codes["expert_capacity"] = int(uccl_ep::kErrExpertCapacity);
   codes["ring_full"] = int(uccl_ep::kErrRingFull);
   codes["expert_full"] = int(uccl_ep::kErrExpertFull);
+  codes["aborted"] = int(uccl_ep::kErrAborted);
+  codes["proxy_failed"] = int(uccl_ep::kErrProxyFailed);
   phases["intranode_notify"] = int(uccl_ep::intranode::kPhaseNotify);
   phases["intranode_dispatch"] = int(uccl_ep::intranode::kPhaseDispatch);
   phases["intranode_combine"] = int(uccl_ep::intranode::kPhaseCombine);
@@ -75,6 +77,14 @@ PYBIND11_MODULE(_native, m) {
       pybind11::arg("ranks_per_node") = 0, pybind11::arg("timeout_s") = 300.0,
       "An error record (common/errors.h) as the sentence the native buffers raise; reader: the rank whose buffer "
       "holds it; ranks_per_node > 0 names nodes");
+  {
+    pybind11::tuple ops(uccl_ep::kNumAbortOps);
+    for (int i = 0; i < uccl_ep::kNumAbortOps; ++i) ops[i] = pybind11::str(uccl_ep::kAbortOps[i]);
+    m.attr("ABORT_OPS") = ops;
+  }
+  m.def("rank_aborted", &uccl_ep::rank_aborted, pybind11::arg("rank"), pybind11::arg("op"),
+        pybind11::arg("message"),
+        "The sentence a peer raises after `rank` aborted `op` (its message; \"\": where to find it instead)");
   register_proxy(m);
   register_transport(m);
   if (register_proxy_gpu) register_proxy_gpu(m);

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 
-from . import agreement
+from . import aborts, agreement
 from . import validation as V
 from .backends.base import Backend
 from .backends.low_latency import PROXY_GROUPS, low_latency_layout
@@ -34,6 +34,11 @@ from .proxy import check_caller_stream
 from .topology import Topology, detect_topology
 
 log = logging.getLogger("uccl_ep_train")
+
+# Errors a call raises alike on every rank (argument checks, ranks that disagree): no abort, the Buffer stays
+# usable. A value check that fails on one rank only raises ValueError too: its peers still wait for it to their
+# deadline (UCCL_EP_CHECK_VALUES=1 checks before any communication).
+_ALIKE_ERRORS = (ValueError, TypeError, NotImplementedError)
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
 
@@ -192,6 +197,7 @@ class Buffer:
         self._comm_stream = torch.cuda.Stream() if self.device.type == "cuda" else None
         self._comm_used = False  # set by the first call that runs on the comm stream (see _run)
         self._sync_stream: Optional[torch.cuda.Stream] = None  # where synchronous calls run (see _run)
+        self._aborted: Optional[str] = None  # why calls are refused: an abort this rank sent or received (_run)
         self.topology: Topology = detect_topology(group)  # collective: before the backend, which needs it
         # collective: the same settings on every rank (else the same error on every rank), before any data moves
         agreement.agree(group, self.device, self._sequence, {
@@ -329,7 +335,63 @@ class Buffer:
         waits = any(getattr(b, "waits_for_default_stream", False) for b in (self._backend, self._ll_backend))
         check_caller_stream(waits, self.device, self.rank)
 
-    def _run(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
+    def _backend_of(self, op: str) -> Backend:
+        return self.low_latency_backend if op.startswith("low_latency") else self.backend
+
+    def _refuse_after_abort(self, op: str) -> None:
+        if self._aborted is not None:
+            raise RuntimeError(f"{op}: this Buffer is unusable after an abort ({self._aborted}); destroy it and "
+                               "make a new Buffer on every rank")
+
+    def _received_abort(self, backend: Backend) -> Optional[str]:
+        """The sentence to raise when `backend`'s kernels stopped on a peer's abort (its message read from the
+        store, aborts.py), else None; the Buffer refuses further calls afterwards."""
+        source = backend.aborted_by()
+        if source is None or source[0] == self.rank:
+            return None
+        from .backends.native import abort_sentence  # only native backends abort
+
+        rank, op = source
+        self._aborted = abort_sentence(rank, op, aborts.read_message(self.group, self._sequence, rank))
+        return self._aborted
+
+    def _publish_abort(self, backend: Backend, op: str, message: str) -> None:
+        """Tells the peers that this rank raised `message` inside `op` (a backend that cannot: nothing)."""
+        try:
+            published = backend.abort(op)
+        except RuntimeError as exc:  # the peers time out instead; the error this rank raises matters more
+            log.error("uccl_ep_train: rank %d could not abort '%s' on its peers: %s", self.rank, op, exc)
+            published = True  # its buffer may be half-told: unusable all the same
+        if published:
+            aborts.publish_message(self.group, self._sequence, self.rank, message)
+            self._aborted = f"rank {self.rank} aborted '{op}': {message}"
+
+    def _abort_on_error(self, op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """`fn` (a call's value checks or its backend call, which may have started communicating) such that an
+        error it raises reaches the peers at once (issue #42): an error the kernels recorded is re-raised as is
+        (they told the node peers already), or as "rank R aborted 'op': ..." when it is a peer's abort; an
+        argument error (_ALIKE_ERRORS: the backends' argument checks and the ranks' agreement checks, which every
+        rank makes alike) leaves the Buffer usable; any other error of this rank (a native refusal, a check of
+        received sizes, a failed allocation) is published as this rank's abort (the backend's `abort`, then the
+        message in the store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
+        come before any kernel is captured, and a copy outside the capture would break it)."""
+
+        def guarded() -> Any:
+            try:
+                return fn()
+            except Exception as exc:
+                backend = self._backend_of(op)
+                if backend.recorded_error() is not None:
+                    received = self._received_abort(backend)
+                    if received is not None:
+                        raise RuntimeError(received) from exc
+                elif self._aborted is None and not isinstance(exc, _ALIKE_ERRORS) and not capturing():
+                    self._publish_abort(backend, op, f"{type(exc).__name__}: {exc}")
+                raise
+
+        return guarded
+
+    def _run(self, op: str, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
              async_finish: bool, allocate_on_comm_stream: bool,
              checks: Optional[Callable[[], None]] = None,
              checked_on_device: Optional[bool] = None) -> tuple[Any, EventOverlap]:
@@ -342,7 +404,19 @@ class Buffer:
 
         Outputs are allocated on the comm stream and recorded on the compute stream too, so their memory is
         not reused while either stream may still use it (`allocate_on_comm_stream` is accepted as in DeepEP:
-        ownership is on the comm stream either way)."""
+        ownership is on the comm stream either way).
+
+        `op` names the call: what raises from `checks` or `fn` (after the peers may have started the same call)
+        aborts it on every rank (`_abort_on_error`)."""
+        self._refuse_after_abort(op)
+        return self._run_guarded(self._abort_on_error(op, fn), inputs, previous_event, async_finish,
+                                 allocate_on_comm_stream, None if checks is None else self._abort_on_error(op, checks),
+                                 checked_on_device)
+
+    def _run_guarded(self, fn: Callable[[], Any], inputs: tuple, previous_event: Optional[EventOverlap],
+                     async_finish: bool, allocate_on_comm_stream: bool, checks: Optional[Callable[[], None]],
+                     checked_on_device: Optional[bool]) -> tuple[Any, EventOverlap]:
+        """_run once `fn` and `checks` abort on error."""
         self._check_caller_stream()
         if previous_event is not None and not isinstance(previous_event, EventOverlap):
             raise TypeError(f"previous_event: expected an EventOverlap (e.g. Buffer.capture()), "
@@ -374,7 +448,8 @@ class Buffer:
             # synchronous call on a second stream, the comm stream then waiting for the first one.
             if torch.cuda.current_device() != self.device.index:
                 with torch.cuda.device(self.device):  # the kernels take the current stream of their device
-                    return self._run(fn, inputs, None, False, allocate_on_comm_stream, checks)
+                    return self._run_guarded(fn, inputs, None, False, allocate_on_comm_stream, checks,
+                                             checked_on_device)
             if self._sync_stream is None:
                 self._sync_stream = torch.cuda.current_stream()  # once per Buffer
             if current_raw_stream(self.device.index) == self._sync_stream.cuda_stream:
@@ -443,7 +518,7 @@ class Buffer:
             return per_rank, backend.tokens_per_node(in_rank), per_expert, in_rank
 
         (per_rank, per_node, per_expert, in_rank), event = self._run(
-            run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
+            "get_dispatch_layout", run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
             checked_on_device=backend.checks_expert_ids_on_device)
         return per_rank, per_node, per_expert, in_rank, event
@@ -501,7 +576,7 @@ class Buffer:
             if data.size(0) != handle.num_tokens:
                 raise ValueError(f"x: has {data.size(0)} tokens, the handle was made for {handle.num_tokens}")
             (recv_x, recv_scales), event = self._run(
-                lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales, handle),
+                "dispatch", lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales, handle),
                 previous_event, async_finish, allocate_on_comm_stream)
             return (recv_x, recv_scales) if scales is not None else recv_x, None, None, None, None, event
 
@@ -539,6 +614,7 @@ class Buffer:
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(
+            "dispatch",
             lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
                                      num_tokens_per_rdma_rank),
@@ -600,7 +676,7 @@ class Buffer:
                     raise ValueError(f"bias[{i}]: expected [{handle.num_tokens}, {x.size(1)}], got {list(b.shape)}")
         backend = self.backend
         (combined, combined_w), event = self._run(
-            lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
+            "combine", lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
             (x, topk_weights, handle) + biases, previous_event, async_finish, allocate_on_comm_stream)
         return combined, combined_w, event
 
@@ -670,7 +746,8 @@ class Buffer:
                                                  num_worst_tokens, expert_capacity)
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
-            run, (x, topk_idx, topk_weights), previous_event, async_finish, allocate_on_comm_stream,
+            "dispatch_expert_major", run, (x, topk_idx, topk_weights), previous_event, async_finish,
+            allocate_on_comm_stream,
             checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
             checked_on_device=backend.checks_expert_ids_on_device)
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
@@ -709,6 +786,7 @@ class Buffer:
         config = self._config(config, self.get_dispatch_config)
         backend = self.backend
         x_em, event = self._run(
+            "dispatch_expert_major",
             lambda: backend.cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded),
             (x, em_map, handle), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows",
@@ -753,7 +831,7 @@ class Buffer:
         config = self._config(config, self.get_combine_config)
         backend = self.backend
         (combined, combined_w), event = self._run(
-            lambda: backend.combine_expert_major(y_em, handle, em_map, topk_weights, config),
+            "combine_expert_major", lambda: backend.combine_expert_major(y_em, handle, em_map, topk_weights, config),
             (y_em, em_map, topk_weights, handle), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_major_map(em_map, handle.num_recv_tokens, rows, "y_em", padded=padded))
         return combined, combined_w, event
@@ -773,9 +851,17 @@ class Buffer:
         report into every peer's buffer, whose kernels then stop waiting). Reads host memory, no GPU sync:
         after synchronizing, it tells whether the calls so far succeeded; the next call raises it anyway.
         A low-latency Buffer checks its LL calls' kernels and proxies too."""
-        self.backend.check_errors()
+        backends = [self.backend]
         if self._ll_backend is not None and self._ll_backend is not self.backend:
-            self._ll_backend.check_errors()
+            backends.append(self._ll_backend)
+        for backend in backends:
+            try:
+                backend.check_errors()
+            except RuntimeError as exc:
+                received = self._received_abort(backend)
+                if received is not None:
+                    raise RuntimeError(received) from exc
+                raise
 
     def occupied_sms(self, config: Optional[Config] = None, expert_major: bool = False) -> Optional[dict]:
         """SMs a high-throughput call with `config` (default: the dispatch default) occupies on this rank while
@@ -864,8 +950,8 @@ class Buffer:
                                                 round_scale, use_ue8m0, stats, return_recv_hook)
 
         (recv_x, recv_scales, recv_count, handle, receive), event = self._run(
-            run, (x, topk_idx), None, async_finish, False)
-        hook = self._hook(receive) if return_recv_hook else (lambda: None)
+            "low_latency_dispatch", run, (x, topk_idx), None, async_finish, False)
+        hook = self._hook("low_latency_dispatch", receive) if return_recv_hook else (lambda: None)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
@@ -919,8 +1005,9 @@ class Buffer:
         def run():
             return backend.low_latency_combine(x, topk_idx, topk_weights, handle, out, return_recv_hook)
 
-        receive, event = self._run(run, (x, topk_idx, topk_weights, handle), None, async_finish, False)
-        hook = self._hook(receive) if return_recv_hook else (lambda: None)
+        receive, event = self._run("low_latency_combine", run, (x, topk_idx, topk_weights, handle), None,
+                                   async_finish, False)
+        hook = self._hook("low_latency_combine", receive) if return_recv_hook else (lambda: None)
         return out, event, hook
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> torch.Tensor:
@@ -929,7 +1016,7 @@ class Buffer:
         handle = check_low_latency_handle(handle, self.id)
         return self.low_latency_backend.low_latency_combine_buffer(handle)
 
-    def _hook(self, receive: Callable[[], None]) -> Callable[[], None]:
+    def _hook(self, op: str, receive: Callable[[], None]) -> Callable[[], None]:
         """The recv hook: launches the receive where the Buffer's calls run (as DeepEP: the current stream,
         like the send of a call without async_finish, unless the Buffer moved to its comm stream, which the
         current stream then waits for); a second call does nothing."""
@@ -937,7 +1024,7 @@ class Buffer:
 
         def hook() -> None:
             if not done:
-                self._run(receive, (), None, False, False)
+                self._run(op, receive, (), None, False, False)
                 done.append(True)
 
         return hook

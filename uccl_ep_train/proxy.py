@@ -355,6 +355,22 @@ class ProxyGroup:
     def ring_desc(self, ring: int, device: bool = True) -> dict:
         return self._native.ring_desc(ring, device)
 
+    def failure_record(self, device: bool = True) -> int:
+        """Address of the record a stopping proxy thread fills (pinned host memory; device=True: as the GPU sees
+        it): the kernels' waits poll it, so a dead thread ends them at once (docs/proxy.md, "Failures")."""
+        return int(self._native.failure_record(device))
+
+    def abort(self, op: str) -> None:
+        """This rank aborted call `op` (one of _native.ABORT_OPS): proxy thread 0 tells every peer's proxy, which
+        fills its failure record, so the kernels of ranks on other nodes stop too (docs/api.md, "Aborts")."""
+        from . import _native  # noqa: PLC0415 (optional extension)
+
+        self._native.abort(list(_native.ABORT_OPS).index(op))
+
+    def failure_code(self) -> int:
+        """The record's code: 0 until a thread stopped, then _native.ERROR_CODES["proxy_failed"]."""
+        return int(self._native.failure_code())
+
     def signals(self, device: bool = True) -> dict:
         return self._native.signals(device)
 

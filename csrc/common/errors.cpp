@@ -101,6 +101,22 @@ std::string bad_expert_id(int row, int col, long long value, int num_experts) {
   return os.str();
 }
 
+int abort_op_index(const std::string& op) {
+  for (int i = 0; i < kNumAbortOps; ++i)
+    if (op == kAbortOps[i]) return i;
+  return -1;
+}
+
+std::string rank_aborted(int rank, const std::string& op, const std::string& message) {
+  std::ostringstream os;
+  os << "rank " << rank << " aborted '" << op << "': ";
+  if (message.empty()) os << "see rank " << rank << "'s log for its error";
+  else os << message;
+  os << " (it raised on the host after its peers may have started this call, and told them; this Buffer must "
+     << "be recreated: destroy it and make a new one on every rank)";
+  return os.str();
+}
+
 std::string describe_error(const ErrorFields& e, const ErrorContext& ctx) {
   if (e.code == kErrNone) return "";
   const PhaseText& p = phase_text(e.phase);
@@ -162,6 +178,17 @@ std::string describe_error(const ErrorFields& e, const ErrorContext& ctx) {
          << " rows from this rank, more than num_max_dispatch_tokens_per_rank=" << e.have
          << ": some token lists that expert more than once in topk_idx; the rows past " << e.have
          << " were dropped (give each token distinct experts, or -1)";
+      numbers = false;
+      break;
+    case kErrProxyFailed:
+      os << me << ": proxy thread " << e.block << " stopped (a transport error, a peer that is gone, or UCCL_EP_FAULT "
+         << "die_after), so every wait on its traffic ended at once instead of at the " << ctx.timeout_s
+         << " s deadline; the thread's own error follows (`proxy: ...`: peer, NIC and transport status); "
+         << "`uccl-ep-train doctor --peers` checks the links";
+      numbers = false;
+      break;
+    case kErrAborted:
+      os << rank_aborted(e.rank, e.block >= 0 && e.block < kNumAbortOps ? kAbortOps[e.block] : "the call", "");
       numbers = false;
       break;
     default:

@@ -29,7 +29,17 @@ enum ErrorCode : int {
   kErrExpertCapacity = 7,
   kErrRingFull = 10,    // a proxy ring stayed full for the whole timeout (proxy thread dead or stuck)
   kErrExpertFull = 11,  // low latency: more than max_tokens rows for one expert from one rank (repeated ids)
+  kErrAborted = 12,     // rank `rank` raised on the host inside call kAbortOps[block] (abort(), kernels/abort.h)
+  kErrProxyFailed = 13,  // proxy thread `block` of rank `rank` stopped (transport error, dead peer, die_after fault)
 };
+
+// The calls an abort names (kErrAborted's `block` indexes them): the Buffer's collective calls.
+constexpr const char* kAbortOps[] = {"get_dispatch_layout",  "dispatch",           "combine",
+                                     "dispatch_expert_major", "combine_expert_major", "low_latency_dispatch",
+                                     "low_latency_combine"};
+constexpr int kNumAbortOps = sizeof(kAbortOps) / sizeof(kAbortOps[0]);
+// kAbortOps' index of `op`; -1 when it names none of them.
+int abort_op_index(const std::string& op);
 
 namespace intranode {
 enum Phase : int { kPhaseNotify = 1, kPhaseDispatch = 2, kPhaseCombine = 3, kPhaseLayout = 4 };
@@ -69,5 +79,9 @@ std::string describe_error(const ErrorFields& e, const ErrorContext& ctx);
 // "topk_idx[row, col] = value is outside [-1, num_experts)": the words the host's check uses too
 // (uccl_ep_train/validation.py), so every backend names a bad expert id alike.
 std::string bad_expert_id(int row, int col, long long value, int num_experts);
+
+// kErrAborted's sentence: "rank R aborted 'op': <message>; ..." (`message` empty: "see rank R's log");
+// uccl_ep_train/errors.py builds the same with the message the aborting rank left in the store.
+std::string rank_aborted(int rank, const std::string& op, const std::string& message);
 
 }  // namespace uccl_ep

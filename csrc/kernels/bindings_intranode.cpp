@@ -51,6 +51,9 @@ void register_intranode(py::module_& m) {
       .def("data_bytes", &IntranodeBuffer::data_bytes)
       .def("local_ptr", &IntranodeBuffer::local_ptr)
       .def("error", &IntranodeBuffer::error)
+      .def("abort", &IntranodeBuffer::abort, py::arg("op"), py::call_guard<py::gil_scoped_release>(),
+           "tell every rank of the node that this rank raised inside call `op` (their waits end, they raise)")
+      .def("abort_source", &IntranodeBuffer::abort_source)
       .def("clear_error", &IntranodeBuffer::clear_error)
       .def("dispatch_layout", &IntranodeBuffer::dispatch_layout, py::call_guard<py::gil_scoped_release>())
       .def("notify", &IntranodeBuffer::notify, py::call_guard<py::gil_scoped_release>())

@@ -67,7 +67,10 @@ __device__ __forceinline__ int saturate_int(int64_t v) {
 constexpr int kMaxBoard = 8;
 constexpr int64_t kBoardRel = 64;                               // ErrorRecord[kMaxBoard], after the claim word
 constexpr int64_t kPeerTableRel = kBoardRel + kMaxBoard * 32;   // int64 count, then int* claim[kMaxBoard]
-constexpr int64_t kErrorWordsBytes = kPeerTableRel + 8 + kMaxBoard * 8;
+// const ErrorRecord*: this rank's proxies' failure record (pinned host memory, mapped; Proxy::failure_record),
+// null without proxies; written by the host once the proxies exist (the buffers' set_rings)
+constexpr int64_t kProxyFailRel = kPeerTableRel + 8 + kMaxBoard * 8;
+constexpr int64_t kErrorWordsBytes = kProxyFailRel + 8;
 
 __device__ __forceinline__ ErrorRecord* error_board(int* claim) {
   return reinterpret_cast<ErrorRecord*>(reinterpret_cast<char*>(claim) + kBoardRel);
@@ -125,6 +128,28 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
   }
 }
 
+// Whether this rank's proxies recorded a failure (a proxy thread stopped: transport error, dead peer, die_after
+// fault): it becomes this rank's report (claimed, told to the node peers like any report), so the wait ends in
+// one poll instead of at its deadline. Polled with the claim word (every 1024 iterations of a wait): a load of
+// the pointer from this rank's buffer and, with proxies, one of the pinned host word. Out of line: the hot
+// waits keep their registers.
+// Host: points this rank's waits at its proxies' failure record (`record`: its device address; 0: none).
+inline gpuError_t set_proxy_failure(int* claim, int64_t record) {
+  const gpuError_t e =
+      gpuMemcpyAsync(reinterpret_cast<char*>(claim) + kProxyFailRel, &record, sizeof(record), gpuMemcpyDefault, 0);
+  return e == gpuSuccess ? gpuStreamSynchronize(0) : e;
+}
+
+static __device__ __noinline__ bool proxy_failed(ErrorRecord* err, int* claim) {
+  const ErrorRecord* pf =
+      *reinterpret_cast<const ErrorRecord* const volatile*>(reinterpret_cast<const char*>(claim) + kProxyFailRel);
+  if (pf == nullptr) return false;
+  const volatile ErrorRecord* v = pf;
+  if (v->code == 0) return false;
+  report_error(err, claim, v->code, v->rank, v->peer, v->phase, v->need, v->have, v->block);
+  return true;
+}
+
 __device__ __forceinline__ uint64_t ld_acquire_sys(const uint64_t* p) {
 #if defined(UCCL_EP_WITH_HIP)
   return __atomic_load_n(p, __ATOMIC_ACQUIRE);
@@ -154,6 +179,7 @@ __device__ __forceinline__ bool wait_geq(const uint64_t* p, uint64_t target, int
         adopt_peer_error(err, claim);
         return false;
       }
+      if (proxy_failed(err, claim)) return false;
       if (clock64() - start > timeout_cycles) {
         report_error(err, claim, kErrTimeout, rank, peer, phase, (int)target, (int)ld_acquire_sys(p), block);
         return false;
@@ -209,6 +235,7 @@ __device__ __forceinline__ bool wait_flag(const uint32_t* p, uint32_t seq, int64
         adopt_peer_error(err, claim);
         return false;
       }
+      if (proxy_failed(err, claim)) return false;
       if (clock64() - start > timeout_cycles) {
         report_error(err, claim, kErrTimeout, rank, peer, phase, row, -1);
         return false;

@@ -25,6 +25,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "proxy/ring.h"
@@ -104,9 +105,15 @@ class InternodeBuffer {
 
   // The proxy rings kernels push into: device descriptors (slots, claim, tail_cache, tail, flushed, echo,
   // capacity, publish: 0 fence / 1 vector), one per proxy thread; channel c goes through ring c % count.
-  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+  // failure_record: the proxies' failure record as the GPU sees it (Proxy::failure_record), which every wait polls.
+  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record);
 
   std::string error() const;
+  // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and
+  // raises this rank's aborted record; ranks on other nodes learn nothing from it (they time out).
+  // abort_source: (rank, op) of an aborted record held here, else (-1, "").
+  void abort(const std::string& op);
+  std::pair<int, std::string> abort_source() const;
 
   // get_dispatch_layout over all ranks (outputs zeroed int32 [R], int32 [E], bool [T, R]): the intranode
   // layout kernel, which records the first expert id outside [-1, num_experts) here (error()); the fresh

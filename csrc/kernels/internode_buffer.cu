@@ -7,6 +7,7 @@
 #include <thread>
 
 #include "common/check.h"
+#include "kernels/abort.h"
 #include "kernels/host_args.h"
 #include "kernels/internode_launch.cuh"
 #include "kernels/ipc_handles.h"
@@ -139,7 +140,7 @@ void InternodeBuffer::destroy() {
   if (first != gpuSuccess) UCCL_THROW("internode buffer: releasing resources failed: " << gpuGetErrorString(first));
 }
 
-void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) {
+void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record) {
   UCCL_CHECK(!rings.empty() && (int)rings.size() <= kMaxRings, "internode buffer: " << rings.size() << " rings; 1.."
                                                                                     << kMaxRings << " supported");
   rings_.clear();
@@ -149,6 +150,9 @@ void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) 
     std::copy(r.begin(), r.end(), f);
     rings_.push_back(uccl::ring_desc_from(f));
   }
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  int* claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim, failure_record));
 }
 
 void InternodeBuffer::check_ready(const char* what) const {
@@ -163,6 +167,17 @@ std::string InternodeBuffer::error() const {
   if (r->code <= 0) return "";
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
+
+void InternodeBuffer::abort(const std::string& op) {
+  UCCL_CHECK(nvl_ != nullptr, "abort: the internode buffer was destroyed");
+  UCCL_CHECK(opened_, "abort: the node peers' NVL buffers are not opened yet");
+  std::vector<int*> claims;
+  for (int j = 0; j < ranks_per_node_; ++j)
+    claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  publish_abort("internode buffer", device_, claims, rank_, local_, op);
+}
+
+std::pair<int, std::string> InternodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
 
 void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
                                       int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,

@@ -393,6 +393,7 @@ __global__ void __launch_bounds__(kDispatchThreads, 1) dispatch_kernel(DispatchA
     // an error pending (this rank's or a peer's: the layout and counts may be garbage): move nothing
     s_skip = error_pending(a.sig.claim) ||
              over_capacity(a.lay, a.sig, R, me, kPhaseDispatch, [&](int r) { return s_P[(R - 1) * R + r]; });
+    adopt_peer_error(a.sig.err, a.sig.claim);  // a peer's report (or abort) this rank's host must raise
     s_next = 0;
   }
   if (tid < R) {  // (own slot too, as the combine does; no dispatch reads it)
@@ -713,6 +714,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(CombineArgs
       for (int r = 0; r < R; ++r) total += count(s, r);
       return total;
     });
+    adopt_peer_error(a.sig.err, a.sig.claim);  // a peer's report (or abort) this rank's host must raise
     s_next = 0;
     s_got = 0;
   }

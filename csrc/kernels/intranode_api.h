@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace uccl_ep::intranode {
@@ -82,6 +83,10 @@ class IntranodeBuffer {
   // Device-side error record (timeouts, capacity): "" when none.
   std::string error() const;
   void clear_error();
+  // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and
+  // raises this rank's aborted record. abort_source: (rank, op) of an aborted record held here, else (-1, "").
+  void abort(const std::string& op);
+  std::pair<int, std::string> abort_source() const;
 
   // get_dispatch_layout: outputs must be zeroed int32 [R], int32 [E], and bool [N, R].
   void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int64_t out_per_rank,

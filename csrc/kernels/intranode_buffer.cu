@@ -3,6 +3,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "kernels/abort.h"
 #include "kernels/host_args.h"
 #include "kernels/ipc_handles.h"
 #include "kernels/launch.cuh"
@@ -132,6 +133,16 @@ void IntranodeBuffer::clear_error() {
     UCCL_CHECK_GPU(gpuMemset(claim_ptr(), 0, kPeerTableRel));  // claim word and board (not the peer table)
   }
 }
+
+void IntranodeBuffer::abort(const std::string& op) {
+  check_open("abort");
+  std::vector<int*> claims;
+  for (int r = 0; r < num_ranks_; ++r)
+    claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[r]) + kErrorClaimOffset));
+  publish_abort("intranode buffer", device_, claims, rank_, rank_, op);
+}
+
+std::pair<int, std::string> IntranodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
 
 int* IntranodeBuffer::claim_ptr() const {
   return reinterpret_cast<int*>(static_cast<char*>(base_) + kErrorClaimOffset);

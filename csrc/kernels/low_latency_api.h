@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/portability.h"
@@ -62,10 +63,17 @@ class LowLatencyBuffer {
 
   std::string ipc_handle() const;
   void open_peers(const std::vector<std::string>& handles);  // the node's ranks by local index (own ignored)
-  void set_rings(const std::vector<std::vector<int64_t>>& rings);
+  // failure_record: the proxies' failure record as the GPU sees it (Proxy::failure_record), which every wait polls
+  // (kept across clean()).
+  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record);
   void destroy();
   void clean();  // zero every signal, counter and area (the caller makes it collective)
   std::string error() const;
+  // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and
+  // raises this rank's aborted record; ranks on other nodes learn nothing from it (they time out).
+  // abort_source: (rank, op) of an aborted record held here, else (-1, "").
+  void abort(const std::string& op);
+  std::pair<int, std::string> abort_source() const;
 
   int64_t ptr() const { return reinterpret_cast<int64_t>(buf_); }
   int64_t bytes() const { return bytes_; }
@@ -103,6 +111,8 @@ class LowLatencyBuffer {
   void* err_host_ = nullptr;
   void* err_dev_ = nullptr;
   void* peers_[kMaxLocal] = {};
+  int64_t failure_record_ = 0;  // set_rings'
+  int* claim_ptr() const;       // the claim word (and the error words after it) in buf_
   bool opened_ = false;
   std::vector<uccl::RingDesc> rings_;
 };

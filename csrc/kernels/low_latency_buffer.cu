@@ -5,6 +5,7 @@
 #include <sstream>
 
 #include "common/check.h"
+#include "kernels/abort.h"
 #include "kernels/host_args.h"
 #include "kernels/ipc_handles.h"
 #include "kernels/low_latency_launch.cuh"
@@ -74,6 +75,7 @@ void LowLatencyBuffer::clean() {
   UCCL_CHECK_GPU(gpuMemset(buf_, 0, size_t(bytes_)));
   std::memset(flags_host_, 0, size_t(8 * flag_words_));
   std::memset(err_host_, 0, sizeof(ErrorRecord));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim_ptr(), failure_record_));
   UCCL_CHECK_GPU(gpuDeviceSynchronize());
 }
 
@@ -101,7 +103,7 @@ void LowLatencyBuffer::open_peers(const std::vector<std::string>& handles) {
   opened_ = true;
 }
 
-void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings) {
+void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record) {
   UCCL_CHECK((int)rings.size() <= kMaxRings, "low-latency buffer: " << rings.size() << " rings; at most " << kMaxRings);
   rings_.clear();
   for (const auto& r : rings) {
@@ -110,6 +112,9 @@ void LowLatencyBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings)
     std::copy(r.begin(), r.end(), f);
     rings_.push_back(uccl::ring_desc_from(f));
   }
+  failure_record_ = failure_record;
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  UCCL_CHECK_GPU(intranode::set_proxy_failure(claim_ptr(), failure_record_));
 }
 
 void LowLatencyBuffer::destroy() {
@@ -141,6 +146,20 @@ std::string LowLatencyBuffer::error() const {
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, per_node, timeout_s_});
 }
 
+int* LowLatencyBuffer::claim_ptr() const {
+  return reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset);
+}
+
+void LowLatencyBuffer::abort(const std::string& op) {
+  UCCL_CHECK(buf_ != nullptr, "abort: the low-latency buffer was destroyed");
+  std::vector<int*> claims;  // the node peers mapped here (none when NVLink is not used for LL: own only)
+  for (int j = 0; j < ranks_per_node_; ++j)
+    if (peers_[j] != nullptr) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  publish_abort("low-latency buffer", device_, claims, rank_, rank_ % ranks_per_node_, op);
+}
+
+std::pair<int, std::string> LowLatencyBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
+
 void LowLatencyBuffer::check_ready(const char* what) const {
   UCCL_CHECK(buf_ != nullptr, what << ": the low-latency buffer was destroyed");
   UCCL_CHECK(opened_ || ranks_per_node_ == 1, what << ": the node peers' buffers are not opened yet");
@@ -164,7 +183,7 @@ Args LowLatencyBuffer::make_args(const std::vector<int64_t>& layout, int num_exp
   a.timeout_cycles = timeout_cycles_;
   a.ring_spins = (unsigned long long)(timeout_s_ * 1e6) + 1;  // a host-tail poll is >= ~1 us over PCIe
   a.err = static_cast<ErrorRecord*>(err_dev_);
-  a.claim = reinterpret_cast<int*>(static_cast<char*>(buf_) + kClaimOffset);
+  a.claim = claim_ptr();
   a.buf = static_cast<char*>(buf_);
   a.host_flags = static_cast<uint64_t*>(flags_dev_);
   for (int j = 0; j < ranks_per_node_; ++j) a.peers[j] = static_cast<char*>(peers_[j]);

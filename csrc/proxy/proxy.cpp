@@ -15,8 +15,12 @@
 
 #include "common/check.h"
 #include "common/env.h"
+#include "common/errors.h"
 
 namespace uccl {
+
+// The failure record after the signal words: the kernels' ErrorRecord (8 ints, kernels/device_utils.cuh).
+constexpr size_t kFailureRecordBytes = 8 * sizeof(int);
 
 using Clock = std::chrono::steady_clock;
 
@@ -235,7 +239,11 @@ void ProxyThread::run() {
         continue;
       }
       ++idle;
-      if ((idle & 1023) == 0) check_timeouts();
+      if ((idle & 1023) == 0) {
+        check_timeouts();
+        if (index_ == 0 && p_->abort_op_.load(std::memory_order_relaxed) >= 0)
+          tell_peers(uccl_ep::kErrAborted, p_->abort_op_.exchange(-2));
+      }
       // Sleep only when truly idle: nothing in flight, nothing held back, ring empty.
       if (p_->cfg_.adaptive_sleep && idle > 2048 && inflight_total_ == 0 && !fault_.holding()) {
         std::this_thread::sleep_for(std::chrono::microseconds(sleep_us));
@@ -249,7 +257,9 @@ void ProxyThread::run() {
     std::ostringstream os;
     os << "rank " << p_->cfg_.rank << " proxy thread " << index_ << ": " << e.what();
     p_->set_error(os.str());
-    failed = true;
+    p_->record_failure(p_->cfg_.rank, uccl_ep::kErrProxyFailed, index_);  // after the text: a kernel that stops
+    failed = true;                                                        // on the record finds it
+    tell_peers(uccl_ep::kErrProxyFailed, index_);
   }
   // A thread stopped by an error stays silent until stop(): its peers see what a crashed thread shows them.
   while (!stop_.load(std::memory_order_relaxed)) std::this_thread::sleep_for(std::chrono::milliseconds(1));
@@ -388,6 +398,12 @@ void ProxyThread::on_completions(const Completion* in, int n) {
   }
   if (!scratch_.empty()) last_progress_ = Clock::now();
   for (const Completion& c : scratch_) {
+    if (c.kind == Completion::kLocal && c.wr_id == kUntrackedWr) continue;  // a failure message's send
+    if (c.kind == Completion::kFailure) {  // a peer's proxy stopped, or the peer aborted: stop this rank's waits
+      const int code = int(c.value & 0xff), block = int(c.value >> 8);
+      if (code == uccl_ep::kErrProxyFailed || code == uccl_ep::kErrAborted) p_->record_failure(c.peer, code, block);
+      continue;
+    }
     if (c.kind == Completion::kLocal) {
       auto it = posted_.find(c.wr_id);
       if (it == posted_.end()) UCCL_THROW("completion for unknown work request " << c.wr_id);
@@ -495,8 +511,12 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
     // allocate them on the GPU's NUMA node (pages land on the node of the allocating thread). Only the
     // allocations run under this affinity: threads created later must not inherit it.
     AffinityScope near_gpu(cpus);
-    sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long), cfg.gpu);
+    sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long) + kFailureRecordBytes, cfg.gpu);
   }
+  const size_t fail_off = (2 * n + size_t(cfg.world)) * sizeof(unsigned long long);
+  fail_host_ = reinterpret_cast<int*>(sig_mem_.host() + fail_off);
+  fail_dev_ = reinterpret_cast<int*>(sig_mem_.device() + fail_off);
+  std::memset(fail_host_, 0, kFailureRecordBytes);
   auto fill = [&](SignalBlock& s, char* base) {
     auto* p = reinterpret_cast<unsigned long long*>(base);
     s.seq_tail = p;
@@ -703,6 +723,55 @@ std::string Proxy::error() const {
   if (!failed_.load(std::memory_order_acquire)) return "";
   std::lock_guard<std::mutex> l(err_mu_);
   return error_;
+}
+
+uint64_t Proxy::failure_record(bool device) const {
+  return reinterpret_cast<uint64_t>(device ? fail_dev_ : fail_host_);
+}
+
+void Proxy::record_failure(int rank, int code, int block) {
+  if (failure_recorded_.exchange(true)) return;  // the first failure names it
+  volatile int* r = fail_host_;
+  r[1] = rank;
+  r[2] = rank;  // (the peer, when one is to blame, is in the failing thread's error text)
+  r[3] = block;
+  r[4] = r[5] = r[6] = r[7] = 0;
+  std::atomic_thread_fence(std::memory_order_seq_cst);  // the fields before the code the GPU polls
+  r[0] = code;
+  std::atomic_thread_fence(std::memory_order_seq_cst);
+}
+
+void Proxy::abort(int op) {
+  UCCL_CHECK(op >= 0 && op < uccl_ep::kNumAbortOps, "proxy abort: op " << op << " outside [0, " << uccl_ep::kNumAbortOps << ")");
+  int none = -1;
+  abort_op_.compare_exchange_strong(none, op);
+}
+
+namespace {
+// A failure as Completion::kFailure's value: code in the low 8 bits, block above.
+int64_t encode_failure(int code, int block) { return int64_t(code & 0xff) | (int64_t(block) << 8); }
+}  // namespace
+
+void ProxyThread::tell_peers(int code, int block) {
+  const int64_t v = encode_failure(code, block);
+  for (int peer = 0; peer < p_->cfg_.world; ++peer) {
+    if (peer == p_->cfg_.rank) continue;
+    try {
+      transport_->send_failure(peer, v);
+    } catch (const std::exception&) {  // that peer (or the link) is the failure: the others still hear of it
+    }
+  }
+  // Progress for a moment (some providers move messages only while polled); what arrives is dropped: a failed
+  // thread's traffic is lost anyway, and an aborting rank's peers stop on the record.
+  const auto until = Clock::now() + std::chrono::milliseconds(20);
+  Completion c[64];
+  while (Clock::now() < until) {
+    try {
+      transport_->poll(c, 64);
+    } catch (const std::exception&) {
+      break;
+    }
+  }
 }
 
 void Proxy::set_error(const std::string& e) {

@@ -136,6 +136,9 @@ class ProxyThread {
   bool handle(const Command& c, bool* stall, uint64_t pickup_ticks);
   void on_completions(const Completion* c, int n);
   void reject(const Command& c, const std::string& why);
+  // Sends (code, block) to every peer's proxy over this thread's endpoint (Transport::send_failure), then keeps
+  // the endpoint progressing for a moment so the messages leave; unreachable peers are skipped.
+  void tell_peers(int code, int block);
   void check_timeouts();
 
   Proxy* p_;
@@ -199,6 +202,17 @@ class Proxy {
   // First error recorded by any proxy thread, "" if none.
   std::string error() const;
   void set_error(const std::string& e);
+  // The failure record (8 ints, the kernels' ErrorRecord layout: kErrProxyFailed, rank, peer, thread, ...) in
+  // pinned host memory, which a stopping thread fills (record_failure) and the kernels' waits poll (the
+  // buffers' set_rings): its address on the host, or as the GPU sees it (== host without a GPU).
+  uint64_t failure_record(bool device) const;
+  // Fills the record (the first call only): `rank`'s proxy thread `block` stopped (code kErrProxyFailed), or
+  // `rank` aborted call kAbortOps[block] (kErrAborted); this rank's own failures also go to every peer
+  // (ProxyThread::tell_peers), whose proxies fill their records with it.
+  void record_failure(int rank, int code, int block);
+  // This rank aborted call kAbortOps[op] (Buffer, issue #42): thread 0 tells every peer's proxy at its next idle
+  // check (microseconds), so the other nodes' kernels stop too.
+  void abort(int op);
   ProxyStats stats() const;
   std::vector<int> thread_cpus() const;
 
@@ -227,6 +241,10 @@ class Proxy {
   mutable std::mutex err_mu_;
   std::string error_;
   std::atomic<bool> failed_{false};
+  std::atomic<bool> failure_recorded_{false};
+  std::atomic<int> abort_op_{-1};  // abort(): the op thread 0 is to announce, -1 none (then -2: announced)
+  int* fail_host_ = nullptr;  // in sig_mem_, after the signal words
+  int* fail_dev_ = nullptr;
 };
 
 // Cores near `gpu` (its NUMA node), intersected with this process's allowed CPUs; all allowed CPUs when

@@ -318,6 +318,10 @@ void register_proxy(py::module_& m) {
            },
            py::arg("device") = false)
       .def("error", &Proxy::error)
+      .def("failure_record", &Proxy::failure_record, py::arg("device"),
+           "address of the failure record a stopping thread fills (device=True: as the GPU sees it)")
+      .def("abort", &Proxy::abort, py::arg("op"), "tell every peer's proxy that this rank aborted call ABORT_OPS[op]")
+      .def("failure_code", [](const Proxy& p) { return *reinterpret_cast<const volatile int*>(p.failure_record(false)); })
       .def("stats", [](const Proxy& p) { return stats_dict(p.stats()); })
       .def("thread_cpus", &Proxy::thread_cpus);
 

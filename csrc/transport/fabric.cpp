@@ -417,6 +417,10 @@ class FabricTransport final : public Transport {
     send_ctrl(peer, region == kNoRegion ? Completion::kMarker : Completion::kAtomic, imm, region, remote_off, value, wr_id);
   }
 
+  void send_failure(int peer, int64_t value) override {
+    send_ctrl(peer, Completion::kFailure, 0, kNoRegion, 0, value, kUntrackedWr);
+  }
+
   int poll(Completion* out, int max) override {
     int n = 0;
     while (n < max && !backlog_.empty()) {

@@ -160,6 +160,14 @@ class IpcTransport final : public Transport {
     backlog_.push_back(l);
   }
 
+  void send_failure(int peer, int64_t value) override {
+    Completion c;
+    c.kind = Completion::kFailure;
+    c.peer = o_.rank;
+    c.value = value;
+    deliver(peer, c);
+  }
+
   int poll(Completion* out, int max) override {
     int n = 0;
     while (n < max && !backlog_.empty()) {

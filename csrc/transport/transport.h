@@ -51,6 +51,7 @@ struct Completion {
     kArrival = 1,  // a write with immediate from `peer` landed here
     kAtomic = 2,   // an emulated atomic from `peer`: apply region[offset] += value in sequence order
     kMarker = 3,   // a sequenced marker (no memory effect): barrier
+    kFailure = 4,  // unsequenced: `peer`'s proxy failed or its rank aborted a call (value: send_failure's)
   };
   Kind kind = kLocal;
   int peer = -1;
@@ -60,6 +61,9 @@ struct Completion {
   uint64_t offset = 0;
   int64_t value = 0;
 };
+
+// wr_id of what a transport posts for itself (send_failure): its local completion is not the caller's.
+constexpr uint64_t kUntrackedWr = ~0ull;
 
 // Region as registered locally.
 struct LocalRegion {
@@ -86,6 +90,10 @@ class Transport {
   // region == kNoRegion: a sequenced marker with no memory effect.
   virtual void atomic_add(int peer, uint32_t region, uint64_t remote_off, int64_t value, uint32_t imm,
                           uint64_t wr_id) = 0;
+  // Tells `peer` (unsequenced, over the same control path as atomics) that this rank failed: its proxy thread
+  // stopped, or it aborted a call; `value` is the proxy's encoding (Proxy::record_failure). Best effort: the
+  // caller ignores a peer it cannot reach. Its local completion, if any, carries kUntrackedWr.
+  virtual void send_failure(int peer, int64_t value) = 0;
   // Drains up to `max` completions (local and remote).
   virtual int poll(Completion* out, int max) = 0;
   // How many low bits of an arrival's sequence number survive the wire: the ordering emulation compares

@@ -422,11 +422,22 @@ class VerbsTransport final : public Transport {
       post(peer, &m);
       return;
     }
+    send_ctrl(peer, region == kNoRegion ? Completion::kMarker : Completion::kAtomic, imm, region, remote_off, value,
+              wr_id);
+  }
+
+  void send_failure(int peer, int64_t value) override {
+    send_ctrl(peer, Completion::kFailure, 0, kNoRegion, 0, value, kUntrackedWr);
+  }
+
+  // A control message (emulated atomic, marker, failure) in a send slot of its own.
+  void send_ctrl(int peer, uint32_t kind, uint32_t imm, uint32_t region, uint64_t remote_off, int64_t value,
+                 uint64_t wr_id) {
     if (free_send_.empty()) drain_for_send_slot(peer);
     int slot = free_send_.back();
     free_send_.pop_back();
     CtrlMsg& c = ctrl_[size_t(recv_slots_) + size_t(slot)];
-    c.kind = region == kNoRegion ? Completion::kMarker : Completion::kAtomic;
+    c.kind = kind;
     c.imm = imm;
     c.region = region;
     c.src = o_.rank;

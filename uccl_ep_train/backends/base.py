@@ -174,6 +174,20 @@ class Backend(abc.ABC):
         """Raise RuntimeError if one of this backend's kernels recorded an error (cheap: no GPU sync). The
         reference backend's failures raise on the call itself."""
 
+    def abort(self, op: str) -> bool:
+        """This rank raised inside call `op` after its peers may have started it: tell them, so that their waits
+        end now instead of at UCCL_EP_TIMEOUT_S. False: this backend cannot (the reference backend's
+        collectives fail through the process group's own timeout)."""
+        return False
+
+    def recorded_error(self) -> Optional[str]:
+        """The error this backend's kernels or proxies recorded (they told the peers), once raised; else None."""
+        return None
+
+    def aborted_by(self) -> Optional[tuple[int, str]]:
+        """(rank, op) when this backend's kernels stopped on a peer's abort (`abort`), else None."""
+        return None
+
     def occupied_sms(self, config: Config, expert_major: bool) -> Optional[dict]:
         """SMs one high-throughput call with `config` occupies while it runs: {"communication": its
         communication SMs, "side": the most blocks beside them the call adds (expert-major calls: the

@@ -184,7 +184,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
                     d = self._proxy.ring_desc(t, device=True)
                     rings.append([d["slots"], d["claim"], d["tail_cache"], d["tail"], d["flushed"], d["echo"],
                                   d["capacity"], 1 if d["publish"] == "vector" else 0])
-                self._buf.set_rings(rings)
+                self._buf.set_rings(rings, self._proxy.failure_record(device=True))
         self._fnuz = fp8_dtype_for(device) == torch.float8_e4m3fnuz
         self._send, self._recv = int(self._native.LL_SEND_PHASE), int(self._native.LL_RECV_PHASE)
 

@@ -214,6 +214,32 @@ class RaisesRecordedErrors:
         """Raise if a kernel or a proxy thread recorded an error; cheap (reads host memory)."""
         self._check()
 
+    def recorded_error(self) -> Optional[str]:
+        return self._failed
+
+    def abort(self, op: str) -> bool:
+        """Writes this rank's aborted record into every node peer's buffer (the native buffer's abort: the copy
+        engine, bounded); the backend is unusable afterwards, like after any recorded error."""
+        if self._buf is None:
+            return False
+        if self._proxy is not None:  # the other nodes, through the proxies (before the slower copies)
+            self._proxy.abort(op)
+        self._buf.abort(op)
+        if self._failed is None:
+            self._failed = f"this rank aborted '{op}'"
+        return True
+
+    def aborted_by(self) -> Optional[tuple[int, str]]:
+        if self._buf is None:
+            return None
+        rank, op = self._buf.abort_source()
+        return (int(rank), str(op)) if rank >= 0 else None
+
+
+def abort_sentence(rank: int, op: str, message: Optional[str]) -> str:
+    """What a rank raises when `rank` aborted `op` (`message`: the text it raised; None: not known here)."""
+    return _module().rank_aborted(rank, op, message or "")
+
 
 def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
