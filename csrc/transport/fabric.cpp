@@ -22,6 +22,7 @@
 #include <cstring>
 #include <deque>
 #include <map>
+#include <optional>
 
 #include "common/check.h"
 #include "common/env.h"
@@ -52,6 +53,9 @@ struct CtrlMsg {
 // The last message an endpoint sends each peer (FabricTransport::quiesce): everything it posted completed
 // and it posts nothing more. Never reported as a completion.
 constexpr uint32_t kCtrlBye = 0xb7e;
+// How long one post, or a wait for a free control slot, retries on FI_EAGAIN (progressing meanwhile) before it
+// fails: a peer that stopped draining its receives.
+constexpr double kPostRetryS = 30.0;
 
 enum CtxType : uint32_t { kCtxWrite = 1, kCtxSend = 2, kCtxRecv = 3 };
 
@@ -259,7 +263,10 @@ class FabricTransport final : public Transport {
   // read meanwhile are dropped: the proxy thread has stopped.
   std::string quiesce(double timeout_s) override {
     if (closed_ || !ep_) return "";
-    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+    const auto deadline = std::chrono::steady_clock::now() +
+                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                              std::chrono::duration<double>(timeout_s));
+    stop_deadline_ = deadline;  // the goodbyes' sends retry no longer than the quiesce may take
     size_t peers = 0;
     for (int p = 0; p < opts_.world; ++p) peers += connected_[p] ? 1 : 0;
     try {
@@ -568,12 +575,14 @@ class FabricTransport final : public Transport {
       backlog_.push_back(a);
       return;
     }
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = post_deadline(start);
     while (free_send_.empty()) {  // progress until a send slot frees up
       Completion tmp[64];
       int n = read_cq(tmp, 64);
       for (int i = 0; i < n; ++i) backlog_.push_back(tmp[i]);
-      if (std::chrono::steady_clock::now() > deadline) UCCL_THROW("fabric: no free control slot for 30 s (peer " << peer << ")");
+      if (std::chrono::steady_clock::now() > deadline)
+        UCCL_THROW("fabric: no free control slot for " << seconds_since(start) << " s (peer " << peer << ")");
     }
     int slot = free_send_.back();
     free_send_.pop_back();
@@ -595,7 +604,8 @@ class FabricTransport final : public Transport {
   // Posts with retry on -FI_EAGAIN, driving progress in between (completions go to the backlog).
   template <typename F>
   void post_retry(F&& post, const char* what, int peer) {
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    const auto start = std::chrono::steady_clock::now();
+    const auto deadline = post_deadline(start);
     for (;;) {
       ssize_t rc = post();
       if (rc == 0) return;
@@ -604,8 +614,21 @@ class FabricTransport final : public Transport {
       int n = read_cq(tmp, 64);
       for (int i = 0; i < n; ++i) backlog_.push_back(tmp[i]);
       if (std::chrono::steady_clock::now() > deadline)
-        UCCL_THROW("fabric: " << what << " to peer " << peer << " kept returning FI_EAGAIN for 30 s");
+        UCCL_THROW("fabric: " << what << " to peer " << peer << " kept returning FI_EAGAIN for " << seconds_since(start)
+                              << " s");
     }
+  }
+
+  // How long a post (or a wait for a control slot) begun at `start` may retry: kPostRetryS, or less while
+  // quiesce() runs (its own deadline bounds everything it calls).
+  std::chrono::steady_clock::time_point post_deadline(std::chrono::steady_clock::time_point start) const {
+    const auto own = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(kPostRetryS));
+    return stop_deadline_ && *stop_deadline_ < own ? *stop_deadline_ : own;
+  }
+
+  static double seconds_since(std::chrono::steady_clock::time_point start) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   }
 
   int read_cq(Completion* out, int max) {
@@ -754,6 +777,8 @@ class FabricTransport final : public Transport {
   std::vector<fi_addr_t> peers_;
   std::vector<char> connected_;  // per rank: connect() inserted its address (this rank itself excluded)
   std::vector<char> bye_from_;   // per rank: its goodbye arrived (quiesce)
+  // set by quiesce(): no post or control-slot wait retries past it
+  std::optional<std::chrono::steady_clock::time_point> stop_deadline_;
   size_t byes_ = 0;
   std::vector<std::vector<RegionKey>> remote_;
   std::vector<CtrlMsg> ctrl_;
