@@ -196,7 +196,8 @@ def test_tiny_recipe_trains_on_cpu_ranks_through_the_launcher(tmp_path):
                    UCCL_SOCKET_IFNAME="lo")                # loopback only
     if importlib.util.find_spec("uccl_ep_train.apps.doctor") is None:
         env["UCCL_SKIP_DOCTOR"] = "1"   # the pre-flight command is not there yet
-    res = subprocess.run(["bash", str(LAUNCH), "tiny", "--entry", "train", "--", "--steps", "20",
+    # --lr 3e-3 (3x the recipe's): the loss falls by a fifth within the 20 steps this test can afford
+    res = subprocess.run(["bash", str(LAUNCH), "tiny", "--entry", "train", "--", "--steps", "20", "--lr", "3e-3",
                           "--log-every", "5", "--json", str(log)],
                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, (res.stdout[-2000:], res.stderr[-4000:])
