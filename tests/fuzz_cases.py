@@ -4,9 +4,10 @@ A seed fixes one node layout (1..4 nodes x 1..4 ranks per node, UCCL_EP_RANKS_PE
 cases on it, so one spawn of the ranks runs them all. Each case is a `FuzzCase`: every argument of the calls
 it makes (token counts per rank, hidden, top-k, experts, routing, FP8, combine dtype, weights, biases,
 num_worst_tokens, expert_alignment, expert_capacity (also below a source's tokens: OVERFLOWS), cached,
-stream mode, LL hook / zero-copy / scale modes, proxy fault injection), drawn only where the API accepts the combination (uccl_ep_train/validation.py, buffer.py and the
-kernels' row-size rules), and a one-line reproduction (`repro`). The inputs of a rank (`rank_inputs`) are a
-pure function of (case, rank), so any rank can recompute any other rank's routing for the dense checks.
+stream mode, LL hook / zero-copy / scale modes, proxy fault injection), drawn only where the API accepts the
+combination (uccl_ep_train/validation.py, buffer.py and the kernels' row-size rules), and a one-line
+reproduction (`repro`). The inputs of a rank (`rank_inputs`) are a pure function of (case, rank), so any
+rank can recompute any other rank's routing for the dense checks.
 
 Sizes are bounded (SIZE_BUDGET, LL_BYTES_BUDGET) so a case of 16 ranks sharing one GPU, with the reference
 backend on their CPU copies, takes seconds: the extremes (4096 tokens, hidden 7168, 288 experts) are drawn,
@@ -20,7 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from uccl_ep_train.backends.low_latency import low_latency_layout
-from oracle import drop_over_capacity
+from oracle import capacity_overflows, drop_over_capacity
 from uccl_ep_train.fp8 import FP8_BLOCK
 
 CASES_PER_SEED = 8
@@ -132,6 +133,24 @@ def seeds_with(count: int, max_world: int, first: int = 0) -> list[int]:
     while len(out) < count:
         n, per_node = layout_of(seed)
         if n * per_node <= max_world:
+            out.append(seed)
+        seed += 1
+    return out
+
+
+def overflowing(c: FuzzCase) -> bool:
+    """Whether case `c` overflows a capacity block (overflow "error" whose routing sends some expert more
+    tokens from one source than its capacity): every rank must then raise the capacity error."""
+    return c.overflow == "error" and bool(
+        capacity_overflows([rank_routing(c, r) for r in range(c.world)], c.experts, c.expert_capacity))
+
+
+def seeds_overflowing(count: int, max_world: int, first: int = 0) -> list[int]:
+    """The first `count` seeds from `first` of at most `max_world` ranks with an overflowing case."""
+    out, seed = [], first
+    while len(out) < count:
+        nodes, per_node = layout_of(seed)
+        if nodes * per_node <= max_world and any(overflowing(c) for c in generate(seed)):
             out.append(seed)
         seed += 1
     return out
