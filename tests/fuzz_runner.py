@@ -5,15 +5,17 @@ UCCL_EP_RANKS_PER_NODE for the emulated nodes, so bytes between nodes go through
 runs the seed's cases in order on native Buffers, the same calls on a reference Buffer over CPU copies of its
 inputs, and compares: dispatch outputs and handle items bit for bit, combine within the dtype's reduction
 tolerance. Both are also checked against a dense oracle computed from every rank's inputs (which every rank
-regenerates from the case): received row counts, per-expert counts, LL rows and combine sums. On CPU
-(`sut="reference"`) the same cases run with the reference backend as the system under test, so CI covers
-the generator, the runner and the oracle without a GPU.
+regenerates from the case): received row counts, per-expert counts, capacity-layout rows, LL rows and combine
+sums; a case whose expert capacity overflows a block (fuzz_cases.OVERFLOWS "error") must raise the capacity
+error on every rank, naming a block the oracle says overflows. On CPU (`sut="reference"`) the same cases run
+with the reference backend as the system under test, so CI covers the generator, the runner and the oracle
+without a GPU.
 
 A failing case raises AssertionError starting with its one-line repro (`scripts/fuzz_gpu.sh --seed S --case
 K`); the ranks stop at the first failure of a seed (their state no longer agrees). Consecutive HT and
-expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL case
-runs on Buffers of its own, the shared one destroyed first), so a failure that does not reproduce alone
-reproduces with `--seed S` (every case of the seed).
+expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL,
+fault-injection or capacity "error" case runs on Buffers of its own, the shared one destroyed first), so a
+failure that does not reproduce alone reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
     python tests/fuzz_runner.py --seeds N [--first S] [--minutes M] [--cases C]
