@@ -3,10 +3,11 @@
 A seed fixes one node layout (1..4 nodes x 1..4 ranks per node, UCCL_EP_RANKS_PER_NODE) and CASES_PER_SEED
 cases on it, so one spawn of the ranks runs them all. Each case is a `FuzzCase`: every argument of the calls
 it makes (token counts per rank, hidden, top-k, experts, routing, FP8, combine dtype, weights, biases,
-num_worst_tokens, expert_alignment, cached, stream mode, LL hook / zero-copy / scale modes, proxy fault
-injection), drawn only where the API accepts the combination (uccl_ep_train/validation.py, buffer.py and the
-kernels' row-size rules), and a one-line reproduction (`repro`). The inputs of a rank (`rank_inputs`) are a
-pure function of (case, rank), so any rank can recompute any other rank's routing for the dense checks.
+num_worst_tokens, expert_alignment, expert_capacity (also below a source's tokens: OVERFLOWS), cached,
+stream mode, LL hook / zero-copy / scale modes, proxy fault injection), drawn only where the API accepts the
+combination (uccl_ep_train/validation.py, buffer.py and the kernels' row-size rules), and a one-line
+reproduction (`repro`). The inputs of a rank (`rank_inputs`) are a pure function of (case, rank), so any
+rank can recompute any other rank's routing for the dense checks.
 
 Sizes are bounded (SIZE_BUDGET, LL_BYTES_BUDGET) so a case of 16 ranks sharing one GPU, with the reference
 backend on their CPU copies, takes seconds: the extremes (4096 tokens, hidden 7168, 288 experts) are drawn,
@@ -20,6 +21,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from uccl_ep_train.backends.low_latency import low_latency_layout
+from oracle import capacity_overflows, drop_over_capacity
 from uccl_ep_train.fp8 import FP8_BLOCK
 
 CASES_PER_SEED = 8
@@ -41,6 +43,13 @@ ROUTINGS = ("uniform", "skewed", "one_rank", "one_node", "idle_ranks", "idle_nod
 COMBINE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 STREAM_MODES = ("sync", "async", "previous_event")
 ALIGNMENTS = (1, 2, 4, 16, 128)
+# expert capacities below a source's tokens (issues #42 / #47): "drop": each rank's router keeps, per expert,
+# its first expert_capacity tokens and drops the rest (Megatron's capacity factor, megatron_patch's receive
+# budget), so blocks fill up to exactly the capacity; "error": the routing goes as it is and the oracle says
+# which blocks overflow: then every rank must raise the capacity error naming one of them (docs/api.md).
+# "error" is drawn on one node only: the internode backend checks the capacity on the receiving rank after
+# the data moved (base.Backend.dispatch_expert_major), so its peers do not raise it.
+OVERFLOWS = ("drop", "error")
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ class FuzzCase:
     ue8m0: bool
     zero_copy: bool
     fault: str  # UCCL_EP_FAULT for this case's native Buffer ("" none; several nodes only)
+    overflow: str  # capacity layouts: "" fits, "drop" or "error" (OVERFLOWS)
 
     @property
     def world(self) -> int:
@@ -123,6 +133,24 @@ def seeds_with(count: int, max_world: int, first: int = 0) -> list[int]:
     while len(out) < count:
         n, per_node = layout_of(seed)
         if n * per_node <= max_world:
+            out.append(seed)
+        seed += 1
+    return out
+
+
+def overflowing(c: FuzzCase) -> bool:
+    """Whether case `c` overflows a capacity block (overflow "error" whose routing sends some expert more
+    tokens from one source than its capacity): every rank must then raise the capacity error."""
+    return c.overflow == "error" and bool(
+        capacity_overflows([rank_routing(c, r) for r in range(c.world)], c.experts, c.expert_capacity))
+
+
+def seeds_overflowing(count: int, max_world: int, first: int = 0) -> list[int]:
+    """The first `count` seeds from `first` of at most `max_world` ranks with an overflowing case."""
+    out, seed = [], first
+    while len(out) < count:
+        nodes, per_node = layout_of(seed)
+        if nodes * per_node <= max_world and any(overflowing(c) for c in generate(seed)):
             out.append(seed)
         seed += 1
     return out
@@ -193,7 +221,7 @@ def _case(seed: int, index: int, nodes: int, per_node: int) -> FuzzCase:
     holes = rng.choice((0.0, 0.0, 0.1, 0.5))
 
     max_tokens, hook, round_scale, zero_copy, repeated = 0, False, False, False, False
-    worst, alignment, capacity, cached, stream = 0, 1, 0, False, "sync"
+    worst, alignment, capacity, cached, stream, overflow = 0, 1, 0, False, "sync", ""
     weights, bias, combine_dtype = True, 0, "bf16"
     if kind == "ll":
         repeated = rng.random() < 0.3
@@ -216,21 +244,32 @@ def _case(seed: int, index: int, nodes: int, per_node: int) -> FuzzCase:
             alignment = rng.choice(ALIGNMENTS)
             if rng.random() < 0.3:  # at least every token of every rank: never too few
                 worst = max(1, sum(tokens)) + rng.choice((0, 0, 5))
-        elif rng.random() < 0.35 and max(tokens) * experts * hidden <= EXPERT_MAJOR_ROWS_BUDGET:
-            capacity = max(1, max(tokens)) + rng.choice((0, 3))  # a source sends a token to an expert once
-            worst = max(1, sum(tokens)) + rng.choice((0, 5))
+        elif rng.random() < 0.35:
+            overflow = rng.choice(("",) + (OVERFLOWS if nodes == 1 else OVERFLOWS[:1]))
+            fits = EXPERT_MAJOR_ROWS_BUDGET // (experts * hidden)  # the largest capacity within the budget
+            if overflow and max(tokens) > 1 and fits:
+                # log-uniform up to twice a source's mean tokens per expert: blocks tight, full or overflowing
+                top = min(max(tokens) - 1, 2 * (max(tokens) * topk // experts + 1), fits)
+                capacity = max(1, min(top, int(2 ** rng.uniform(0, top.bit_length()))))
+            else:
+                overflow = ""
+                if max(tokens) * experts * hidden <= EXPERT_MAJOR_ROWS_BUDGET:
+                    capacity = max(1, max(tokens)) + rng.choice((0, 3))  # a source sends a token to an expert once
+            if capacity:
+                worst = max(1, sum(tokens)) + rng.choice((0, 5))
     fault = ""
     if nodes > 1 and rng.random() < 0.25:
         fault = f"reorder={rng.choice((0.1, 0.3, 0.6))},delay_us={rng.choice((0, 20, 50))},seed={rng.randrange(1000)}"
     return FuzzCase(seed, index, nodes, per_node, kind, tuple(tokens), hidden, topk, experts, routing, dest, hot,
                     holes, repeated, fp8, combine_dtype, weights, bias, worst, alignment, capacity, cached, stream,
-                    max_tokens, hook, round_scale, ue8m0, zero_copy, fault)
+                    max_tokens, hook, round_scale, ue8m0, zero_copy, fault, overflow)
 
 
 def rank_routing(c: FuzzCase, rank: int) -> torch.Tensor:
     """topk_idx int64 [tokens[rank], topk] of `rank` (CPU): per token min(topk, choices) distinct experts of
     the ranks it may pick (`hot_ranks` for 4 tokens of 5 when skewed), -1 for the other slots and holes; with
-    `repeated`, some slots repeat the slot before."""
+    `repeated`, some slots repeat the slot before; with overflow "drop", the selections past their expert's
+    capacity are dropped (-1), as the router does (oracle.drop_over_capacity)."""
     T, K, local = c.tokens[rank], c.topk, c.experts // c.world
     g = torch.Generator().manual_seed(_seed(c, rank, 1))
     idx = torch.full((T, K), -1, dtype=torch.int64)
@@ -257,6 +296,8 @@ def rank_routing(c: FuzzCase, rank: int) -> torch.Tensor:
         again = torch.rand((T, K - 1), generator=g) < 0.3
         for j in range(1, K):
             idx[:, j] = torch.where(again[:, j - 1] & (idx[:, j - 1] >= 0), idx[:, j - 1], idx[:, j])
+    if c.overflow == "drop":
+        idx = drop_over_capacity(idx, c.experts, c.expert_capacity)
     return idx
 
 
@@ -305,6 +346,10 @@ def check_case(c: FuzzCase) -> None:
     if c.kind == "expert_major":
         need(not c.fp8 and c.bias == 0 and c.expert_alignment == 1, "expert-major takes no FP8 / bias / alignment")
         need(bool(c.num_worst_tokens) == bool(c.expert_capacity), "expert-major num_worst_tokens without capacity")
-        need(not c.expert_capacity or c.expert_capacity >= max(c.tokens), "expert_capacity below a source's rows")
+        need(not c.expert_capacity or c.overflow or c.expert_capacity >= max(c.tokens),
+             "expert_capacity below a source's rows without overflow drop / error")
+    need(not c.overflow or (c.overflow in OVERFLOWS and c.kind == "expert_major" and 0 < c.expert_capacity),
+         "overflow without a capacity layout")
+    need(c.overflow != "error" or c.nodes == 1, "overflow error between nodes (raised on the receiver only)")
     need(sum(c.tokens) * c.hidden <= SIZE_BUDGET or c.kind == "ll", "over the size budget")
 

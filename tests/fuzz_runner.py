@@ -5,15 +5,17 @@ UCCL_EP_RANKS_PER_NODE for the emulated nodes, so bytes between nodes go through
 runs the seed's cases in order on native Buffers, the same calls on a reference Buffer over CPU copies of its
 inputs, and compares: dispatch outputs and handle items bit for bit, combine within the dtype's reduction
 tolerance. Both are also checked against a dense oracle computed from every rank's inputs (which every rank
-regenerates from the case): received row counts, per-expert counts, LL rows and combine sums. On CPU
-(`sut="reference"`) the same cases run with the reference backend as the system under test, so CI covers
-the generator, the runner and the oracle without a GPU.
+regenerates from the case): received row counts, per-expert counts, capacity-layout rows, LL rows and combine
+sums; a case whose expert capacity overflows a block (fuzz_cases.OVERFLOWS "error") must raise the capacity
+error on every rank, naming a block the oracle says overflows. On CPU (`sut="reference"`) the same cases run
+with the reference backend as the system under test, so CI covers the generator, the runner and the oracle
+without a GPU.
 
 A failing case raises AssertionError starting with its one-line repro (`scripts/fuzz_gpu.sh --seed S --case
 K`); the ranks stop at the first failure of a seed (their state no longer agrees). Consecutive HT and
-expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL case
-runs on Buffers of its own, the shared one destroyed first), so a failure that does not reproduce alone
-reproduces with `--seed S` (every case of the seed).
+expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL,
+fault-injection or capacity "error" case runs on Buffers of its own, the shared one destroyed first), so a
+failure that does not reproduce alone reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
     python tests/fuzz_runner.py --seeds N [--first S] [--minutes M] [--cases C]
@@ -22,6 +24,7 @@ Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 from pathlib import Path
@@ -33,12 +36,16 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # as a script: dist_ut
 
 from dist_utils import env_set, run_ranks  # noqa: E402
 from fuzz_cases import CASES_PER_SEED, COMBINE_DTYPES, FuzzCase, case, generate, rank_inputs, rank_routing  # noqa: E402
+from oracle import capacity_overflows, expected_capacity_rows  # noqa: E402
 from test_internode_gpu import _check_handle, _same, reference_buffer  # noqa: E402
 
 TIMEOUT_S = "30"  # UCCL_EP_TIMEOUT_S in the ranks: a rank failing alone fails its peers' kernels in seconds
 INTRANODE_HANDLE_ITEMS = ("rank_prefix_matrix", "send_head", "channel_prefix_matrix", "recv_channel_prefix_matrix")
 # combine: max abs / rel difference per output dtype (float32 sums in a different order, then one rounding)
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 2e-3, torch.float32: 1e-4}
+# what every rank raises when a source overflows a capacity block (native notify's report, the reference's check)
+CAPACITY_ERROR = re.compile(r"dispatch_expert_major: rank (\d+) sends (\d+) tokens to local expert (\d+) of rank "
+                            r"(\d+), more than expert_capacity=(\d+)")
 
 
 class Ranks:
@@ -216,14 +223,42 @@ def run_ht(c: FuzzCase, r: Ranks, buf) -> int:
     return n
 
 
+def _expect_capacity_error(c: FuzzCase, r: Ranks, buf, overflows: set, call) -> None:
+    """`call` (a dispatch_expert_major on `buf`) must fail on this rank, as on every rank, with the capacity
+    error naming a block that does overflow (`overflows`: capacity_overflows of every rank's routing)."""
+    try:
+        call()
+        r.settle(buf, "dispatch_expert_major")
+    except (RuntimeError, ValueError, AssertionError) as exc:
+        m = CAPACITY_ERROR.search(str(exc))
+        assert m, f"expected the expert_capacity error, got {type(exc).__name__}: {exc}"
+        *named, cap = (int(v) for v in m.groups())
+        assert cap == c.expert_capacity and tuple(named) in overflows, \
+            f"the error names {tuple(named)} / capacity {cap}; the oracle's overflows: {sorted(overflows)[:8]}"
+        return
+    raise AssertionError(f"dispatch_expert_major with expert_capacity={c.expert_capacity} did not fail; the oracle's "
+                         f"overflows (source, tokens, local expert, rank): {sorted(overflows)[:8]}")
+
+
 def run_expert_major(c: FuzzCase, r: Ranks, buf) -> int:
     """dispatch_expert_major (exact counts or a capacity layout), its cached form and combine_expert_major
-    against the reference. Returns the expert-major rows of this rank."""
-    rank, dev = r.rank, r.dev
+    against the reference and the dense oracle (x_em of a capacity layout, combine sums). A routing that
+    overflows a capacity block (overflow "error") must fail on every rank, in the system under test and the
+    reference, naming an overflowing block. Returns the expert-major rows of this rank (0 after an error)."""
+    rank, dev, world = r.rank, r.dev, r.world
     x, idx, w = rank_inputs(c, rank)
     dt = COMBINE_DTYPES[c.combine_dtype]
     xd, wt = x.to(dt), (w if c.weights else None)
     kw = {"num_worst_tokens": c.num_worst_tokens, "expert_capacity": c.expert_capacity}
+    routes = [rank_routing(c, s) for s in range(world)]
+    overflows = capacity_overflows(routes, c.experts, c.expert_capacity) if c.expert_capacity else set()
+    assert not overflows or c.overflow == "error", f"the generator's routing overflows: {sorted(overflows)[:8]}"
+    if overflows:
+        _expect_capacity_error(c, r, buf, overflows, lambda: buf.dispatch_expert_major(
+            xd.to(dev), idx.to(dev), None if wt is None else wt.to(dev), c.experts, **kw))
+        _expect_capacity_error(c, r, r.ref, overflows, lambda: r.ref.dispatch_expert_major(xd, idx, wt, c.experts,
+                                                                                           **kw))
+        return 0
     x_em, ridx, rw, counts, em_map, h, event = buf.dispatch_expert_major(
         xd.to(dev), idx.to(dev), None if wt is None else wt.to(dev), c.experts, **kw, **_stream_kw(buf, c.stream))
     if c.stream != "sync":
@@ -239,9 +274,11 @@ def run_expert_major(c: FuzzCase, r: Ranks, buf) -> int:
     local = c.experts // r.world
     if c.expert_capacity:
         assert ecounts == [r.world * c.expert_capacity] * local, ecounts
+        xs = [rank_inputs(c, s)[0].to(dt) for s in range(world)]
+        _same(ex_em, expected_capacity_rows(xs, routes, rank, c.experts, c.expert_capacity),
+              "reference x_em vs the dense oracle (capacity layout)")
     else:
-        want = [sum(int((rank_routing(c, s) == e).sum()) for s in range(r.world))
-                for e in range(rank * local, (rank + 1) * local)]
+        want = [sum(int((t == e).sum()) for t in routes) for e in range(rank * local, (rank + 1) * local)]
         assert ecounts == want, f"reference tokens_per_expert {ecounts}, the oracle says {want}"
     rows = sum(ecounts)
     if c.cached:
@@ -263,6 +300,12 @@ def run_expert_major(c: FuzzCase, r: Ranks, buf) -> int:
     _close(out, eout, dt, "combine_expert_major")
     if c.weights:
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=lambda m: f"combined weights: {m}")
+    # dense oracle: each slot the routing sends (after a drop) comes back as the token x (its rank + 1)
+    dense = torch.zeros(x.shape)
+    for j in range(c.topk):
+        ok = idx[:, j] >= 0
+        dense[ok] += (xd[ok].float() * (idx[ok, j] // local + 1).float().unsqueeze(1)).to(dt).float()
+    _close(eout, dense.to(dt), dt, "reference combine_expert_major vs the dense oracle")
     return rows
 
 
@@ -350,7 +393,7 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
         if c.kind == "ll":
             r.drop_shared()
             return run_ll(c, r)
-        if c.fault:
+        if c.fault or c.overflow == "error":  # (a native capacity error leaves its Buffer unusable)
             r.drop_shared()  # one set of proxies and copy agents per rank, as for LL
             with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()

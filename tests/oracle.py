@@ -60,3 +60,44 @@ def expected_per_expert(all_inputs: list[RankInputs], me: int, num_experts: int,
         c = sum(int((inp.topk_idx == e).sum()) for inp in all_inputs)
         out.append((c + alignment - 1) // alignment * alignment)
     return out
+
+
+# ---- capacity layouts (Buffer.dispatch_expert_major with expert_capacity; Megatron's drop-and-pad) ---------
+def drop_over_capacity(topk_idx: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """topk_idx with the selections past their expert's capacity set to -1: each expert keeps this rank's
+    first `capacity` tokens in token order (what a router with a capacity factor, or megatron_patch's receive
+    budget (RecvBudget.limit), sends), so no (local expert, source rank) block overflows."""
+    valid = topk_idx >= 0
+    hits = torch.zeros((topk_idx.size(0), num_experts), dtype=torch.int64)
+    rows = torch.arange(topk_idx.size(0)).unsqueeze(1).expand_as(topk_idx)
+    hits[rows[valid], topk_idx[valid]] = 1
+    taken = hits.cumsum(0)  # this rank's tokens for each expert up to and including the row
+    kept = taken.gather(1, topk_idx.clamp(min=0)) <= capacity
+    return torch.where(valid & kept, topk_idx, -1)
+
+
+def capacity_overflows(routes: list[torch.Tensor], num_experts: int, capacity: int) -> set[tuple[int, int, int, int]]:
+    """Every (source rank, tokens, local expert, destination rank) where a source sends one expert more than
+    `capacity` tokens: the blocks a capacity-layout dispatch of these routings must refuse (on every rank)."""
+    local = num_experts // len(routes)
+    out = set()
+    for src, idx in enumerate(routes):
+        counts = torch.bincount(idx[idx >= 0], minlength=num_experts).tolist()
+        out |= {(src, c, e % local, e // local) for e, c in enumerate(counts) if c > capacity}
+    return out
+
+
+def expected_capacity_rows(xs: list[torch.Tensor], routes: list[torch.Tensor], me: int, num_experts: int,
+                           capacity: int) -> torch.Tensor:
+    """x_em of rank `me` in the capacity layout: block (e, s) at rows (e * R + s) * capacity holds source s's
+    tokens for local expert e in token order, then zero rows (routings that overflow no block)."""
+    R = len(routes)
+    local = num_experts // R
+    out = torch.zeros((local * R * capacity, xs[0].size(1)), dtype=xs[0].dtype)
+    for e in range(local):
+        for s, (x, idx) in enumerate(zip(xs, routes)):
+            tokens = torch.nonzero((idx == me * local + e).any(dim=1), as_tuple=True)[0]
+            assert tokens.numel() <= capacity, f"block ({e}, {s}) overflows: {tokens.numel()} > {capacity}"
+            start = (e * R + s) * capacity
+            out[start:start + tokens.numel()] = x[tokens]
+    return out

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fuzz_cases as F
+from oracle import capacity_overflows, drop_over_capacity
 from fuzz_runner import main as fuzz_main
 from fuzz_runner import run_cases
 
@@ -87,6 +88,7 @@ def test_every_dimension_is_covered(cases):
         {(a, b, d, e) for a in (0, 1) for b in (0, 1) for d in (0, 1) for e in (0, 1)}
     em = [c for c in cases if c.kind == "expert_major"]
     assert {bool(c.expert_capacity) for c in em} == {True, False} and {c.cached for c in em} == {True, False}
+    assert {c.overflow for c in em if c.expert_capacity} == {"", *F.OVERFLOWS}
     ll = [c for c in cases if c.kind == "ll"]
     for field in ("fp8", "hook", "round_scale", "ue8m0", "zero_copy", "repeated"):
         assert {getattr(c, field) for c in ll} == {True, False}, field
@@ -139,3 +141,60 @@ def test_low_latency_repeated_ids_weigh_each_slot_once():
     rows = [[e for e in row if e >= 0] for r in range(c.world) for row in F.rank_routing(c, r).tolist()]
     assert any(len(row) != len(set(row)) for row in rows), "the case has no repeated id"
     assert len(run_cases([c], sut="reference", timeout=120)) == c.world
+
+
+def test_the_router_drop_keeps_each_experts_first_tokens():
+    idx = torch.tensor([[0, 1], [1, -1], [0, 1], [2, 0], [0, 2]])
+    assert drop_over_capacity(idx, 4, 2).tolist() == [[0, 1], [1, -1], [0, -1], [2, -1], [-1, 2]]
+    assert torch.equal(drop_over_capacity(idx, 4, 4), idx)
+    # (source, tokens, local expert, rank): source 0 sends experts 0 and 1 (rank 0's) 4 and 3 tokens
+    assert capacity_overflows([idx, idx[:1]], 4, 2) == {(0, 4, 0, 0), (0, 3, 1, 0)}
+
+
+def test_capacities_below_the_token_count_are_drawn(cases):
+    """Capacity layouts below a source's tokens (issues #42 / #47): drop cases whose router dropped selections
+    (so blocks fill up to exactly the capacity), error cases that overflow and error cases that fit."""
+    below = [c for c in cases if c.kind == "expert_major" and c.expert_capacity and c.expert_capacity < max(c.tokens)]
+    assert below and all(c.overflow for c in below)
+    dropped = error_over = error_fits = 0
+    for c in below:
+        routes = [F.rank_routing(c, r) for r in range(c.world)]
+        assert not capacity_overflows(routes, c.experts, c.expert_capacity) or c.overflow == "error", c.repro
+        if c.overflow == "drop":
+            raw = [F.rank_routing(F.FuzzCase(**{**c.__dict__, "overflow": ""}), r) for r in range(c.world)]
+            dropped += bool(capacity_overflows(raw, c.experts, c.expert_capacity))
+        else:
+            error_over += F.overflowing(c)
+            error_fits += not F.overflowing(c)
+    assert dropped >= 10 and error_over >= 5 and error_fits >= 1, (dropped, error_over, error_fits)
+
+
+def test_capacity_cases_the_api_would_refuse_are_not_made():
+    c = next(c for c in F.generate(F.seeds_overflowing(1, 4)[0]) if F.overflowing(c))
+    with pytest.raises(ValueError, match="expert_capacity below a source's rows"):
+        F.check_case(F.FuzzCase(**{**c.__dict__, "overflow": ""}))
+    with pytest.raises(ValueError, match="overflow error between nodes"):
+        assert c.world > 1
+        F.check_case(F.FuzzCase(**{**c.__dict__, "nodes": c.world, "ranks_per_node": 1}))
+
+
+def test_a_capacity_overflow_raises_on_every_rank_on_cpu_ranks():
+    """An overflowing case through the reference backend under test: every rank raises the capacity error
+    naming a block the oracle says overflows (the runner checks it), so each rank reports 0 rows; the same case
+    told it fits fails in the runner, naming the oracle's overflows."""
+    seed = F.seeds_overflowing(1, 4)[0]
+    c = next(c for c in F.generate(seed) if F.overflowing(c))
+    assert run_cases([c], sut="reference", timeout=300) == [[0]] * c.world
+    with pytest.raises(RuntimeError, match=f"{c.repro} failed on rank \\d: AssertionError: the generator's routing "
+                                           "overflows"):
+        run_cases([F.FuzzCase(**{**c.__dict__, "overflow": ""})], sut="reference", timeout=300)
+
+
+def test_a_dropping_router_fills_capacity_blocks_on_cpu_ranks():
+    """A drop case whose router dropped selections: the capacity layout's rows (checked against the dense
+    oracle's blocks and combine sums by the runner) are experts x ranks x capacity on every rank."""
+    c = next(c for s in F.seeds_with(40, 2) for c in F.generate(s) if c.overflow == "drop" and c.world > 1
+             and capacity_overflows([F.rank_routing(F.FuzzCase(**{**c.__dict__, "overflow": ""}), r)
+                                     for r in range(c.world)], c.experts, c.expert_capacity))
+    rows = c.experts * c.expert_capacity  # local experts x ranks x capacity
+    assert run_cases([c], sut="reference", timeout=300) == [[rows]] * c.world

@@ -132,6 +132,29 @@ class ReferenceBackend(Backend):
                 num_tokens=x.size(0), owner=self.owner)
         return recv_x, recv_scales, recv_topk_idx, recv_topk_weights, per_expert_list, handle
 
+    def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert, config: Config, num_worst_tokens: int = 0,
+                              expert_capacity: int = 0):
+        """The composed default (base.Backend), after a capacity check every rank makes alike: with
+        `expert_capacity`, one all-gather of (capacity, per-expert counts) before the data moves, and a source
+        that sends one expert more tokens than its rank's capacity raises the same ValueError on every rank,
+        naming source, count, expert and rank as the native notify's report does (docs/api.md)."""
+        if expert_capacity:
+            counts = torch.cat([num_tokens_per_expert.new_tensor([expert_capacity]), num_tokens_per_expert])
+            gathered = self.comm.all_gather(counts.to(torch.int64), "dispatch_expert_major: capacity check")
+            capacity, per_expert = gathered[:, 0], gathered[:, 1:]  # [R], [source, expert]
+            num_local = per_expert.size(1) // self.num_ranks
+            over = per_expert > capacity.repeat_interleave(num_local).unsqueeze(0)
+            if bool(over.any()):
+                src, expert = (int(v) for v in torch.nonzero(over)[0])
+                dest = expert // num_local
+                raise ValueError(f"dispatch_expert_major: rank {src} sends {int(per_expert[src, expert])} tokens to "
+                                 f"local expert {expert % num_local} of rank {dest}, more than expert_capacity="
+                                 f"{int(capacity[dest])}: pass a larger expert_capacity, or drop the excess tokens in "
+                                 "the router (a capacity factor)")
+        return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                             num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
+
     def _same_index_routing(self, is_token_in_rank: torch.Tensor, max_tokens: int) -> torch.Tensor:
         """[num_nodes, max_tokens, R] bool: is_token_in_rank of the rank with this rank's local index on each
         node (rows past its token count False), for InternodeHandle.send_nvl_head. A host all-gather of
