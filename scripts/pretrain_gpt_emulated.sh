@@ -10,16 +10,21 @@
 #
 # CHECKOUT: a Megatron-LM checkout (pretrain_gpt.py at its root). DISPATCHERS: comma-separated, from
 # alltoall,uccl,flex (default all three; alltoall first: it is the reference). Settings (environment):
-# PYTHON (interpreter, as scripts/gpu_env.sh picks it), RUN_TIMEOUT_S (per dispatcher, default 180:
-# the three runs fit a 10-minute slot),
+# PYTHON (interpreter, as scripts/gpu_env.sh picks it), RUN_TIMEOUT_S (per dispatcher, default 180; each
+# run took about 50 s on one H200),
 # MLM_WHEELS (a folder, relative to the repository, of pure-python wheels Megatron-LM needs beyond torch,
-# put on PYTHONPATH as they are; default build/wheels-mlm). Exit status: 0 only if every run trained and matched.
+# put on PYTHONPATH as they are; default build/wheels-mlm: e.g. `pip download --no-deps --only-binary=:all:
+# -d build/wheels-mlm packaging` where the venv lacks packaging). The uccl and flex runs take
+# UCCL_EP_BACKEND=native (no silent fallback to the reference backend) and must say so in their log.
+# Exit status: 0 only if every run trained on its backend and matched.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/gpu_env.sh
-[ $# -ge 2 ] || { echo "usage: bash scripts/pretrain_gpt_emulated.sh CHECKOUT LOGDIR [alltoall,uccl,flex]" >&2; exit 2; }
+usage="usage: bash scripts/pretrain_gpt_emulated.sh CHECKOUT LOGDIR [alltoall,uccl,flex]"
+[ $# -ge 2 ] || { echo "$usage" >&2; exit 2; }
 checkout=$(cd "$1" 2>/dev/null && pwd) || { echo "CHECKOUT: no folder $1" >&2; exit 2; }
-[ -f "$checkout/pretrain_gpt.py" ] || { echo "CHECKOUT: $checkout has no pretrain_gpt.py (a Megatron-LM checkout?)" >&2; exit 2; }
+[ -f "$checkout/pretrain_gpt.py" ] \
+  || { echo "CHECKOUT: $checkout has no pretrain_gpt.py (a Megatron-LM checkout?)" >&2; exit 2; }
 mkdir -p "$2" && logdir=$(cd "$2" && pwd)
 dispatchers=${3:-alltoall,uccl,flex}
 case ",$dispatchers," in *,alltoall,*) ;; *) echo "DISPATCHERS: alltoall must be among them (the reference)" >&2; exit 2 ;; esac
@@ -27,7 +32,8 @@ for d in ${dispatchers//,/ }; do
   case "$d" in alltoall|uccl|flex) ;; *) echo "DISPATCHERS: unknown '$d' (alltoall, uccl, flex)" >&2; exit 2 ;; esac
 done
 timeout_s=${RUN_TIMEOUT_S:-180}
-[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] || echo "warning: CUDA_MPS_PIPE_DIRECTORY unset: start MPS first (eval \"\$(bash scripts/mps.sh start | grep '^export')\")" >&2
+[ -n "${CUDA_MPS_PIPE_DIRECTORY:-}" ] \
+  || echo "warning: CUDA_MPS_PIPE_DIRECTORY unset: start MPS first (eval \"\$(bash scripts/mps.sh start | grep '^export')\")" >&2
 
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 wheels=${MLM_WHEELS:-build/wheels-mlm}
@@ -72,12 +78,23 @@ for d in ${dispatchers//,/ }; do
   log="$logdir/$d.log"
   echo "[pretrain_gpt_emulated] $d -> $log (timeout ${timeout_s}s)"
   start=$(date +%s)
-  PYTHONPATH="${extra_path:+$extra_path:}$PYTHONPATH" UCCL_EP_RANKS_PER_NODE=2 \
+  PYTHONPATH="${extra_path:+$extra_path:}$PYTHONPATH" UCCL_EP_RANKS_PER_NODE=2 UCCL_EP_BACKEND=native \
     timeout -k 20 "$timeout_s" "$py" -m torch.distributed.run --nproc-per-node 4 \
       --master-addr 127.0.0.1 --master-port $((port++)) \
       -m uccl_ep_train.apps.cli pretrain-gpt --megatron-lm "$checkout" "${model[@]}" "${flags[@]}" \
       >"$log" 2>&1
   rc=$?
+  # what served the MoE layers: the native backend, across the 2 emulated nodes (the dispatcher's start line;
+  # flex: the Buffer's), else the run does not count
+  case "$d" in
+    uccl) served="on the native backend (internode, 2 nodes x 2 ranks)" ;;
+    flex) served="Buffer uses the native backend" ;;
+    *) served= ;;
+  esac
+  if [ $rc -eq 0 ] && [ -n "$served" ] && ! grep -qF "$served" "$log"; then
+    echo "[pretrain_gpt_emulated] $d: its log does not say '$served'" >&2
+    rc=1
+  fi
   echo "[pretrain_gpt_emulated] $d: exit $rc after $(( $(date +%s) - start ))s"
   [ $rc -eq 0 ] || { status=1; tail -n 25 "$log"; }
   [ "$d" = alltoall ] || runs+=(--run "$d=$log")

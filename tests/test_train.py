@@ -320,3 +320,11 @@ def test_deterministic_turns_on_torchs_deterministic_algorithms(monkeypatch):
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     finally:
         torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+
+
+@pytest.mark.parametrize("lr", ["0", "-1e-3", "nan"])
+def test_a_bad_lr_stops_before_any_rank(lr):
+    from uccl_ep_train.apps.train import main
+
+    with pytest.raises(SystemExit, match="--lr"):
+        main(["--ranks", "2", "--steps", "1", "--lr", lr])

@@ -1,6 +1,7 @@
 """`uccl-ep-train train` with ranks sharing one GPU under MPS (emulated nodes): the uccl dispatcher on the
 native internode path (UCCL_EP_BACKEND=native: no silent fallback) against a comparison run with the same
-seeds, 20 steps, both deterministic (Megatron's alltoall is otherwise not bit-reproducible at top-8). What the issue's full runs (200 steps of tiny, 50 of deepseek-v3-small) check, in short:
+seeds, 20 steps, both deterministic (Megatron's alltoall is otherwise not bit-reproducible at top-8). What
+the issue's full runs (200 steps of tiny, 50 of deepseek-v3-small) check, in short:
 every step's loss within COMPARE_RTOL (the command's --compare fails otherwise), every MoE layer served by the
 native internode backend, bytes through the proxies at every step, no buffer growth after the first steps,
 and the start line saying what carries the model's other collectives."""
@@ -26,7 +27,8 @@ def _train(tmp_path, env: dict, *args: str) -> subprocess.CompletedProcess:
     root = os.path.dirname(os.path.dirname(os.path.abspath(uccl_ep_train.__file__)))
     env = dict(os.environ, **env, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p))
     return subprocess.run([sys.executable, "-m", "uccl_ep_train.apps.cli", "train", "--steps", str(STEPS),
-                           "--quiet", "--deterministic", *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+                           "--quiet", "--deterministic", *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=900)
 
 
 @pytest.mark.parametrize("recipe, ranks, per_node, comparison", [

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import re
 import subprocess
 import sys
@@ -84,6 +85,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--rtol", type=float, default=DEFAULT_RTOL)
     p.add_argument("--command", default=" ".join(sys.argv), help="the command that made the logs")
     args = p.parse_args(argv)
+    if not (math.isfinite(args.rtol) and args.rtol >= 0):
+        p.error(f"--rtol {args.rtol}: must be a non-negative finite number")
     for name, path in [args.reference, *args.run]:
         if not path.is_file():
             p.error(f"--reference/--run {name}: no log at {path}")

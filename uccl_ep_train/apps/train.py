@@ -62,7 +62,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recipe", default="tiny", help="recipe name or path (uccl_ep_train.apps.recipes)")
     p.add_argument("--seq-length", type=int, default=64)
     p.add_argument("--micro-batch-size", type=int, default=4)
-    p.add_argument("--lr", type=float, default=None, help="peak learning rate (default: the recipe's lr)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="peak learning rate of train's warmup + cosine schedule (default: the recipe's lr)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--deterministic", action="store_true",
                    help="torch's deterministic algorithms in every rank (Megatron's unpermute then sums with "
@@ -282,7 +283,7 @@ def train_rank(rank: int, world: int, args, device: torch.device) -> list[dict[s
 
     from .data import ByteBatches, corpus_text
 
-    if args.lr is None:  # resolved here, in the rank: the log (rank 0) records the rate used
+    if args.lr is None:  # callers other than main() (tests): the recipe's, as main() resolves it
         args.lr = recipe_lr(args.recipe)
     model, config = build_model(args, world, device)
     probe = DispatcherProbe(model, device.type == "cuda")
@@ -504,6 +505,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     check_ranks_per_node(args.ranks_per_node, world)
     if world < 1 or args.steps < 1:
         raise SystemExit("--ranks and --steps must be >= 1")
+    if args.lr is None:  # here, before any rank starts: a recipe without one stops the command once
+        args.lr = recipe_lr(args.recipe)
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise SystemExit(f"--lr {args.lr}: must be a positive finite number")
     reference = None
     if args.compare is not None:
         if not os.path.isfile(args.compare):
