@@ -327,4 +327,4 @@ def test_a_bad_lr_stops_before_any_rank(lr):
     from uccl_ep_train.apps.train import main
 
     with pytest.raises(SystemExit, match="--lr"):
-        main(["--ranks", "2", "--steps", "1", "--lr", lr])
+        main(["--ranks", "2", "--steps", "1", f"--lr={lr}"])
