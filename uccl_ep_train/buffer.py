@@ -27,6 +27,7 @@ from .backends.base import Backend
 from .backends.low_latency import PROXY_GROUPS, low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
 from .events import EventHandle, EventOverlap, capturing, current_raw_stream
+from .errors import RankLocalError
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
@@ -36,8 +37,8 @@ from .topology import Topology, detect_topology
 log = logging.getLogger("uccl_ep_train")
 
 # Errors a call raises alike on every rank (argument checks, ranks that disagree): no abort, the Buffer stays
-# usable. A value check that fails on one rank only raises ValueError too: its peers still wait for it to their
-# deadline (UCCL_EP_CHECK_VALUES=1 checks before any communication).
+# usable. A value check that fails on one rank's own data raises errors.RankLocalError (a ValueError) instead,
+# which aborts like any other error of this rank.
 _ALIKE_ERRORS = (ValueError, TypeError, NotImplementedError)
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
@@ -371,7 +372,8 @@ class Buffer:
         error it raises reaches the peers at once (issue #42): an error the kernels recorded is re-raised as is
         (they told the node peers already), or as "rank R aborted 'op': ..." when it is a peer's abort; an
         argument error (_ALIKE_ERRORS: the backends' argument checks and the ranks' agreement checks, which every
-        rank makes alike) leaves the Buffer usable; any other error of this rank (a native refusal, a check of
+        rank makes alike) leaves the Buffer usable, except errors.RankLocalError (a check of this rank's own data);
+        any other error of this rank (a native refusal, a check of
         received sizes, a failed allocation) is published as this rank's abort (the backend's `abort`, then the
         message in the store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
         come before any kernel is captured, and a copy outside the capture would break it)."""
@@ -385,7 +387,7 @@ class Buffer:
                     received = self._received_abort(backend)
                     if received is not None:
                         raise RuntimeError(received) from exc
-                elif self._aborted is None and not isinstance(exc, _ALIKE_ERRORS) and not capturing():
+                elif self._aborted is None and (isinstance(exc, RankLocalError) or not isinstance(exc, _ALIKE_ERRORS)) and not capturing():
                     self._publish_abort(backend, op, f"{type(exc).__name__}: {exc}")
                 raise
 
