@@ -107,11 +107,11 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
     """Dtype, rank, layout and shape of the top-k tensors (no values read)."""
     check_tensor(topk_idx, idx_arg, INDEX_DTYPES, 2)
     if topk_idx.size(0) != num_tokens:
-        raise ValueError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
+        raise RankLocalError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
     if topk_weights is not None:
         check_tensor(topk_weights, weights_arg, (torch.float32,), 2)
         if topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
+            raise RankLocalError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
                              f"{idx_arg} shape {list(topk_idx.shape)}")
 
 
