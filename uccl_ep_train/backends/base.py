@@ -117,8 +117,7 @@ class Backend(abc.ABC):
         named, slots = torch.stack([(em_map >= 0).sum(), local.sum()]).tolist()  # a block overflowed: unnamed slots
         if named != slots:
             raise RankLocalError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens "
-                                 f"for one "
-                             f"of its local experts from one source rank ({slots - named} over)")
+                                 f"for one of its local experts from one source rank ({slots - named} over)")
         counts = [self.num_ranks * expert_capacity] * epr
         x_em = permute.expand_rows_raw(recv_x, em_map, sum(counts), padded=True)
         return x_em, recv_idx, recv_w, counts, em_map, handle
