@@ -211,7 +211,7 @@ def _rank_local(rank: int, world: int, device: str, low_latency: bool) -> tuple:
                      low_latency_mode=True)
         call = lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)  # noqa: E731
     else:
-        buf = Buffer(group, int(64e6), int(64e6) if world > 1 and buf_needs_rdma() else 0)
+        buf = Buffer(group, int(64e6), int(64e6))
 
         def call():
             per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
@@ -227,13 +227,6 @@ def _rank_local(rank: int, world: int, device: str, low_latency: bool) -> tuple:
     except (RuntimeError, ValueError) as exc:
         return f"{type(exc).__name__}: {exc}", time.monotonic() - start
     return "no error", time.monotonic() - start
-
-
-def buf_needs_rdma() -> bool:
-    """Emulated nodes (UCCL_EP_RANKS_PER_NODE set) need an RDMA region for the internode backend."""
-    import os
-
-    return bool(os.environ.get("UCCL_EP_RANKS_PER_NODE"))
 
 
 @pytest.mark.parametrize("mode", ["intranode", "internode-2x1", "ll"])
