@@ -208,3 +208,57 @@ def test_an_abort_reaches_every_peers_proxy():
     got = spawn(_abort_worker, 3, "fabric", timeout=120)
     told = [n.ERROR_CODES["aborted"], 2, 2, n.ABORT_OPS.index("combine"), 0, 0, 0, 0]
     assert got == [told, told, [0] * 8], got  # the aborting rank's own record stays clear (NVLink tells its node)
+
+
+# ---- a value check that fails on one rank's own data (errors.RankLocalError) aborts; an alike one does not ----
+
+def _rank_local_error(rank: int, world: int, device: str) -> tuple:
+    """Rank 1 passes an out-of-range expert id to get_dispatch_layout (a RankLocalError, still a ValueError)
+    after both ranks passed an invalid num_experts (alike: no abort). Returns what each rank's backend was told to
+    abort, what rank 1 raised (type, text) and what rank 0's check_errors raised once its kernels saw the abort
+    (the native backend's report, replaced here as in _buffer_after_abort)."""
+    from uccl_ep_train import Buffer
+    from uccl_ep_train.errors import RankLocalError
+
+    buf = Buffer(dist.new_group(list(range(world))), int(1e6), 0)
+    told: list = []
+    buf.backend.abort = lambda op: told.append(op) or True
+    idx = torch.zeros(4, 2, dtype=torch.int64)
+    try:
+        buf.get_dispatch_layout(idx, 3)  # 3 experts over 2 ranks: every rank raises this alike
+        alike = "no error"
+    except ValueError as exc:
+        alike = f"{type(exc).__name__}: {exc}"
+    told_after_alike = list(told)
+    raised = ("no error", "")
+    if rank == 1:
+        idx[2, 1] = 9
+        try:
+            buf.get_dispatch_layout(idx, 4)
+        except ValueError as exc:
+            raised = (isinstance(exc, RankLocalError), str(exc))
+    else:
+        def stopped():
+            raise RuntimeError("native backend: rank 1 aborted 'get_dispatch_layout': see rank 1's log")
+
+        buf.backend.check_errors = stopped
+        buf.backend.aborted_by = lambda: (1, "get_dispatch_layout")
+    dist.barrier()  # rank 1's message is in the store
+    seen = "no error"
+    if rank == 0:
+        try:
+            buf.check_errors()
+        except RuntimeError as exc:
+            seen = str(exc)
+    return alike, told_after_alike, told, raised, seen
+
+
+def test_a_rank_local_value_error_aborts_and_an_alike_one_does_not():
+    (alike0, before0, told0, _, seen0), (alike1, before1, told1, raised1, _) = run_ranks(_rank_local_error, 2,
+                                                                                          timeout=120)
+    for alike in (alike0, alike1):
+        assert alike.startswith("ValueError: num_experts"), alike
+    assert before0 == before1 == [] and told0 == [], (before0, before1, told0)
+    assert told1 == ["get_dispatch_layout"], told1
+    assert raised1[0] is True and raised1[1].startswith("topk_idx[2, 1] = 9 is outside [-1, 4) on rank 1"), raised1
+    assert seen0.startswith("rank 1 aborted 'get_dispatch_layout': RankLocalError: topk_idx[2, 1] = 9"), seen0

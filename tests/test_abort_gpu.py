@@ -189,3 +189,59 @@ def test_a_dead_proxy_ends_every_ranks_waiting_kernel_at_once(mps, low_latency):
         # kErrProxyFailed (the record, not a timeout); rank 0 adds "[rank 1 reported it; rank 0 stopped with it]"
         assert "rank 1 (node 1): proxy thread 0 stopped" in msg, (rank, msg)
         assert took < 2.0, f"rank {rank}'s kernel ended {took:.2f} s after its call (its deadline: 30 s)"
+
+
+# ---- a value check that fails on one rank only (errors.RankLocalError) aborts its peers' next call ------------
+# Rank 1's topk_idx names expert 99 (outside [-1, EXPERTS)); rank 0's is good. get_dispatch_layout is local, so
+# rank 1 raises there (or its dispatch kernel records the bad id) and publishes its abort; rank 0's dispatch
+# (or low_latency_dispatch) must then raise "rank 1 aborted" within a second, not after UCCL_EP_TIMEOUT_S=300.
+
+def _rank_local(rank: int, world: int, device: str, low_latency: bool) -> tuple:
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    group = dist.new_group(list(range(world)))
+    x, idx, w = _routing(rank, dev)
+    if rank == 1:
+        idx[3, 1] = 99
+    if low_latency:
+        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS),
+                     low_latency_mode=True)
+        call = lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)  # noqa: E731
+    else:
+        buf = Buffer(group, int(64e6), int(64e6))
+
+        def call():
+            per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+            return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                                topk_weights=w)
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        call()
+        torch.cuda.synchronize()
+        buf.check_errors()
+    except (RuntimeError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}", time.monotonic() - start
+    return "no error", time.monotonic() - start
+
+
+@pytest.mark.parametrize("mode", ["intranode", "internode-2x1", "ll"])
+def test_a_bad_expert_id_on_one_rank_aborts_its_peers_dispatch_within_a_second(mps, mode):
+    from uccl_ep_train.backends.internode import internode_available
+    from uccl_ep_train.backends.low_latency import low_latency_available
+    from uccl_ep_train.backends.native import native_available
+
+    available = {"intranode": native_available, "internode-2x1": internode_available, "ll": low_latency_available}
+    if not available[mode]():
+        pytest.skip("native module without the kernels / proxies")
+    env = {**TIMEOUT, **({"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TRANSPORT": "ipc"} if mode == "internode-2x1"
+                         else {})}
+    (msg0, took0), (msg1, _) = run_ranks(_rank_local, 2, mode == "ll", device="cuda", backend="gloo",
+                                         ranks_per_gpu=2, timeout=120, env=env, hard_exit=True)
+    assert "= 99 is outside [-1, 8)" in msg1, msg1  # rank 1's own error (host check or the kernel's record)
+    assert "rank 1 aborted" in msg0, msg0
+    assert took0 < 1.0, f"rank 0 raised {took0:.2f} s after its call (its deadline: 300 s)"

@@ -27,6 +27,7 @@ from .backends.base import Backend
 from .backends.low_latency import PROXY_GROUPS, low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
 from .events import EventHandle, EventOverlap, capturing, current_raw_stream
+from .errors import RankLocalError
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
 from .handles import HTHandle, LowLatencyHandle, check_ht_handle, check_low_latency_handle
@@ -36,8 +37,8 @@ from .topology import Topology, detect_topology
 log = logging.getLogger("uccl_ep_train")
 
 # Errors a call raises alike on every rank (argument checks, ranks that disagree): no abort, the Buffer stays
-# usable. A value check that fails on one rank only raises ValueError too: its peers still wait for it to their
-# deadline (UCCL_EP_CHECK_VALUES=1 checks before any communication).
+# usable. A value check that fails on one rank's own data raises errors.RankLocalError (a ValueError) instead,
+# which aborts like any other error of this rank.
 _ALIKE_ERRORS = (ValueError, TypeError, NotImplementedError)
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
@@ -371,7 +372,8 @@ class Buffer:
         error it raises reaches the peers at once (issue #42): an error the kernels recorded is re-raised as is
         (they told the node peers already), or as "rank R aborted 'op': ..." when it is a peer's abort; an
         argument error (_ALIKE_ERRORS: the backends' argument checks and the ranks' agreement checks, which every
-        rank makes alike) leaves the Buffer usable; any other error of this rank (a native refusal, a check of
+        rank makes alike) leaves the Buffer usable, except errors.RankLocalError (a check of this rank's own data);
+        any other error of this rank (a native refusal, a check of
         received sizes, a failed allocation) is published as this rank's abort (the backend's `abort`, then the
         message in the store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
         come before any kernel is captured, and a copy outside the capture would break it)."""
@@ -385,7 +387,7 @@ class Buffer:
                     received = self._received_abort(backend)
                     if received is not None:
                         raise RuntimeError(received) from exc
-                elif self._aborted is None and not isinstance(exc, _ALIKE_ERRORS) and not capturing():
+                elif self._aborted is None and (isinstance(exc, RankLocalError) or not isinstance(exc, _ALIKE_ERRORS)) and not capturing():
                     self._publish_abort(backend, op, f"{type(exc).__name__}: {exc}")
                 raise
 
@@ -574,7 +576,7 @@ class Buffer:
                 if v is not None:
                     raise ValueError(f"dispatch: {name} must be None with a cached handle")
             if data.size(0) != handle.num_tokens:
-                raise ValueError(f"x: has {data.size(0)} tokens, the handle was made for {handle.num_tokens}")
+                raise RankLocalError(f"x: has {data.size(0)} tokens, the handle was made for {handle.num_tokens}")
             (recv_x, recv_scales), event = self._run(
                 "dispatch", lambda: backend.cached_dispatch(data, scales, handle, config), (data, scales, handle),
                 previous_event, async_finish, allocate_on_comm_stream)
@@ -605,11 +607,11 @@ class Buffer:
             if V.value_checks(is_token_in_rank):
                 sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
                 if not torch.equal(sent, num_tokens_per_rank):
-                    raise ValueError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
+                    raise RankLocalError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
                                      f"is_token_in_rank, which sends {sent.tolist()}")
                 per_node = backend.tokens_per_node(is_token_in_rank)
                 if per_node is not None and not torch.equal(per_node, num_tokens_per_rdma_rank):
-                    raise ValueError(f"num_tokens_per_rdma_rank: {num_tokens_per_rdma_rank.tolist()} disagrees "
+                    raise RankLocalError(f"num_tokens_per_rdma_rank: {num_tokens_per_rdma_rank.tolist()} disagrees "
                                      f"with is_token_in_rank, which sends {per_node.tolist()} tokens per node")
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
@@ -662,18 +664,19 @@ class Buffer:
         V.check_tensor(x, "x", V.FLOAT_DTYPES, 2)
         V.check_device(x, "x", self.device)
         if x.size(0) < handle.num_recv_tokens:
-            raise ValueError(f"x: has {x.size(0)} rows, dispatch returned {handle.num_recv_tokens} with this handle")
+            raise RankLocalError(f"x: has {x.size(0)} rows, dispatch returned {handle.num_recv_tokens} "
+                                 f"with this handle")
         if topk_weights is not None:
             V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
             if topk_weights.size(0) != x.size(0):
-                raise ValueError(f"topk_weights: has {topk_weights.size(0)} rows, x has {x.size(0)}")
+                raise RankLocalError(f"topk_weights: has {topk_weights.size(0)} rows, x has {x.size(0)}")
         config = self._config(config, self.get_combine_config)
         biases = _unpack_bias(bias)
         for i, b in enumerate(biases):
             if b is not None:
                 V.check_tensor(b, f"bias[{i}]", V.FLOAT_DTYPES, 2)
                 if tuple(b.shape) != (handle.num_tokens, x.size(1)):
-                    raise ValueError(f"bias[{i}]: expected [{handle.num_tokens}, {x.size(1)}], got {list(b.shape)}")
+                    raise RankLocalError(f"bias[{i}]: expected [{handle.num_tokens}, {x.size(1)}], got {list(b.shape)}")
         backend = self.backend
         (combined, combined_w), event = self._run(
             "combine", lambda: backend.combine(x, handle, topk_weights, biases[0], biases[1], config),
@@ -778,7 +781,7 @@ class Buffer:
         _check_unquantized(x, "dispatch_expert_major_cached")
         V.check_device(x, "x", self.device)
         if x.size(0) != handle.num_tokens:
-            raise ValueError(f"x: has {x.size(0)} tokens, the handle was made for {handle.num_tokens}")
+            raise RankLocalError(f"x: has {x.size(0)} tokens, the handle was made for {handle.num_tokens}")
         V.check_non_negative_int(num_rows, "num_rows")
         padded = self._check_capacity(expert_capacity, num_rows, "num_rows")
         V.check_expert_major_map(em_map, handle.num_recv_tokens, num_rows, "num_rows", values=False, padded=padded)
@@ -826,7 +829,7 @@ class Buffer:
             V.check_tensor(topk_weights, "topk_weights", (torch.float32,), 2)
             V.check_device(topk_weights, "topk_weights", self.device)
             if topk_weights.shape != em_map.shape:
-                raise ValueError(f"topk_weights: shape {list(topk_weights.shape)} != em_map shape "
+                raise RankLocalError(f"topk_weights: shape {list(topk_weights.shape)} != em_map shape "
                                  f"{list(em_map.shape)} (one weight per received row and slot, receive order)")
         config = self._config(config, self.get_combine_config)
         backend = self.backend
@@ -841,7 +844,7 @@ class Buffer:
         expert_capacity rows per (local expert, source rank)."""
         V.check_non_negative_int(expert_capacity, "expert_capacity")
         if expert_capacity and rows % (self.group_size * expert_capacity):
-            raise ValueError(f"{rows_arg}: {rows} rows are not whole blocks of expert_capacity={expert_capacity} "
+            raise RankLocalError(f"{rows_arg}: {rows} rows are not whole blocks of expert_capacity={expert_capacity} "
                              f"rows per (local expert, source rank) for {self.group_size} ranks")
         return bool(expert_capacity)
 
@@ -925,7 +928,7 @@ class Buffer:
             V.check_expert_range(topk_idx, num_experts, self.rank)
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
+            raise RankLocalError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
                              f"({num_max_dispatch_tokens_per_rank})")
         if use_fp8 and x.size(1) % FP8_BLOCK:
             raise ValueError(f"x: hidden ({x.size(1)}) must be divisible by {FP8_BLOCK} for use_fp8")
@@ -992,14 +995,14 @@ class Buffer:
         if V.host_value_checks(backend.checks_values_on_device):
             V.check_expert_range(topk_idx, handle.num_experts, self.rank)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
-            raise ValueError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
+            raise RankLocalError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
                              f"{handle.num_max_dispatch_tokens_per_rank}")
         if out is None:
             out = torch.empty((topk_idx.size(0), handle.hidden), dtype=torch.bfloat16, device=x.device)
         else:
             V.check_tensor(out, "out", (torch.bfloat16,), 2)
             if tuple(out.shape) != (topk_idx.size(0), handle.hidden):
-                raise ValueError(f"out: expected [{topk_idx.size(0)}, {handle.hidden}], got {list(out.shape)}")
+                raise RankLocalError(f"out: expected [{topk_idx.size(0)}, {handle.hidden}], got {list(out.shape)}")
         topk_idx = topk_idx.to(torch.int64)
 
         def run():

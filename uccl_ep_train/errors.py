@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from typing import Sequence
 
+class RankLocalError(ValueError):
+    """A value check that failed on data only this rank holds (its expert ids, its received sizes): its peers
+    passed theirs, so unlike the other ValueErrors (raised alike on every rank) it aborts the call on every rank
+    (Buffer._abort_on_error) instead of leaving the peers to UCCL_EP_TIMEOUT_S. Still a ValueError for callers."""
+
+
 # What every rank must agree on for a call (the shape header's fields), said where they disagree.
 SAME_CALL = "every rank must make the same call (hidden size, dtype, top-k, experts, weights given or not)"
 

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 
 import torch
 
-from .errors import bad_expert_id
+from .errors import RankLocalError, bad_expert_id
 from .events import capturing
 from .fp8 import FP8_BLOCK, fp8_dtype_for
 
@@ -107,11 +107,11 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
     """Dtype, rank, layout and shape of the top-k tensors (no values read)."""
     check_tensor(topk_idx, idx_arg, INDEX_DTYPES, 2)
     if topk_idx.size(0) != num_tokens:
-        raise ValueError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
+        raise RankLocalError(f"{idx_arg}: has {topk_idx.size(0)} rows but x has {num_tokens} tokens")
     if topk_weights is not None:
         check_tensor(topk_weights, weights_arg, (torch.float32,), 2)
         if topk_weights.shape != topk_idx.shape:
-            raise ValueError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
+            raise RankLocalError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
                              f"{idx_arg} shape {list(topk_idx.shape)}")
 
 
@@ -124,7 +124,7 @@ def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_
         if lo < -1 or hi >= num_experts:
             bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
             row, col = bad
-            raise ValueError(bad_expert_id(idx_arg, row, col, int(topk_idx[row, col]), num_experts, rank))
+            raise RankLocalError(bad_expert_id(idx_arg, row, col, int(topk_idx[row, col]), num_experts, rank))
 
 
 def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: str, arg: str = "em_map",
@@ -134,10 +134,10 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
     checked; with `values`, the entries too (a GPU host sync: only where `value_checks` allows)."""
     check_tensor(em_map, arg, (torch.int32,), 2)
     if em_map.size(0) != num_recv:
-        raise ValueError(f"{arg}: has {em_map.size(0)} rows, the handle's dispatch received {num_recv}")
+        raise RankLocalError(f"{arg}: has {em_map.size(0)} rows, the handle's dispatch received {num_recv}")
     if not em_map.numel():
         if num_rows and not padded:
-            raise ValueError(f"{rows_arg}: {num_rows} rows, but {arg} (shape {tuple(em_map.shape)}) names none")
+            raise RankLocalError(f"{rows_arg}: {num_rows} rows, but {arg} (shape {tuple(em_map.shape)}) names none")
         return
     if not values or not value_checks(em_map):
         return
@@ -147,12 +147,12 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
     lo, hi, named, distinct = torch.stack([em_map.min().long(), em_map.max().long(), valid.sum(),
                                            (hits == 1).sum()]).tolist()  # one host sync
     if lo < -1:
-        raise ValueError(f"{arg}: entries must be expert-major rows or -1, got {lo}")
+        raise RankLocalError(f"{arg}: entries must be expert-major rows or -1, got {lo}")
     if named != num_rows and not padded:
-        raise ValueError(f"{rows_arg}: {num_rows} expert-major rows, but {arg} names {named} (one per slot of a "
+        raise RankLocalError(f"{rows_arg}: {num_rows} expert-major rows, but {arg} names {named} (one per slot of a "
                          f"local expert)")
     if hi >= num_rows or distinct != named:
-        raise ValueError(f"{arg}: must name each of the {num_rows} expert-major rows "
+        raise RankLocalError(f"{arg}: must name each of the {num_rows} expert-major rows "
                          f"{'at most' if padded else 'exactly'} once, got entries up to {hi} covering {distinct} "
                          f"rows once")
 

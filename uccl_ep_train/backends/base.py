@@ -19,6 +19,7 @@ import torch
 
 from .. import permute
 from ..config import Config
+from ..errors import RankLocalError
 from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens, rows_per_source
 from ..topology import Topology
 
@@ -115,8 +116,8 @@ class Backend(abc.ABC):
         local = (recv_idx >= 0) & (recv_idx < epr)
         named, slots = torch.stack([(em_map >= 0).sum(), local.sum()]).tolist()  # a block overflowed: unnamed slots
         if named != slots:
-            raise ValueError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens for one "
-                             f"of its local experts from one source rank ({slots - named} over)")
+            raise RankLocalError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens "
+                                 f"for one of its local experts from one source rank ({slots - named} over)")
         counts = [self.num_ranks * expert_capacity] * epr
         x_em = permute.expand_rows_raw(recv_x, em_map, sum(counts), padded=True)
         return x_em, recv_idx, recv_w, counts, em_map, handle

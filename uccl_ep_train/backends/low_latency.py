@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..config import timeout_s
 from ..events import current_raw_stream
+from ..errors import RankLocalError
 from ..fp8 import FP8_BLOCK, fp8_dtype_for
 from ..handles import LowLatencyHandle
 from ..topology import MAX_RANKS_PER_NODE, Topology, native_limit
@@ -278,7 +279,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
         if not isinstance(state, LowLatencyState):
             raise ValueError("handle: not made by the native low-latency dispatch of this Buffer")
         if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):
-            raise ValueError(f"topk_idx: expected [{state.num_tokens}, {state.num_topk}] as in the dispatch, got "
+            raise RankLocalError(f"topk_idx: expected [{state.num_tokens}, {state.num_topk}] as in the dispatch, got "
                              f"{list(topk_idx.shape)}")
         M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         lay = self._layout(M, H, E)
