@@ -148,30 +148,34 @@ DEATH = {"UCCL_EP_RANKS_PER_NODE": "1", "UCCL_EP_TIMEOUT_S": "30", "UCCL_EP_TRAN
          "UCCL_EP_PROXY_THREADS": "1"}
 
 
+def _buffer_and_dispatch(group, world: int, x, idx, w, low_latency: bool) -> tuple:
+    """A Buffer for the mode and its dispatch call (HT: layout, then dispatch; LL: low_latency_dispatch)."""
+    from uccl_ep_train import Buffer
+
+    if low_latency:
+        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS),
+                     low_latency_mode=True)
+        return buf, lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)
+    buf = Buffer(group, int(64e6), int(64e6))
+
+    def call():
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
+        return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w)
+    return buf, call
+
+
 def _dead_proxy(rank: int, world: int, device: str, low_latency: bool) -> tuple:
     import os
 
     import torch.distributed as dist
-
-    from uccl_ep_train import Buffer
 
     if rank == 1:
         os.environ["UCCL_EP_FAULT"] = "die_after=1" if low_latency else "die_after=3"
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.new_group(list(range(world)))
     x, idx, w = _routing(rank, dev)
-    if low_latency:
-        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS),
-                     low_latency_mode=True)
-        call = lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)  # noqa: E731
-    else:
-        buf = Buffer(group, int(64e6), int(64e6))
-
-        def call():
-            per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
-            return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-                                topk_weights=w)
+    buf, call = _buffer_and_dispatch(group, world, x, idx, w, low_latency)
     dist.barrier()
     return _after(buf, call)
 
@@ -199,25 +203,12 @@ def test_a_dead_proxy_ends_every_ranks_waiting_kernel_at_once(mps, low_latency):
 def _rank_local(rank: int, world: int, device: str, low_latency: bool) -> tuple:
     import torch.distributed as dist
 
-    from uccl_ep_train import Buffer
-
     dev = torch.device("cuda", torch.cuda.current_device())
     group = dist.new_group(list(range(world)))
     x, idx, w = _routing(rank, dev)
     if rank == 1:
         idx[3, 1] = 99
-    if low_latency:
-        buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(TOKENS, HIDDEN, world, EXPERTS),
-                     low_latency_mode=True)
-        call = lambda: buf.low_latency_dispatch(x, idx, TOKENS, EXPERTS, use_fp8=False)  # noqa: E731
-    else:
-        buf = Buffer(group, int(64e6), int(64e6))
-
-        def call():
-            per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, EXPERTS)
-            return buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                                is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-                                topk_weights=w)
+    buf, call = _buffer_and_dispatch(group, world, x, idx, w, low_latency)
     dist.barrier()
     start = time.monotonic()
     try:
