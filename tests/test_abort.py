@@ -262,3 +262,36 @@ def test_a_rank_local_value_error_aborts_and_an_alike_one_does_not():
     assert told1 == ["get_dispatch_layout"], told1
     assert raised1[0] is True and raised1[1].startswith("topk_idx[2, 1] = 9 is outside [-1, 4) on rank 1"), raised1
     assert seen0.startswith("rank 1 aborted 'get_dispatch_layout': RankLocalError: topk_idx[2, 1] = 9"), seen0
+
+
+def _rank_local_before_the_backend(rank: int, world: int, device: str) -> tuple:
+    """Both ranks dispatch; rank 1 then combines with topk_weights of the wrong row count, a RankLocalError the
+    Buffer raises before its backend call: it must abort 'combine' all the same (its peer would wait there)."""
+    from uccl_ep_train import Buffer
+    from uccl_ep_train.errors import RankLocalError
+
+    buf = Buffer(dist.new_group(list(range(world))), int(1e6), 0)
+    told: list = []
+    buf.backend.abort = lambda op: told.append(op) or True
+    x = torch.randn(4, 8)
+    idx = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0]], dtype=torch.int64)
+    w = torch.ones(4, 2)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, 4)
+    recv_x, _, recv_w, _, handle, _ = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                                                   is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                                                   topk_idx=idx, topk_weights=w)
+    raised = None
+    if rank == 1:
+        try:
+            buf.combine(recv_x, handle, topk_weights=recv_w[:-1])
+        except RankLocalError as exc:
+            raised = str(exc)
+    dist.barrier()
+    return told, raised
+
+
+def test_a_rank_local_error_before_the_backend_call_aborts_too():
+    (told0, raised0), (told1, raised1) = run_ranks(_rank_local_before_the_backend, 2, timeout=120)
+    assert told0 == [] and raised0 is None, (told0, raised0)
+    assert told1 == ["combine"], told1
+    assert raised1 is not None and raised1.startswith("topk_weights: has "), raised1

@@ -13,6 +13,7 @@ dispatch returns an InternodeHandle.
 """
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import os
@@ -38,8 +39,26 @@ log = logging.getLogger("uccl_ep_train")
 
 # Errors a call raises alike on every rank (argument checks, ranks that disagree): no abort, the Buffer stays
 # usable. A value check that fails on one rank's own data raises errors.RankLocalError (a ValueError) instead,
-# which aborts like any other error of this rank.
+# which aborts wherever in the call it is raised (`_collective`).
 _ALIKE_ERRORS = (ValueError, TypeError, NotImplementedError)
+
+
+def _collective(op: str) -> Callable:
+    """Marks a Buffer method as the collective call `op`: a RankLocalError it raises, before its backend call
+    or inside it, aborts `op` on the peers (Buffer._publish_abort), which wait for this rank in the same call
+    (or, after the local get_dispatch_layout, in the next one). Other errors inside the backend call abort
+    through Buffer._abort_on_error."""
+    def wrap(method: Callable) -> Callable:
+        @functools.wraps(method)
+        def call(self: "Buffer", *args: Any, **kwargs: Any) -> Any:
+            try:
+                return method(self, *args, **kwargs)
+            except RankLocalError as exc:
+                if self._aborted is None and not capturing():
+                    self._publish_abort(self._backend_of(op), op, f"{type(exc).__name__}: {exc}")
+                raise
+        return call
+    return wrap
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
 
@@ -372,10 +391,10 @@ class Buffer:
         error it raises reaches the peers at once (issue #42): an error the kernels recorded is re-raised as is
         (they told the node peers already), or as "rank R aborted 'op': ..." when it is a peer's abort; an
         argument error (_ALIKE_ERRORS: the backends' argument checks and the ranks' agreement checks, which every
-        rank makes alike) leaves the Buffer usable, except errors.RankLocalError (a check of this rank's own data);
-        any other error of this rank (a native refusal, a check of
-        received sizes, a failed allocation) is published as this rank's abort (the backend's `abort`, then the
-        message in the store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
+        rank makes alike) leaves the Buffer usable (errors.RankLocalError, a check of this rank's own data, aborts
+        through `_collective`); any other error of this rank (a native refusal, a check of received sizes, a
+        failed allocation) is published as this rank's abort (the backend's `abort`, then the message in the
+        store) and re-raised. Inside CUDA-graph capture nothing is published (the refusals there
         come before any kernel is captured, and a copy outside the capture would break it)."""
 
         def guarded() -> Any:
@@ -387,7 +406,7 @@ class Buffer:
                     received = self._received_abort(backend)
                     if received is not None:
                         raise RuntimeError(received) from exc
-                elif self._aborted is None and (isinstance(exc, RankLocalError) or not isinstance(exc, _ALIKE_ERRORS)) and not capturing():
+                elif self._aborted is None and not isinstance(exc, _ALIKE_ERRORS) and not capturing():
                     self._publish_abort(backend, op, f"{type(exc).__name__}: {exc}")
                 raise
 
@@ -487,6 +506,7 @@ class Buffer:
         return result, EventOverlap(event, inputs + outputs if async_finish else None)
 
     # ---- high throughput -------------------------------------------------------------------------------
+    @_collective("get_dispatch_layout")
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int,
                             previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                             allocate_on_comm_stream: bool = False
@@ -525,6 +545,7 @@ class Buffer:
             checked_on_device=backend.checks_expert_ids_on_device)
         return per_rank, per_node, per_expert, in_rank, event
 
+    @_collective("dispatch")
     def dispatch(self, x: XType, handle: Optional[HTHandle] = None,
                  num_tokens_per_rank: Optional[torch.Tensor] = None,
                  num_tokens_per_rdma_rank: Optional[torch.Tensor] = None,
@@ -641,6 +662,7 @@ class Buffer:
             raise ValueError(f"num_tokens_per_rdma_rank: expected [{self.topology.num_nodes}] (one count per "
                              f"node), got {list(num_tokens_per_rdma_rank.shape)}")
 
+    @_collective("combine")
     def combine(self, x: torch.Tensor, handle: HTHandle, topk_weights: Optional[torch.Tensor] = None,
                 bias: Union[None, torch.Tensor, Tuple[torch.Tensor, torch.Tensor]] = None,
                 config: Optional[Config] = None, previous_event: Optional[EventOverlap] = None,
@@ -684,6 +706,7 @@ class Buffer:
         return combined, combined_w, event
 
     # ---- high throughput, expert-major (ours: not in DeepEP) --------------------------------------------
+    @_collective("dispatch_expert_major")
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                               num_experts: int, config: Optional[Config] = None,
                               previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -755,6 +778,7 @@ class Buffer:
             checked_on_device=backend.checks_expert_ids_on_device)
         return x_em, recv_idx, recv_w, counts, em_map, handle, event
 
+    @_collective("dispatch_expert_major")
     def dispatch_expert_major_cached(self, x: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                                      num_rows: int, config: Optional[Config] = None,
                                      previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -796,6 +820,7 @@ class Buffer:
                                                     padded=padded))
         return x_em, event
 
+    @_collective("combine_expert_major")
     def combine_expert_major(self, y_em: torch.Tensor, handle: HTHandle, em_map: torch.Tensor,
                              topk_weights: Optional[torch.Tensor] = None, config: Optional[Config] = None,
                              previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
@@ -893,6 +918,7 @@ class Buffer:
         V.check_num_experts(num_experts, self.group_size)
         self.low_latency_backend.clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
 
+    @_collective("low_latency_dispatch")
     def low_latency_dispatch(self, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
                              num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None,
                              dispatch_wait_recv_cost_stats: Optional[torch.Tensor] = None,
@@ -957,6 +983,7 @@ class Buffer:
         hook = self._hook("low_latency_dispatch", receive) if return_recv_hook else (lambda: None)
         return (recv_x, recv_scales) if use_fp8 else recv_x, recv_count, handle, event, hook
 
+    @_collective("low_latency_combine")
     def low_latency_combine(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: torch.Tensor,
                             handle: LowLatencyHandle, use_logfmt: bool = False, zero_copy: bool = False,
                             async_finish: bool = False, return_recv_hook: bool = False,
