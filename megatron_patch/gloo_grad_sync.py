@@ -16,8 +16,6 @@ from typing import Iterator, Optional
 
 import torch.distributed as dist
 
-_applied = False
-
 
 class _Uncoalesced:
     """What `with _coalescing_manager(...) as cm` yields on gloo: the collectives already ran synchronously,
@@ -42,10 +40,6 @@ def _coalescing_manager(group: Optional[dist.ProcessGroup] = None, device=None,
 
 
 def apply() -> None:
-    """Install the gloo-aware coalescing manager in the imported megatron.core (idempotent)."""
-    global _applied
-    if _applied:
-        return
+    """Install the gloo-aware coalescing manager in the imported megatron.core (idempotent: an assignment)."""
     from megatron.core.distributed import param_and_grad_buffer
     param_and_grad_buffer._coalescing_manager = _coalescing_manager
-    _applied = True
