@@ -17,10 +17,11 @@ import datetime
 import json
 import math
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Optional
+
+from .bench import git_commit
 
 DEFAULT_RTOL = 1e-2
 _ITERATION = re.compile(r"\biteration\s+(\d+)\s*/\s*\d+\s*\|")
@@ -52,14 +53,6 @@ def compare(reference: dict[int, float], run: dict[int, float], rtol: float = DE
         elif not (abs(got - ref) <= rtol * abs(ref)):  # also catches nan
             problems.append(f"iteration {it}: lm loss {got:.6g} vs {ref:.6g} (rtol {rtol:g})")
     return problems
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True, cwd=Path(__file__).resolve().parent).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _device() -> tuple[str, int]:
@@ -94,7 +87,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     reference = lm_losses(ref_path.read_text(errors="replace"))
     device, gpus = _device()
     common = {"command": args.command, "device": device, "gpus": gpus,
-              "date": datetime.date.today().isoformat(), "commit": _commit(), "timing": "api"}
+              "date": datetime.date.today().isoformat(), "commit": git_commit(), "timing": "api"}
     records = [{**common, "dispatcher": ref_name, "lm_loss": reference}]
     failed = not reference
     for name, path in args.run:
