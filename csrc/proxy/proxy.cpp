@@ -24,6 +24,13 @@ constexpr size_t kFailureRecordBytes = 8 * sizeof(int);
 
 using Clock = std::chrono::steady_clock;
 
+namespace {
+// A failure as Completion::kFailure's value: code in the low 8 bits, block above (encode_failure), and back.
+int64_t encode_failure(int code, int block) { return int64_t(code & 0xff) | (int64_t(block) << 8); }
+int failure_code(int64_t value) { return int(value & 0xff); }
+int failure_block(int64_t value) { return int(value >> 8); }
+}  // namespace
+
 ProxyConfig ProxyConfig::from_env(int rank, int world, int gpu) {
   ProxyConfig c;
   c.rank = rank;
@@ -400,7 +407,7 @@ void ProxyThread::on_completions(const Completion* in, int n) {
   for (const Completion& c : scratch_) {
     if (c.kind == Completion::kLocal && c.wr_id == kUntrackedWr) continue;  // a failure message's send
     if (c.kind == Completion::kFailure) {  // a peer's proxy stopped, or the peer aborted: stop this rank's waits
-      const int code = int(c.value & 0xff), block = int(c.value >> 8);
+      const int code = failure_code(c.value), block = failure_block(c.value);
       if (code == uccl_ep::kErrProxyFailed || code == uccl_ep::kErrAborted) p_->record_failure(c.peer, code, block);
       continue;
     }
@@ -746,11 +753,6 @@ void Proxy::abort(int op) {
   int none = -1;
   abort_op_.compare_exchange_strong(none, op);
 }
-
-namespace {
-// A failure as Completion::kFailure's value: code in the low 8 bits, block above.
-int64_t encode_failure(int code, int block) { return int64_t(code & 0xff) | (int64_t(block) << 8); }
-}  // namespace
 
 void ProxyThread::tell_peers(int code, int block) {
   const int64_t v = encode_failure(code, block);
