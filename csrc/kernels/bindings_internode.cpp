@@ -55,7 +55,8 @@ void register_internode(py::module_& m) {
       .def("flag_ptr", &InternodeBuffer::flag_ptr)
       .def("flag_bytes", &InternodeBuffer::flag_bytes)
       .def("nvl_bytes", &InternodeBuffer::nvl_bytes)
-      .def("set_rings", &InternodeBuffer::set_rings, py::arg("rings"), py::arg("failure_record"))
+      .def("set_rings", &InternodeBuffer::set_rings, py::arg("rings"), py::arg("failure_record"),
+           py::arg("failure_record_host"))
       .def("error", &InternodeBuffer::error)
       .def("abort", &InternodeBuffer::abort, py::arg("op"), py::call_guard<py::gil_scoped_release>(),
            "tell every rank of the node that this rank raised inside call `op` (their waits end, they raise)")

@@ -105,8 +105,9 @@ class InternodeBuffer {
 
   // The proxy rings kernels push into: device descriptors (slots, claim, tail_cache, tail, flushed, echo,
   // capacity, publish: 0 fence / 1 vector), one per proxy thread; channel c goes through ring c % count.
-  // failure_record: the proxies' failure record as the GPU sees it (Proxy::failure_record), which every wait polls.
-  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record);
+  // failure_record / failure_record_host: the proxies' failure record as the GPU and the host see it
+  // (Proxy::failure_record), which every wait polls: the kernels' and the host's count wait (wait_counts).
+  void set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record, int64_t failure_record_host);
 
   std::string error() const;
   // Host-side abort of call `op` (kernels/abort.h): every rank of the node (this one too) stops waiting and
@@ -159,6 +160,8 @@ class InternodeBuffer {
   int fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes, int64_t num_recv,
                   int requested_chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
   void alloc_rdma(int64_t bytes);
+  std::string adopt_proxy_failure();
+  std::vector<int*> node_claims() const;  // the node ranks' claim words as mapped here (report_error, abort)
   int device_ = 0, rank_ = 0, num_ranks_ = 1, local_ = 0, node_ = 0, ranks_per_node_ = 1, num_nodes_ = 1;
   int num_device_sms_ = 0;
   int64_t nvl_bytes_ = 0, rdma_bytes_ = 0;
@@ -170,6 +173,7 @@ class InternodeBuffer {
   void* flags_dev_ = nullptr;
   void* err_host_ = nullptr;            // error record, pinned + mapped
   void* err_dev_ = nullptr;
+  const void* proxy_fail_host_ = nullptr;  // the proxies' failure record (set_rings), polled by wait_counts
   void* notified_ = nullptr;            // event after the last notify kernel
   void* copy_stream_ = nullptr;         // the count rows' copy to the host (off the caller's stream)
   std::vector<uccl::RingDesc> rings_;

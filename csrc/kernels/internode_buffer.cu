@@ -114,6 +114,8 @@ void InternodeBuffer::open_peers(const std::vector<std::string>& handles) {
                                                           << gpuGetErrorString(e) << ")");
     peers_[j] = p;
   }
+  int* claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
+  UCCL_CHECK_GPU(intranode::set_peer_claims(claim, node_claims()));
   opened_ = true;
 }
 
@@ -140,7 +142,8 @@ void InternodeBuffer::destroy() {
   if (first != gpuSuccess) UCCL_THROW("internode buffer: releasing resources failed: " << gpuGetErrorString(first));
 }
 
-void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record) {
+void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, int64_t failure_record,
+                                int64_t failure_record_host) {
   UCCL_CHECK(!rings.empty() && (int)rings.size() <= kMaxRings, "internode buffer: " << rings.size() << " rings; 1.."
                                                                                     << kMaxRings << " supported");
   rings_.clear();
@@ -153,6 +156,7 @@ void InternodeBuffer::set_rings(const std::vector<std::vector<int64_t>>& rings, 
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   int* claim = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset);
   UCCL_CHECK_GPU(intranode::set_proxy_failure(claim, failure_record));
+  proxy_fail_host_ = as_ptr<const void>(failure_record_host);
 }
 
 void InternodeBuffer::check_ready(const char* what) const {
@@ -168,13 +172,38 @@ std::string InternodeBuffer::error() const {
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
 
+// The host's side of the kernels' proxy_failed: a failure this rank's proxies recorded (a peer's abort or
+// failure message, a proxy thread that stopped) becomes this rank's record, unless it holds one already, so
+// that the host raises it (and abort_source names an aborting peer). Returns the record's sentence, or "".
+std::string InternodeBuffer::adopt_proxy_failure() {
+  const std::string own = error();
+  if (!own.empty() || proxy_fail_host_ == nullptr || err_host_ == nullptr) return own;
+  const volatile intranode::ErrorRecord* pf = static_cast<const volatile intranode::ErrorRecord*>(proxy_fail_host_);
+  if (pf->code == 0) return "";
+  __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields were written before the code (Proxy::record_failure)
+  volatile intranode::ErrorRecord* r = static_cast<volatile intranode::ErrorRecord*>(err_host_);
+  r->rank = pf->rank;
+  r->peer = pf->peer;
+  r->block = pf->block;
+  r->phase = pf->phase;
+  r->need = pf->need;
+  r->have = pf->have;
+  __atomic_thread_fence(__ATOMIC_RELEASE);
+  r->code = pf->code;
+  return error();
+}
+
 void InternodeBuffer::abort(const std::string& op) {
   UCCL_CHECK(nvl_ != nullptr, "abort: the internode buffer was destroyed");
   UCCL_CHECK(opened_, "abort: the node peers' NVL buffers are not opened yet");
+  publish_abort("internode buffer", device_, node_claims(), rank_, local_, op);
+}
+
+std::vector<int*> InternodeBuffer::node_claims() const {
   std::vector<int*> claims;
   for (int j = 0; j < ranks_per_node_; ++j)
     claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
-  publish_abort("internode buffer", device_, claims, rank_, local_, op);
+  return claims;
 }
 
 std::pair<int, std::string> InternodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
@@ -259,7 +288,7 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
     if (s == rank_) continue;
     uint32_t spins = 0;
     while ((uint64_t)flags[notify_flag(s)] < notifies_) {
-      const std::string e = error();
+      const std::string e = adopt_proxy_failure();
       if (!e.empty()) UCCL_THROW(e);
       if ((++spins & 1023u) == 0) {
         if (std::chrono::steady_clock::now() > deadline) {  // the host's wait: the same sentence as a kernel's

@@ -133,7 +133,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             d = proxy.ring_desc(t, device=True)
             rings.append([d["slots"], d["claim"], d["tail_cache"], d["tail"], d["flushed"], d["echo"], d["capacity"],
                           1 if d["publish"] == "vector" else 0])
-        buf.set_rings(rings, proxy.failure_record(device=True))
+        buf.set_rings(rings, proxy.failure_record(device=True), proxy.failure_record(device=False))
         self._buf, self._proxy = buf, proxy
 
     def _close(self) -> None:
