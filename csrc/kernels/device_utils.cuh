@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <vector>
 
 #include "common/errors.h"
 #include "common/portability.h"
@@ -117,10 +118,13 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
     const char* table = reinterpret_cast<const char*>(claim) + kPeerTableRel;
     const int64_t n = *reinterpret_cast<const volatile int64_t*>(table);
     int* const* peers = reinterpret_cast<int* const*>(table + 8);
-    for (int64_t r = 0; r < n && r < kMaxBoard && rank < kMaxBoard; ++r) {
+    int slot = -1;  // this rank's board slot: its own place in the node's table (its local index)
+    for (int64_t r = 0; r < n && r < kMaxBoard; ++r)
+      if (peers[r] == claim) slot = (int)r;
+    for (int64_t r = 0; slot >= 0 && r < n && r < kMaxBoard; ++r) {
       int* pc = peers[r];
       if (pc == nullptr || pc == claim) continue;
-      write_record(error_board(pc) + rank, code, rank, peer, block, phase, need, have);
+      write_record(error_board(pc) + slot, code, rank, peer, block, phase, need, have);
       atomicCAS_system(pc, 0, 2);  // 2: a peer's error (the peer keeps its own report out of the record)
     }
   } else {
@@ -137,6 +141,19 @@ __device__ __forceinline__ void report_error(ErrorRecord* err, int* claim, int c
 inline gpuError_t set_proxy_failure(int* claim, int64_t record) {
   const gpuError_t e =
       gpuMemcpyAsync(reinterpret_cast<char*>(claim) + kProxyFailRel, &record, sizeof(record), gpuMemcpyDefault, 0);
+  return e == gpuSuccess ? gpuStreamSynchronize(0) : e;
+}
+
+// Host: the table report_error tells: every node rank's claim word as mapped in this process, by local index,
+// this rank's own included (it finds its board slot there); nullptr for a rank not mapped. Written after the
+// peers' buffers are opened (and again after anything that clears this rank's error words).
+inline gpuError_t set_peer_claims(int* claim, const std::vector<int*>& node_claims) {
+  int64_t table[1 + kMaxBoard] = {};
+  const size_t n = node_claims.size() < size_t(kMaxBoard) ? node_claims.size() : size_t(kMaxBoard);
+  table[0] = (int64_t)n;
+  for (size_t r = 0; r < n; ++r) table[1 + r] = reinterpret_cast<int64_t>(node_claims[r]);
+  const gpuError_t e =
+      gpuMemcpyAsync(reinterpret_cast<char*>(claim) + kPeerTableRel, table, sizeof(table), gpuMemcpyDefault, 0);
   return e == gpuSuccess ? gpuStreamSynchronize(0) : e;
 }
 

@@ -140,6 +140,7 @@ class IntranodeBuffer {
  private:
   void check_open(const char* what) const;
   int* claim_ptr() const;
+  std::vector<int*> node_claims() const;  // every rank's claim word as mapped here (report_error, abort)
   int device_ = 0, rank_ = 0, num_ranks_ = 1;
   int64_t num_bytes_ = 0;
   void* base_ = nullptr;            // this rank's device buffer

@@ -82,12 +82,7 @@ void IntranodeBuffer::open_peers(const std::vector<std::string>& handles) {
   static_assert(kMaxRanks <= kMaxBoard && kErrorClaimOffset + kErrorWordsBytes <= kSideWorkOffset &&
                     kSideWorkOffset + 24 <= kOpSeqOffset && kOpSeqOffset + 16 <= kCountsOffset,
                 "the error words, side-work counters and op sequence fit before the counts");
-  int64_t table[1 + kMaxBoard] = {num_ranks_};
-  for (int r = 0; r < num_ranks_; ++r)
-    table[1 + r] = reinterpret_cast<int64_t>(static_cast<char*>(peers_[r]) + kErrorClaimOffset);
-  UCCL_CHECK_GPU(gpuMemcpyAsync(reinterpret_cast<char*>(claim_ptr()) + kPeerTableRel, table, sizeof(table),
-                                gpuMemcpyDefault, 0));
-  UCCL_CHECK_GPU(gpuStreamSynchronize(0));
+  UCCL_CHECK_GPU(set_peer_claims(claim_ptr(), node_claims()));
   opened_ = true;
 }
 
@@ -136,10 +131,14 @@ void IntranodeBuffer::clear_error() {
 
 void IntranodeBuffer::abort(const std::string& op) {
   check_open("abort");
+  publish_abort("intranode buffer", device_, node_claims(), rank_, rank_, op);
+}
+
+std::vector<int*> IntranodeBuffer::node_claims() const {
   std::vector<int*> claims;
   for (int r = 0; r < num_ranks_; ++r)
     claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[r]) + kErrorClaimOffset));
-  publish_abort("intranode buffer", device_, claims, rank_, rank_, op);
+  return claims;
 }
 
 std::pair<int, std::string> IntranodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }

@@ -113,6 +113,7 @@ class LowLatencyBuffer {
   void* peers_[kMaxLocal] = {};
   int64_t failure_record_ = 0;  // set_rings'
   int* claim_ptr() const;       // the claim word (and the error words after it) in buf_
+  std::vector<int*> node_claims() const;  // the node ranks' claim words as mapped here (report_error, abort)
   bool opened_ = false;
   std::vector<uccl::RingDesc> rings_;
 };

@@ -76,6 +76,7 @@ void LowLatencyBuffer::clean() {
   std::memset(flags_host_, 0, size_t(8 * flag_words_));
   std::memset(err_host_, 0, sizeof(ErrorRecord));
   UCCL_CHECK_GPU(intranode::set_proxy_failure(claim_ptr(), failure_record_));
+  if (opened_) UCCL_CHECK_GPU(intranode::set_peer_claims(claim_ptr(), node_claims()));  // the memset cleared it
   UCCL_CHECK_GPU(gpuDeviceSynchronize());
 }
 
@@ -100,6 +101,7 @@ void LowLatencyBuffer::open_peers(const std::vector<std::string>& handles) {
                                                          << gpuGetErrorString(e) << ")");
     peers_[j] = p;
   }
+  UCCL_CHECK_GPU(intranode::set_peer_claims(claim_ptr(), node_claims()));
   opened_ = true;
 }
 
@@ -152,10 +154,15 @@ int* LowLatencyBuffer::claim_ptr() const {
 
 void LowLatencyBuffer::abort(const std::string& op) {
   UCCL_CHECK(buf_ != nullptr, "abort: the low-latency buffer was destroyed");
-  std::vector<int*> claims;  // the node peers mapped here (none when NVLink is not used for LL: own only)
+  publish_abort("low-latency buffer", device_, node_claims(), rank_, rank_ % ranks_per_node_, op);
+}
+
+std::vector<int*> LowLatencyBuffer::node_claims() const {
+  std::vector<int*> claims;  // by local index; nullptr for a peer not mapped (one rank per node: own only)
   for (int j = 0; j < ranks_per_node_; ++j)
-    if (peers_[j] != nullptr) claims.push_back(reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
-  publish_abort("low-latency buffer", device_, claims, rank_, rank_ % ranks_per_node_, op);
+    claims.push_back(peers_[j] == nullptr ? nullptr
+                                          : reinterpret_cast<int*>(static_cast<char*>(peers_[j]) + kClaimOffset));
+  return claims;
 }
 
 std::pair<int, std::string> LowLatencyBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
