@@ -61,8 +61,11 @@ def read_message(group: Any, sequence: int, rank: int, bound_s: float = READ_BOU
     try:
         while not store.check([key]):
             if time.monotonic() >= deadline:
+                log.warning("uccl_ep_train: rank %d's abort message was not in the store within %.1f s (key %s)",
+                            rank, bound_s, key)
                 return None
             time.sleep(0.005)
         return store.get(key).decode("utf-8", "replace")
-    except RuntimeError:
+    except RuntimeError as exc:
+        log.warning("uccl_ep_train: reading rank %d's abort message from the store failed: %s", rank, exc)
         return None

@@ -376,14 +376,16 @@ class Buffer:
         return self._aborted
 
     def _publish_abort(self, backend: Backend, op: str, message: str) -> None:
-        """Tells the peers that this rank raised `message` inside `op` (a backend that cannot: nothing)."""
+        """Tells the peers that this rank raised `message` inside `op` (a backend that cannot: nothing). The
+        message goes into the store first: a peer reads it as soon as the abort record stops its kernels, and
+        across nodes the record (through the proxies) can arrive within microseconds."""
+        aborts.publish_message(self.group, self._sequence, self.rank, message)  # unread unless a record follows
         try:
             published = backend.abort(op)
         except RuntimeError as exc:  # the peers time out instead; the error this rank raises matters more
             log.error("uccl_ep_train: rank %d could not abort '%s' on its peers: %s", self.rank, op, exc)
             published = True  # its buffer may be half-told: unusable all the same
         if published:
-            aborts.publish_message(self.group, self._sequence, self.rank, message)
             self._aborted = f"rank {self.rank} aborted '{op}': {message}"
 
     def _abort_on_error(self, op: str, fn: Callable[[], Any]) -> Callable[[], Any]:
