@@ -24,6 +24,7 @@ Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import sys
 import time
@@ -98,6 +99,17 @@ class Ranks:
     def close(self) -> None:
         self.drop_shared()
         self.ref.destroy()
+
+
+@contextlib.contextmanager
+def destroyed_after(*buffers):
+    """Destroys `buffers` (collective) when the block succeeds. After a failure nothing collective runs here:
+    the failing rank's peers may be inside another collective (the reference calls it skipped), so a destroy's
+    barrier would hang every rank instead of reporting the failure; the Buffers are dropped (their resources
+    parked, Buffer.__del__) and the error reaches the runner."""
+    yield
+    for buf in buffers:
+        buf.destroy()
 
 
 def _stream_kw(buf, mode: str) -> dict:
@@ -324,7 +336,7 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
     with env_set(UCCL_EP_FAULT=c.fault):
         buf = r.buffer(num_rdma_bytes=size, low_latency_mode=True)
     ref = reference_buffer(r.group, num_rdma_bytes=size, low_latency_mode=True)
-    try:
+    with destroyed_after(buf, ref):
         stats = torch.zeros(local, dtype=torch.int32, device=dev)
         recv, count, handle, event, hook = buf.low_latency_dispatch(
             x.to(dev), idx.to(dev), M, E, cumulative_local_expert_recv_stats=stats, use_fp8=c.fp8,
@@ -382,9 +394,6 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
                           * w[ok, j].unsqueeze(1))
         _close(eout, dense.to(torch.bfloat16), torch.bfloat16, "reference low_latency_combine vs the dense oracle")
         return sum(want)
-    finally:
-        buf.destroy()
-        ref.destroy()
 
 
 def run_case(c: FuzzCase, r: Ranks) -> int:
@@ -397,10 +406,8 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
             r.drop_shared()  # one set of proxies and copy agents per rank, as for LL
             with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()
-            try:
+            with destroyed_after(buf):
                 return (run_ht if c.kind == "ht" else run_expert_major)(c, r, buf)
-            finally:
-                buf.destroy()
         return (run_ht if c.kind == "ht" else run_expert_major)(c, r, r.shared())
     except Exception as exc:
         raise AssertionError(f"{c.repro} failed on rank {r.rank}: {type(exc).__name__}: {exc}\n"
@@ -410,10 +417,9 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
 def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: str) -> list[int]:
     """A spawned rank: every case in order; per case the rows it received."""
     r = Ranks(rank, world, sut)
-    try:
-        return [run_case(c, r) for c in cases]
-    finally:
-        r.close()
+    rows = [run_case(c, r) for c in cases]
+    r.close()  # only after success: see destroyed_after
+    return rows
 
 
 def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600) -> list[list[int]]:

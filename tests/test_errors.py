@@ -12,6 +12,7 @@ import torch.distributed as dist
 from dist_utils import run_ranks
 from uccl_ep_train import Buffer, Config
 from uccl_ep_train.backends.collectives import CommTimeoutError
+from uccl_ep_train.errors import RankLocalError
 from uccl_ep_train.fp8 import per_token_cast_to_fp8
 
 
@@ -61,10 +62,26 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         (NotImplementedError, "allow_mnnvl", lambda: Buffer(group, allow_mnnvl=True)),
         (ValueError, "set_num_sms", lambda: Buffer.set_num_sms(7)),
     ]
-    for exc, pattern, call in cases:
-        with pytest.raises(exc, match=pattern):
+    recv_x = handle = None
+
+    def expect(exc, pattern, call) -> None:
+        """`call` raises `exc` matching `pattern`. A check of this rank's own values (RankLocalError) aborts the
+        call on the peers of a native Buffer (docs/api.md, "Aborts"), which must then be made again; every
+        rank raised the same here, so every rank remakes it (and, after the first dispatch, its handle)."""
+        nonlocal buf, recv_x, handle
+        with pytest.raises(exc, match=pattern) as raised:
             call()
-    # a valid call still works afterwards: no rank entered a collective above
+        if isinstance(raised.value, RankLocalError) and buf.backend_name == "native":
+            with pytest.raises(RuntimeError, match="unusable after an abort"):
+                buf.dispatch(x, **layout)
+            buf.destroy()
+            buf = Buffer(group, int(1e6), 0)
+            if handle is not None:
+                recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
+
+    for exc, pattern, call in cases:
+        expect(exc, pattern, call)
+    # a valid call still works afterwards: no rank entered a collective above (or the Buffer was remade)
     recv_x, _, _, _, handle, _ = buf.dispatch(x, topk_idx=idx, topk_weights=w, **layout)
     handle_cases = [
         (ValueError, "made by another Buffer", lambda: other.combine(recv_x, handle)),
@@ -78,8 +95,7 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
     if recv_x.size(0):
         handle_cases.append((ValueError, "x: has 0 rows", lambda: buf.combine(recv_x[:0], handle)))
     for exc, pattern, call in handle_cases:
-        with pytest.raises(exc, match=pattern):
-            call()
+        expect(exc, pattern, call)
     combined, _, _ = buf.combine(recv_x, handle)
     assert combined.shape == x.shape
 
