@@ -422,6 +422,18 @@ def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: 
     return rows
 
 
+def each_rank_tail(text: str, per_rank: int = 2000) -> str:
+    """A failed spawn's text with each rank's part cut to its last `per_rank` characters (where its error and
+    repro line are): a cut of the whole text would keep the last rank's traceback and drop the first rank's,
+    which is usually the cause (the others fail because it left)."""
+    parts = re.split(r"(?=^--- rank \d+ ---$)", text, flags=re.M)
+    cut = []
+    for p in parts:
+        head, _, body = p.partition("\n")
+        cut.append(p if len(p) <= per_rank else f"{head}\n[...]{body[-per_rank:]}")
+    return "".join(cut)
+
+
 def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600) -> list[list[int]]:
     """Spawn the cases' layout (all cases share it) and run them; per rank, per case the rows received.
     sut "native": ranks on the GPU(s) (several per GPU: under MPS, which the caller provides); "reference":
@@ -486,7 +498,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"\nfuzz: {len(ran)} seeds run ({ran[0] if ran else '-'}..{ran[-1] if ran else '-'}), "
           f"{len(failures)} failed, {time.monotonic() - start:.0f} s")
     for seed, repro, text in failures:
-        print(f"\nFAILED seed {seed}: {repro.strip()}\n{text[-4000:]}")
+        print(f"\nFAILED seed {seed}: {repro.strip()}\n{each_rank_tail(text)}")
     return 1 if failures else 0
 
 

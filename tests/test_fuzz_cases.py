@@ -198,3 +198,16 @@ def test_a_dropping_router_fills_capacity_blocks_on_cpu_ranks():
                                      for r in range(c.world)], c.experts, c.expert_capacity))
     rows = c.experts * c.expert_capacity  # local experts x ranks x capacity
     assert run_cases([c], sut="reference", timeout=300) == [[rows]] * c.world
+
+
+def test_a_failure_report_keeps_every_ranks_error():
+    """The report of a failed seed cuts each rank's traceback, not the whole text: the first rank's error (often
+    the cause; the others fail because it left) stays in it however long the last rank's traceback is."""
+    from fuzz_runner import each_rank_tail
+
+    text = ("ranks [0, 2] of 3 failed:\n--- rank 0 ---\n" + "frame\n" * 2000 + "AssertionError: rank 0's cause\n"
+            "--- rank 2 ---\n" + "frame\n" * 2000 + "RuntimeError: connection closed by peer\n")
+    report = each_rank_tail(text)
+    assert len(report) < 6000
+    for part in ("--- rank 0 ---", "rank 0's cause", "--- rank 2 ---", "connection closed by peer"):
+        assert part in report, part
