@@ -65,6 +65,27 @@ struct ErrorFields {
   int code = 0, rank = 0, peer = 0, block = 0, phase = 0, need = 0, have = 0;
 };
 
+// The record itself, as it lies in memory both sides read: a buffer's error record and board slots (pinned or
+// device memory the kernels write, kernels/device_utils.cuh) and the proxies' failure record (pinned host
+// memory a stopping proxy thread fills and every kernel wait polls, Proxy::record_failure). `code` is written
+// last, after a fence: a reader that sees it sees the other fields.
+struct ErrorRecord {
+  int code, rank, peer, block, phase, need, have, pad;
+};
+
+// A record as the host reads it (memory another writer fills) -> the fields describe_error takes.
+inline ErrorFields error_fields(const volatile ErrorRecord* r) {
+  ErrorFields f;
+  f.code = r->code;
+  f.rank = r->rank;
+  f.peer = r->peer;
+  f.block = r->block;
+  f.phase = r->phase;
+  f.need = r->need;
+  f.have = r->have;
+  return f;
+}
+
 // What the reader of a record knows beyond it.
 struct ErrorContext {
   int reader = 0;          // the rank whose buffer holds the record (a peer's report, adopted, names another)

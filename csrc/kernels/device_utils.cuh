@@ -38,23 +38,9 @@ inline gpuError_t query_device(int device, double timeout_s, int* num_sms, int64
   return e;
 }
 
-// The codes and phases a record carries, and the sentences they become: common/errors.h.
-struct ErrorRecord {
-  int code, rank, peer, block, phase, need, have, pad;
-};
-
-// A record as the host reads it (pinned, mapped memory the GPU writes) -> the fields describe_error takes.
-inline ErrorFields error_fields(const volatile ErrorRecord* r) {
-  ErrorFields f;
-  f.code = r->code;
-  f.rank = r->rank;
-  f.peer = r->peer;
-  f.block = r->block;
-  f.phase = r->phase;
-  f.need = r->need;
-  f.have = r->have;
-  return f;
-}
+// The record the kernels write (and the proxies' failure record, which they poll): common/errors.h.
+using ::uccl_ep::ErrorRecord;
+using ::uccl_ep::error_fields;
 
 // A 64-bit value (an expert id) in a record's int field: saturated, so a huge id still reads as out of range.
 __device__ __forceinline__ int saturate_int(int64_t v) {

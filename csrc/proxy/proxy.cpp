@@ -20,7 +20,7 @@
 namespace uccl {
 
 // The failure record after the signal words: the kernels' ErrorRecord (8 ints, kernels/device_utils.cuh).
-constexpr size_t kFailureRecordBytes = 8 * sizeof(int);
+constexpr size_t kFailureRecordBytes = sizeof(uccl_ep::ErrorRecord);
 
 using Clock = std::chrono::steady_clock;
 
@@ -521,8 +521,8 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
     sig_mem_ = HostMemory((2 * n + size_t(cfg.world)) * sizeof(unsigned long long) + kFailureRecordBytes, cfg.gpu);
   }
   const size_t fail_off = (2 * n + size_t(cfg.world)) * sizeof(unsigned long long);
-  fail_host_ = reinterpret_cast<int*>(sig_mem_.host() + fail_off);
-  fail_dev_ = reinterpret_cast<int*>(sig_mem_.device() + fail_off);
+  fail_host_ = reinterpret_cast<uccl_ep::ErrorRecord*>(sig_mem_.host() + fail_off);
+  fail_dev_ = reinterpret_cast<uccl_ep::ErrorRecord*>(sig_mem_.device() + fail_off);
   std::memset(fail_host_, 0, kFailureRecordBytes);
   auto fill = [&](SignalBlock& s, char* base) {
     auto* p = reinterpret_cast<unsigned long long*>(base);
@@ -738,13 +738,13 @@ uint64_t Proxy::failure_record(bool device) const {
 
 void Proxy::record_failure(int rank, int code, int block) {
   if (failure_recorded_.exchange(true)) return;  // the first failure names it
-  volatile int* r = fail_host_;
-  r[1] = rank;
-  r[2] = rank;  // (the peer, when one is to blame, is in the failing thread's error text)
-  r[3] = block;
-  r[4] = r[5] = r[6] = r[7] = 0;
+  volatile uccl_ep::ErrorRecord* r = fail_host_;
+  r->rank = rank;
+  r->peer = rank;  // (the peer, when one is to blame, is in the failing thread's error text)
+  r->block = block;
+  r->phase = r->need = r->have = r->pad = 0;
   std::atomic_thread_fence(std::memory_order_seq_cst);  // the fields before the code the GPU polls
-  r[0] = code;
+  r->code = code;
   std::atomic_thread_fence(std::memory_order_seq_cst);
 }
 

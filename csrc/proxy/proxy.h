@@ -18,6 +18,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/errors.h"
 #include "proxy/fault.h"
 #include "proxy/ordering.h"
 #include "proxy/ring_buffer.h"
@@ -243,8 +244,8 @@ class Proxy {
   std::atomic<bool> failed_{false};
   std::atomic<bool> failure_recorded_{false};
   std::atomic<int> abort_op_{-1};  // abort(): the op thread 0 is to announce, -1 none (then -2: announced)
-  int* fail_host_ = nullptr;  // in sig_mem_, after the signal words
-  int* fail_dev_ = nullptr;
+  uccl_ep::ErrorRecord* fail_host_ = nullptr;  // in sig_mem_, after the signal words
+  uccl_ep::ErrorRecord* fail_dev_ = nullptr;
 };
 
 // Cores near `gpu` (its NUMA node), intersected with this process's allowed CPUs; all allowed CPUs when
