@@ -19,7 +19,7 @@
 
 namespace uccl {
 
-// The failure record after the signal words: the kernels' ErrorRecord (8 ints, kernels/device_utils.cuh).
+// The failure record after the signal words: an ErrorRecord (common/errors.h), as the kernels poll it.
 constexpr size_t kFailureRecordBytes = sizeof(uccl_ep::ErrorRecord);
 
 using Clock = std::chrono::steady_clock;
