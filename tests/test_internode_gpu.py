@@ -276,25 +276,30 @@ def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
 
 # On one H200 with libfabric 2.6.0 (CUDA), and with libfabric main (2.7.0a1): GPU memory registers through FI_HMEM
 # and every op synchronised on its own is bit-exact, but in the 200 back-to-back dispatch + combine pairs a
-# combine's reduce waits for a chunk whose copy fence passes only after the reduce timed out (docs/internode.md,
-# 'Not (yet) here'). Strict: a fix makes these fail until the mark goes.
+# combine's reduce waits for a chunk whose copy fence passes only after the reduce timed out; the same on two
+# H200s, one rank each, without MPS (docs/internode.md, 'Not (yet) here'). Strict: a fix makes these fail until
+# the mark goes.
 FABRIC_COMBINE_HANGS = pytest.mark.xfail(strict=True, reason="fabric on shm: ops queued back to back time out "
                                                              "(docs/internode.md, 'Not (yet) here')")
 
 
 @FABRIC_COMBINE_HANGS
-@pytest.mark.parametrize("world,L,cq_bytes", [(2, 1, 8), (4, 2, 4), (6, 2, 4)])
-def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes):
+@pytest.mark.parametrize("world,L,cq_bytes,per_gpu", [(2, 1, 8, 2), (4, 2, 4, 4), (6, 2, 4, 6), (2, 1, 8, 1)],
+                         ids=["2x1", "4x2", "6x2", "2x1-one-rank-per-gpu"])
+def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes, per_gpu):
     """The whole suite above (fresh, cached, FP8, num_worst_tokens, async, combine with weights and bias, 200
     calls, per-destination byte counts exact) with the proxies on the fabric transport, region 0 GPU memory; at
-    4 x 2 with the 4-byte CQ-data layout of EFA forced and 20 fault-injection seeds (reorder + delay)."""
+    4 x 2 with the 4-byte CQ-data layout of EFA forced and 20 fault-injection seeds (reorder + delay). `per_gpu`
+    ranks share a GPU; one rank per GPU (a host with 2) shows what the ranks sharing one do not cause."""
     why = _ready() or fabric_gpu_memory_missing()
+    if not why and torch.cuda.device_count() < world // per_gpu:
+        why = f"needs {world // per_gpu} GPUs"
     if why:
         pytest.skip(why)
     seeds = list(range(20)) if (world, L) == (4, 2) else []
     env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(L), UCCL_EP_TIMEOUT_S="20",
                UCCL_EP_FABRIC_CQ_DATA_BYTES=str(cq_bytes))
-    reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world,
+    reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=per_gpu,
                         timeout=600, env=env)
     assert [r["transport"] for r in reports] == ["fabric"] * world
 
