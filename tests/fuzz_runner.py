@@ -427,6 +427,8 @@ def each_rank_tail(text: str, per_rank: int = 2000) -> str:
     repro line are): a cut of the whole text would keep the last rank's traceback and drop the first rank's,
     which is usually the cause (the others fail because it left)."""
     parts = re.split(r"(?=^--- rank \d+ ---$)", text, flags=re.M)
+    if len(parts) == 1:  # no per-rank parts (a timeout's text): its tail
+        return text if len(text) <= 2 * per_rank else f"[...]{text[-2 * per_rank:]}"
     cut = []
     for p in parts:
         head, _, body = p.partition("\n")

@@ -92,7 +92,10 @@ def _bad_inputs(rank: int, world: int, device: str) -> int:
         (ValueError, r"bias\[0\]: expected", lambda: buf.combine(recv_x, handle, bias=torch.zeros(2, h, device=dev))),
         (TypeError, "topk_weights: dtype", lambda: buf.combine(recv_x, handle, topk_weights=torch.zeros(recv_x.size(0), 2, dtype=torch.int32, device=dev))),
     ]
-    if recv_x.size(0):
+    # every rank adds this case or none does: a native Buffer is remade after it (collective)
+    received = torch.tensor([recv_x.size(0)])
+    dist.all_reduce(received, op=dist.ReduceOp.MIN, group=group)
+    if int(received):
         handle_cases.append((ValueError, "x: has 0 rows", lambda: buf.combine(recv_x[:0], handle)))
     for exc, pattern, call in handle_cases:
         expect(exc, pattern, call)

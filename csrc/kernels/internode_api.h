@@ -28,6 +28,7 @@
 #include <utility>
 #include <vector>
 
+#include "common/errors.h"
 #include "proxy/ring.h"
 
 namespace uccl_ep::internode {
@@ -161,6 +162,7 @@ class InternodeBuffer {
                   int requested_chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
   void alloc_rdma(int64_t bytes);
   std::string adopt_proxy_failure();
+  const volatile ErrorRecord* record() const;
   std::vector<int*> node_claims() const;  // the node ranks' claim words as mapped here (report_error, abort)
   int device_ = 0, rank_ = 0, num_ranks_ = 1, local_ = 0, node_ = 0, ranks_per_node_ = 1, num_nodes_ = 1;
   int num_device_sms_ = 0;
@@ -174,6 +176,7 @@ class InternodeBuffer {
   void* err_host_ = nullptr;            // error record, pinned + mapped
   void* err_dev_ = nullptr;
   const void* proxy_fail_host_ = nullptr;  // the proxies' failure record (set_rings), polled by wait_counts
+  ErrorRecord adopted_{};                  // a copy of it once wait_counts adopted it (adopt_proxy_failure)
   void* notified_ = nullptr;            // event after the last notify kernel
   void* copy_stream_ = nullptr;         // the count rows' copy to the host (off the caller's stream)
   std::vector<uccl::RingDesc> rings_;

@@ -165,31 +165,33 @@ void InternodeBuffer::check_ready(const char* what) const {
   UCCL_CHECK(!rings_.empty(), what << ": no proxy rings (set_rings)");
 }
 
+// The record to raise: the kernels' (err_host_), else the proxies' failure the host's count wait adopted.
+const volatile ErrorRecord* InternodeBuffer::record() const {
+  const volatile ErrorRecord* r = static_cast<const volatile ErrorRecord*>(err_host_);
+  if (r != nullptr && r->code > 0) return r;
+  return adopted_.code > 0 ? &adopted_ : nullptr;
+}
+
 std::string InternodeBuffer::error() const {
-  if (err_host_ == nullptr) return "";
-  const volatile ErrorRecord* r = reinterpret_cast<const volatile ErrorRecord*>(err_host_);
-  if (r->code <= 0) return "";
+  const volatile ErrorRecord* r = record();
+  if (r == nullptr) return "";
   return describe_error(intranode::error_fields(r), ErrorContext{rank_, ranks_per_node_, timeout_s_});
 }
 
 // The host's side of the kernels' proxy_failed: a failure this rank's proxies recorded (a peer's abort or
-// failure message, a proxy thread that stopped) becomes this rank's record, unless it holds one already, so
-// that the host raises it (and abort_source names an aborting peer). Returns the record's sentence, or "".
+// failure message, a proxy thread that stopped) is kept as this rank's record when the kernels have none, so
+// that the host raises it (and abort_source names an aborting peer). A copy in host memory of its own: the
+// notify kernel may write err_host_ meanwhile (a timeout, a node peer's report), and that record wins. Returns
+// the sentence to raise, or "".
 std::string InternodeBuffer::adopt_proxy_failure() {
-  const std::string own = error();
-  if (!own.empty() || proxy_fail_host_ == nullptr || err_host_ == nullptr) return own;
-  const volatile intranode::ErrorRecord* pf = static_cast<const volatile intranode::ErrorRecord*>(proxy_fail_host_);
-  if (pf->code == 0) return "";
-  __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields were written before the code (Proxy::record_failure)
-  volatile intranode::ErrorRecord* r = static_cast<volatile intranode::ErrorRecord*>(err_host_);
-  r->rank = pf->rank;
-  r->peer = pf->peer;
-  r->block = pf->block;
-  r->phase = pf->phase;
-  r->need = pf->need;
-  r->have = pf->have;
-  __atomic_thread_fence(__ATOMIC_RELEASE);
-  r->code = pf->code;
+  if (adopted_.code == 0 && proxy_fail_host_ != nullptr) {
+    const volatile ErrorRecord* pf = static_cast<const volatile ErrorRecord*>(proxy_fail_host_);
+    const int code = pf->code;
+    if (code != 0) {
+      __atomic_thread_fence(__ATOMIC_ACQUIRE);  // the fields were written before the code (Proxy::record_failure)
+      adopted_ = ErrorRecord{code, pf->rank, pf->peer, pf->block, pf->phase, pf->need, pf->have, 0};
+    }
+  }
   return error();
 }
 
@@ -206,7 +208,9 @@ std::vector<int*> InternodeBuffer::node_claims() const {
   return claims;
 }
 
-std::pair<int, std::string> InternodeBuffer::abort_source() const { return uccl_ep::abort_source(err_host_); }
+std::pair<int, std::string> InternodeBuffer::abort_source() const {
+  return uccl_ep::abort_source(const_cast<const ErrorRecord*>(record()));
+}
 
 void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
                                       int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,

@@ -16,6 +16,7 @@ constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
 
 // NVL buffer header: internode_api.h (kBarOffset ... kNvlHeaderBytes)
 static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
+static_assert(kMaxLocal <= intranode::kMaxBoard, "a node's ranks fit its claim table and error board");
 
 // Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.
 //   [0, R)                notify rows arrived from rank s (cumulative)

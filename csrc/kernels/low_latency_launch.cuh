@@ -17,6 +17,7 @@ constexpr int kWarps = kThreads / UCCL_WARP_SIZE;
 
 // The region starts with the claim word and error words (intranode's board layout); Layout::counters is after.
 constexpr int64_t kClaimOffset = 0;
+static_assert(kMaxLocal <= intranode::kMaxBoard, "a node's ranks fit its claim table and error board");
 
 // Counters at Layout::counters (the same place for every shape), all zero after clean():
 //   uint32 d_done[kMaxRanks]      dispatch: blocks done with destination r (reset by the finisher)

@@ -37,7 +37,7 @@ from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend, WithoutLowLatency
 from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce,
-                     shape_header)
+                     recorded_errors, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -238,9 +238,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
         try:
             self._buf.wait_counts(self._pinned.data_ptr())
-        except RuntimeError as exc:
-            self._failed = str(exc)
-            raise
+        except RuntimeError as exc:  # with the proxies' own text where they recorded one (what _check raises)
+            self._failed = recorded_errors(self._buf, self._proxy) or str(exc)
+            raise RuntimeError(f"{self.error_prefix}: {self._failed}") from exc
         rows = self._pinned[:size].numpy().reshape(self.num_ranks, stride).copy()
         check_same_shape(rows.tolist())
         return rows
