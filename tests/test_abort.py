@@ -16,6 +16,15 @@ from dist_utils import run_ranks
 REFUSAL = "combine: num_topk 8 without weights"
 
 
+
+def _raised(call, kind: type = RuntimeError) -> str:
+    """What `call` raised (an exception of `kind`: its text), or "no error"."""
+    try:
+        call()
+    except kind as exc:
+        return str(exc)
+    return "no error"
+
 def _native():
     return pytest.importorskip("uccl_ep_train._native")
 
@@ -64,11 +73,7 @@ def _buffer_after_abort(rank: int, world: int, device: str) -> tuple:
                                                    is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
                                                    topk_idx=idx, topk_weights=w)
     # a refusal every rank makes before entering the backend leaves the Buffer usable
-    try:
-        buf.combine(recv_x.int(), handle)
-        before = "no error"
-    except TypeError as exc:
-        before = str(exc)
+    before = _raised(lambda: buf.combine(recv_x.int(), handle), TypeError)
     buf.combine(recv_x, handle, topk_weights=recv_w)
 
     backend = buf.backend
@@ -86,20 +91,9 @@ def _buffer_after_abort(rank: int, world: int, device: str) -> tuple:
         backend.check_errors = stopped
         backend.aborted_by = lambda: (1, "combine")
     dist.barrier()
-    try:
-        if rank == 1:
-            buf.combine(recv_x, handle, topk_weights=recv_w)
-        else:
-            buf.check_errors()
-        raised = "no error"
-    except RuntimeError as exc:
-        raised = str(exc)
+    raised = _raised(lambda: buf.combine(recv_x, handle, topk_weights=recv_w) if rank == 1 else buf.check_errors())
     dist.barrier()  # rank 1's message is in the store before rank 0 reads it in a later call
-    try:
-        buf.combine(recv_x, handle, topk_weights=recv_w)
-        later = "no error"
-    except RuntimeError as exc:
-        later = str(exc)
+    later = _raised(lambda: buf.combine(recv_x, handle, topk_weights=recv_w))
     return before, told, raised, later
 
 
@@ -160,12 +154,7 @@ def _failure_record_worker(rank: int, world: int) -> tuple:
         g.push(1, P.make_commands([(P.OP_WRITE, 0, 1, 0, 4096, 0, 4096) for _ in range(4)]))
     fields = _wait_record(g, rank)
     took = time.monotonic() - start
-    error = ""
-    if rank == 1:
-        try:
-            g.check()
-        except RuntimeError as exc:
-            error = str(exc)
+    error = _raised(g.check) if rank == 1 else ""
     dist.barrier()
     g.close()
     return before, fields, took, error
@@ -244,12 +233,7 @@ def _rank_local_error(rank: int, world: int, device: str) -> tuple:
         buf.backend.check_errors = stopped
         buf.backend.aborted_by = lambda: (1, "get_dispatch_layout")
     dist.barrier()  # rank 1's message is in the store
-    seen = "no error"
-    if rank == 0:
-        try:
-            buf.check_errors()
-        except RuntimeError as exc:
-            seen = str(exc)
+    seen = _raised(buf.check_errors) if rank == 0 else "no error"
     return alike, told_after_alike, told, raised, seen
 
 
