@@ -16,7 +16,6 @@ from dist_utils import run_ranks
 REFUSAL = "combine: num_topk 8 without weights"
 
 
-
 def _raised(call, kind: type = RuntimeError) -> str:
     """What `call` raised (an exception of `kind`: its text), or "no error"."""
     try:
@@ -24,6 +23,7 @@ def _raised(call, kind: type = RuntimeError) -> str:
     except kind as exc:
         return str(exc)
     return "no error"
+
 
 def _native():
     return pytest.importorskip("uccl_ep_train._native")
