@@ -59,6 +59,8 @@ def _collective(op: str) -> Callable:
                 raise
         return call
     return wrap
+
+
 _buffer_ids = itertools.count(1)
 _announced: set[str] = set()
 
@@ -631,11 +633,11 @@ class Buffer:
                 sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
                 if not torch.equal(sent, num_tokens_per_rank):
                     raise RankLocalError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
-                                     f"is_token_in_rank, which sends {sent.tolist()}")
+                                         f"is_token_in_rank, which sends {sent.tolist()}")
                 per_node = backend.tokens_per_node(is_token_in_rank)
                 if per_node is not None and not torch.equal(per_node, num_tokens_per_rdma_rank):
                     raise RankLocalError(f"num_tokens_per_rdma_rank: {num_tokens_per_rdma_rank.tolist()} disagrees "
-                                     f"with is_token_in_rank, which sends {per_node.tolist()} tokens per node")
+                                         f"with is_token_in_rank, which sends {per_node.tolist()} tokens per node")
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(
@@ -857,7 +859,7 @@ class Buffer:
             V.check_device(topk_weights, "topk_weights", self.device)
             if topk_weights.shape != em_map.shape:
                 raise RankLocalError(f"topk_weights: shape {list(topk_weights.shape)} != em_map shape "
-                                 f"{list(em_map.shape)} (one weight per received row and slot, receive order)")
+                                     f"{list(em_map.shape)} (one weight per received row and slot, receive order)")
         config = self._config(config, self.get_combine_config)
         backend = self.backend
         (combined, combined_w), event = self._run(
@@ -872,7 +874,7 @@ class Buffer:
         V.check_non_negative_int(expert_capacity, "expert_capacity")
         if expert_capacity and rows % (self.group_size * expert_capacity):
             raise RankLocalError(f"{rows_arg}: {rows} rows are not whole blocks of expert_capacity={expert_capacity} "
-                             f"rows per (local expert, source rank) for {self.group_size} ranks")
+                                 f"rows per (local expert, source rank) for {self.group_size} ranks")
         return bool(expert_capacity)
 
     def check_errors(self) -> None:
@@ -957,7 +959,7 @@ class Buffer:
         V.check_non_negative_int(num_max_dispatch_tokens_per_rank, "num_max_dispatch_tokens_per_rank", 1)
         if x.size(0) > num_max_dispatch_tokens_per_rank:
             raise RankLocalError(f"x: {x.size(0)} tokens exceed num_max_dispatch_tokens_per_rank "
-                             f"({num_max_dispatch_tokens_per_rank})")
+                                 f"({num_max_dispatch_tokens_per_rank})")
         if use_fp8 and x.size(1) % FP8_BLOCK:
             raise ValueError(f"x: hidden ({x.size(1)}) must be divisible by {FP8_BLOCK} for use_fp8")
         if use_ue8m0 and not (use_fp8 and round_scale):
@@ -1025,7 +1027,7 @@ class Buffer:
             V.check_expert_range(topk_idx, handle.num_experts, self.rank)
         if topk_idx.size(0) > handle.num_max_dispatch_tokens_per_rank:
             raise RankLocalError(f"topk_idx: {topk_idx.size(0)} tokens exceed the handle's maximum "
-                             f"{handle.num_max_dispatch_tokens_per_rank}")
+                                 f"{handle.num_max_dispatch_tokens_per_rank}")
         if out is None:
             out = torch.empty((topk_idx.size(0), handle.hidden), dtype=torch.bfloat16, device=x.device)
         else:

@@ -112,7 +112,7 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
         check_tensor(topk_weights, weights_arg, (torch.float32,), 2)
         if topk_weights.shape != topk_idx.shape:
             raise RankLocalError(f"{weights_arg}: shape {list(topk_weights.shape)} differs from "
-                             f"{idx_arg} shape {list(topk_idx.shape)}")
+                                 f"{idx_arg} shape {list(topk_idx.shape)}")
 
 
 def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_arg: str = "topk_idx") -> None:
@@ -150,11 +150,11 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
         raise RankLocalError(f"{arg}: entries must be expert-major rows or -1, got {lo}")
     if named != num_rows and not padded:
         raise RankLocalError(f"{rows_arg}: {num_rows} expert-major rows, but {arg} names {named} (one per slot of a "
-                         f"local expert)")
+                             f"local expert)")
     if hi >= num_rows or distinct != named:
         raise RankLocalError(f"{arg}: must name each of the {num_rows} expert-major rows "
-                         f"{'at most' if padded else 'exactly'} once, got entries up to {hi} covering {distinct} "
-                         f"rows once")
+                             f"{'at most' if padded else 'exactly'} once, got entries up to {hi} covering {distinct} "
+                             f"rows once")
 
 
 def check_num_experts(num_experts: Any, num_ranks: int, arg: str = "num_experts") -> None:

@@ -280,7 +280,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
             raise ValueError("handle: not made by the native low-latency dispatch of this Buffer")
         if tuple(topk_idx.shape) != (state.num_tokens, state.num_topk):
             raise RankLocalError(f"topk_idx: expected [{state.num_tokens}, {state.num_topk}] as in the dispatch, got "
-                             f"{list(topk_idx.shape)}")
+                                 f"{list(topk_idx.shape)}")
         M, H, E = handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts
         lay = self._layout(M, H, E)
         half = self._next(1)
