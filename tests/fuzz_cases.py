@@ -268,8 +268,9 @@ def _case(seed: int, index: int, nodes: int, per_node: int) -> FuzzCase:
 def rank_routing(c: FuzzCase, rank: int) -> torch.Tensor:
     """topk_idx int64 [tokens[rank], topk] of `rank` (CPU): per token min(topk, choices) distinct experts of
     the ranks it may pick (`hot_ranks` for 4 tokens of 5 when skewed), -1 for the other slots and holes; with
-    `repeated`, some slots repeat the slot before; with overflow "drop", the selections past their expert's
-    capacity are dropped (-1), as the router does (oracle.drop_over_capacity)."""
+    `repeated`, some slots repeat the slot before (no expert past max_tokens rows from the rank); with overflow
+    "drop", the selections past their expert's capacity are dropped (-1), as the router does
+    (oracle.drop_over_capacity)."""
     T, K, local = c.tokens[rank], c.topk, c.experts // c.world
     g = torch.Generator().manual_seed(_seed(c, rank, 1))
     idx = torch.full((T, K), -1, dtype=torch.int64)
@@ -294,8 +295,18 @@ def rank_routing(c: FuzzCase, rank: int) -> torch.Tensor:
         idx[torch.rand((T, K), generator=g) < c.holes] = -1
     if c.repeated and K > 1 and T:
         again = torch.rand((T, K - 1), generator=g) < 0.3
+        # An LL expert takes at most max_tokens rows from one rank, and a repeat is one row more (the native
+        # kernels refuse the call past that, as they must): a repeat that would cross it is not made.
+        rows_of = torch.bincount(idx[idx >= 0], minlength=c.experts)
         for j in range(1, K):
-            idx[:, j] = torch.where(again[:, j - 1] & (idx[:, j - 1] >= 0), idx[:, j - 1], idx[:, j])
+            for t in again[:, j - 1].nonzero().flatten().tolist():
+                prev, cur = int(idx[t, j - 1]), int(idx[t, j])
+                if prev < 0 or rows_of[prev] >= c.max_tokens:
+                    continue
+                if cur >= 0:
+                    rows_of[cur] -= 1
+                idx[t, j] = prev
+                rows_of[prev] += 1
     if c.overflow == "drop":
         idx = drop_over_capacity(idx, c.experts, c.expert_capacity)
     return idx

@@ -143,6 +143,20 @@ def test_low_latency_repeated_ids_weigh_each_slot_once():
     assert len(run_cases([c], sut="reference", timeout=120)) == c.world
 
 
+def test_repeated_ids_keep_every_ll_expert_within_max_tokens_rows_of_a_rank(cases):
+    """A repeat is one row more for its expert: past num_max_dispatch_tokens_per_rank the native kernels refuse
+    the call (as they must), so the generator makes no such repeat (seed 2 case 2 made 188 rows of 159)."""
+    repeated = [c for c in cases if c.repeated] + [F.case(2, 2)]
+    capped = 0
+    for c in repeated:
+        for rank in range(c.world):
+            idx = F.rank_routing(c, rank)
+            rows = torch.bincount(idx[idx >= 0], minlength=c.experts)
+            assert int(rows.max()) <= c.max_tokens, (c.repro, rank, int(rows.max()), c.max_tokens)
+            capped += int(rows.max()) == c.max_tokens
+    assert capped, "no case reaches the cap: the bound is not exercised"
+
+
 def test_the_router_drop_keeps_each_experts_first_tokens():
     idx = torch.tensor([[0, 1], [1, -1], [0, 1], [2, 0], [0, 2]])
     assert drop_over_capacity(idx, 4, 2).tolist() == [[0, 1], [1, -1], [0, -1], [2, -1], [-1, 2]]
