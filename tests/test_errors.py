@@ -649,8 +649,8 @@ def test_native_out_of_range_expert_id_names_its_position(mps, monkeypatch, rank
            **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
     msgs = run_ranks(_native_bad_expert_id, 2, low_latency, timeout=300, device="cuda", backend="gloo",
                      ranks_per_gpu=2, env=env)
-    assert re.search(r"topk_idx\[5, 1\] = 11 is outside \[-1, 8\) on rank 0: expert ids are -1 \(no expert\) or "
-                     r"in \[0, num_experts\); found on the GPU by "
+    assert re.search(r"topk_idx\[5, 1\] = 11 is outside \[-1, 8\) on rank 0( \(node 0\))?: expert ids are -1 "
+                     r"\(no expert\) or in \[0, num_experts\); found on the GPU by "
                      + ("low_latency_dispatch" if low_latency else "get_dispatch_layout"), msgs[0]), msgs[0]
     # rank 1 routed nothing wrong: it stops with rank 0's record (intranode: the shared board), waits for rank
     # 0 in vain (its deadline names rank 0), or completes (the LL kernels go on past a bad id)

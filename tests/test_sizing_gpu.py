@@ -71,7 +71,7 @@ def _sizes(rank: int, world: int, device: str) -> dict:
     buf.backend.check_errors()
     got["static"] = buf.backend._nbytes
     got["static_predicted"] = sizing.intranode_bytes_after(got["start"], sizing.intranode_dispatch_needs(
-        worst, sizing.worst_send_rows(worst, world, n, epr, cap), H * 2, 0, K, H * 2))
+        worst, sizing.worst_send_rows(worst, world, epr, cap), H * 2, 0, K, H * 2))
     got["static_rows"] = x_em.size(0)
     got["combined"] = bool(torch.isfinite(y.float()).all())
     buf.destroy()

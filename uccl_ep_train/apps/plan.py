@@ -411,9 +411,9 @@ def ep_buffer_modes(shape: EpShape, capacity_factor: float = DEFAULT_CAPACITY_FA
         nvl0 = max(start_nvl, sizing.MIN_BYTES)
         step = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(rows, rows, hb, 0, k, hb))
         static = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
-            static_recv, sizing.worst_send_rows(static_recv, R, T, epr, cap), hb, 0, k, hb))
+            static_recv, sizing.worst_send_rows(static_recv, R, epr, cap), hb, 0, k, hb))
         worst = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
-            worst_recv, sizing.worst_send_rows(worst_recv, R, T, epr, 0), hb, 0, k, hb))
+            worst_recv, sizing.worst_send_rows(worst_recv, R, epr, 0), hb, 0, k, hb))
         modes = [rows_mode("eager start", nvl0, 0, 0, "what the uccl dispatcher's Buffer opens with"),
                  rows_mode("eager step", step, 0, T * k, f"grown for ~{rows} rows received per rank"),
                  rows_mode("static budget", static, 0, static_rows,

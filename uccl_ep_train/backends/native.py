@@ -392,11 +392,12 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                     (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
             c.out_rows = int(num_worst_tokens)
-            # Assumes every rank passes the same num_worst_tokens and, without a capacity layout, the same token
-            # count (the kernels check the real counts against the buffer and report instead of overflowing).
+            # Sized from what every rank passes alike (num_worst_tokens, the capacity), never from this rank's
+            # token count: a grow must be every rank's or none's (the kernels check the real counts against the
+            # buffer and report instead of overflowing).
             c.max_recv = c.out_rows
             capacity = shape[self._native.INTRANODE_SHAPE_FIELDS.index("expert_capacity")]
-            c.max_send = sizing.worst_send_rows(c.out_rows, R, n, epr, capacity)
+            c.max_send = sizing.worst_send_rows(c.out_rows, R, epr, capacity)
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(info.numel())
