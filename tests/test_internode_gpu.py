@@ -275,10 +275,10 @@ def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
 
 
 # On one H200 with libfabric 2.6.0 (CUDA), and with libfabric main (2.7.0a1): GPU memory registers through FI_HMEM
-# and every op synchronised on its own is bit-exact, but in the 200 back-to-back dispatch + combine pairs a
-# combine's reduce waits for a chunk whose copy fence passes only after the reduce timed out; the same on two
-# H200s, one rank each, without MPS (docs/internode.md, 'Not (yet) here'). Strict: a fix makes these fail until
-# the mark goes.
+# and every op synchronised on its own is bit-exact, but the 200 dispatch + combine pairs queued back to back
+# time out (on two H200s, one rank each, without MPS, at the second pair: a combine waits for a signal of its
+# peer while every data write arrived; docs/internode.md, 'Not (yet) here'). Strict: a fix makes these fail
+# until the mark goes.
 FABRIC_COMBINE_HANGS = pytest.mark.xfail(strict=True, reason="fabric on shm: ops queued back to back time out "
                                                              "(docs/internode.md, 'Not (yet) here')")
 
