@@ -141,3 +141,13 @@ def test_capacity_layout_reserves_its_bound_not_the_worst_case(hot, k):
         assert real <= worst
     if hot:
         assert out[0][2] == bound  # rank 0 gets each source's `epr * capacity` tokens: the bound is tight
+
+
+def test_a_sync_free_combine_is_sized_from_what_every_rank_passes_alike():
+    """num_worst_tokens (and the capacity, and num_max_tokens_per_rank when given) bound the combine's rows, never
+    the rank's own token count: ranks holding different counts grew their buffers apart (GPU fuzz seeds 14, 15)."""
+    assert sizing.worst_send_rows(2053, 3, 88, 0) == 3 * 2053
+    assert sizing.worst_send_rows(2053, 3, 88, 0, 1024) == 3 * 1024
+    assert sizing.worst_send_rows(2053, 3, 8, 16) == 3 * 8 * 16
+    assert sizing.worst_send_rows(2053, 3, 8, 16, 100) == 3 * 100
+    assert sizing.worst_send_rows(64, 8, 8, 0, 4096) == 8 * 64

@@ -558,7 +558,7 @@ class Buffer:
                  topk_idx: Optional[torch.Tensor] = None, topk_weights: Optional[torch.Tensor] = None,
                  expert_alignment: int = 1, num_worst_tokens: int = 0, config: Optional[Config] = None,
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False):
+                 allocate_on_comm_stream: bool = False, num_max_tokens_per_rank: int = 0):
         """Dispatch tokens to the ranks holding their experts.
 
         Arguments:
@@ -573,6 +573,10 @@ class Buffer:
             num_worst_tokens: if > 0, pad outputs to this many rows (no CPU sync for sizes: the call can be
                 captured in a CUDA graph); the per-expert count list is then empty.
             config, previous_event, async_finish, allocate_on_comm_stream: as in DeepEP.
+            num_max_tokens_per_rank: (not in DeepEP's v1 Buffer; V2's ElasticBuffer passes it) with
+                num_worst_tokens: the most tokens any rank passes, the same on every rank. The rows a combine
+                brings back are then sized by it, else by num_worst_tokens per rank (a call without a host
+                sync cannot learn its peers' token counts).
 
         Returns:
             recv_x: received tokens (a pair for FP8), grouped by source rank, then source token index.
@@ -620,6 +624,13 @@ class Buffer:
             raise ValueError("dispatch: topk_weights given without topk_idx")
         V.check_non_negative_int(expert_alignment, "expert_alignment", 1)
         V.check_non_negative_int(num_worst_tokens, "num_worst_tokens")
+        V.check_non_negative_int(num_max_tokens_per_rank, "num_max_tokens_per_rank")
+        if num_max_tokens_per_rank and not num_worst_tokens:
+            raise ValueError("num_max_tokens_per_rank: bounds a dispatch with num_worst_tokens only (without it the "
+                             "counts are exchanged on the host)")
+        if num_tokens > num_max_tokens_per_rank > 0:
+            raise RankLocalError(f"x: has {num_tokens} tokens, more than num_max_tokens_per_rank="
+                                 f"{num_max_tokens_per_rank}")
         for name, t in (("num_tokens_per_rank", num_tokens_per_rank), ("is_token_in_rank", is_token_in_rank),
                         ("num_tokens_per_expert", num_tokens_per_expert), ("topk_idx", topk_idx),
                         ("topk_weights", topk_weights), ("x scales", scales),
@@ -644,7 +655,7 @@ class Buffer:
             "dispatch",
             lambda: backend.dispatch(data, scales, topk_idx64, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                      num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
-                                     num_tokens_per_rdma_rank),
+                                     num_tokens_per_rdma_rank, num_max_tokens_per_rank),
             (data, scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
              num_tokens_per_rdma_rank),
             previous_event, async_finish, allocate_on_comm_stream, checks=checks)

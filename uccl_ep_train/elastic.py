@@ -300,7 +300,8 @@ class ElasticBuffer:
                 x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
                 num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights,
                 expert_alignment=1 if do_expand else align, num_worst_tokens=0 if sync else T * R, config=config,
-                async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream)
+                async_finish=async_with_compute_stream, allocate_on_comm_stream=allocate_on_comm_stream,
+                num_max_tokens_per_rank=0 if sync else T)
         event = _always(event)
         if do_expand or cumulative_local_expert_recv_stats is not None:
             event.current_stream_wait()

@@ -150,10 +150,17 @@ def capacity_recv_tokens(max_tokens_per_rank: int, num_local_experts: int, num_r
     return num_ranks * min(max_tokens_per_rank, num_local_experts * capacity)
 
 
-def worst_send_rows(num_worst_tokens: int, num_ranks: int, num_local_experts: int, capacity: int) -> int:
+def worst_send_rows(num_worst_tokens: int, num_ranks: int, num_local_experts: int, capacity: int,
+                    max_tokens_per_rank: int = 0) -> int:
     """Rows a rank may get back in the combine of a dispatch bounded by num_worst_tokens (rows any rank
-    receives): per destination at most those, and in a capacity layout (capacity > 0) at most `capacity` per
-    expert there. Never from the rank's own token count, though that bounds it too: a sync-free dispatch does
-    not learn its peers' counts, and ranks that sized from their own would grow their buffers apart (one in the
-    collective grow, its peers already in their next call). A tight bound: expert_capacity, or num_nvl_bytes."""
-    return num_ranks * (min(num_worst_tokens, num_local_experts * capacity) if capacity else num_worst_tokens)
+    receives): per destination at most those, at most `capacity` per expert there in a capacity layout
+    (capacity > 0), and at most `max_tokens_per_rank` when the caller gives that bound (0: none). Only from
+    what every rank passes alike, never from the rank's own token count: a sync-free dispatch does not learn
+    its peers' counts, and ranks that sized from their own would grow their buffers apart (one in the
+    collective grow, its peers already in their next call)."""
+    per_rank = num_worst_tokens
+    if capacity:
+        per_rank = min(per_rank, num_local_experts * capacity)
+    if max_tokens_per_rank:
+        per_rank = min(per_rank, max_tokens_per_rank)
+    return num_ranks * per_rank

@@ -413,14 +413,14 @@ def ep_buffer_modes(shape: EpShape, capacity_factor: float = DEFAULT_CAPACITY_FA
         static = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
             static_recv, sizing.worst_send_rows(static_recv, R, epr, cap), hb, 0, k, hb))
         worst = sizing.intranode_bytes_after(nvl0, sizing.intranode_dispatch_needs(
-            worst_recv, sizing.worst_send_rows(worst_recv, R, epr, 0), hb, 0, k, hb))
+            worst_recv, sizing.worst_send_rows(worst_recv, R, epr, 0, T), hb, 0, k, hb))
         modes = [rows_mode("eager start", nvl0, 0, 0, "what the uccl dispatcher's Buffer opens with"),
                  rows_mode("eager step", step, 0, T * k, f"grown for ~{rows} rows received per rank"),
                  rows_mode("static budget", static, 0, static_rows,
                            f"factor {capacity_factor:g}: capacity {cap} per (expert, rank), {static_recv} rows "
                            "received at most"),
-                 rows_mode("worst case", worst, 0, worst_recv, f"num_worst_tokens={worst_recv}: every token to one "
-                           "rank")]
+                 rows_mode("worst case", worst, 0, worst_recv, f"num_worst_tokens={worst_recv}, "
+                           f"num_max_tokens_per_rank={T}: every token to one rank")]
     else:  # several nodes: NVL buffer + RDMA region, sized from the per-node counts
         N = R // L
         nvl0, rdma0 = sizing.internode_start(start_nvl, 0)

@@ -66,14 +66,17 @@ class Backend(abc.ABC):
     def dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Optional[torch.Tensor],
                  topk_weights: Optional[torch.Tensor], num_tokens_per_rank: torch.Tensor,
                  is_token_in_rank: torch.Tensor, num_tokens_per_expert: torch.Tensor, expert_alignment: int,
-                 num_worst_tokens: int, config: Config, num_tokens_per_rdma_rank: Optional[torch.Tensor]
+                 num_worst_tokens: int, config: Config, num_tokens_per_rdma_rank: Optional[torch.Tensor],
+                 num_max_tokens_per_rank: int = 0
                  ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[torch.Tensor],
                             list[int], HTHandle]:
         """Fresh dispatch -> (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights,
         num_recv_tokens_per_expert_list, handle). Receive order: source rank, then source token index (on
         one node and across nodes alike). `num_tokens_per_rdma_rank` ([num_nodes] int32, `tokens_per_node`)
         is given exactly when `self.topology.internode`; the handle is then an InternodeHandle, else an
-        IntranodeHandle."""
+        IntranodeHandle. `num_max_tokens_per_rank` (0: none): with num_worst_tokens, a bound on every rank's
+        token count that every rank passes alike (Buffer.dispatch checks this rank's); a backend that sizes
+        buffers without a host sync may size by it."""
 
     @abc.abstractmethod
     def cached_dispatch(self, x: torch.Tensor, x_scales: Optional[torch.Tensor], handle: HTHandle,

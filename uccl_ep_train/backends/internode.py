@@ -246,7 +246,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         return rows
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank=None):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank=None,
+                 num_max_tokens_per_rank=0):
         self._check()
         R, L, N, me = self.num_ranks, self.L, self.N, self.rank
         x = x.contiguous()

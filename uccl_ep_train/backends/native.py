@@ -369,7 +369,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         return self._pinned[:size]
 
     def _exchange_counts(self, n: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                         num_worst_tokens: int, shape: list[int]) -> "_Counts":
+                         num_worst_tokens: int, shape: list[int], num_max_tokens_per_rank: int = 0) -> "_Counts":
         """notify (per-rank / per-expert counts and the call's `shape` into every peer), then, unless
         num_worst_tokens bounds the receive, the one host sync that sizes the outputs and checks that the
         ranks agree on the shape (the same error on every rank: each reads every rank's)."""
@@ -392,12 +392,12 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                     (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
             c.out_rows = int(num_worst_tokens)
-            # Sized from what every rank passes alike (num_worst_tokens, the capacity), never from this rank's
-            # token count: a grow must be every rank's or none's (the kernels check the real counts against the
-            # buffer and report instead of overflowing).
+            # Sized from what every rank passes alike (num_worst_tokens, the capacity, num_max_tokens_per_rank),
+            # never from this rank's token count: a grow must be every rank's or none's (the kernels check the
+            # real counts against the buffer and report instead of overflowing).
             c.max_recv = c.out_rows
             capacity = shape[self._native.INTRANODE_SHAPE_FIELDS.index("expert_capacity")]
-            c.max_send = sizing.worst_send_rows(c.out_rows, R, epr, capacity)
+            c.max_send = sizing.worst_send_rows(c.out_rows, R, epr, capacity, num_max_tokens_per_rank)
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(info.numel())
@@ -437,7 +437,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
             private=NativeHandleState(c.out_rows, c.max_recv, c.max_send, worst), channels=c.channels)
 
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank,
+                 num_max_tokens_per_rank=0):
         self._check()
         x = _aligned(x)
         n = x.size(0)
@@ -448,7 +449,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
             if topk_weights is not None:
                 topk_weights = topk_weights.to(torch.float32).contiguous()
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
-                                  shape_header(x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel()))
+                                  shape_header(x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel()),
+                                  num_max_tokens_per_rank)
         per_expert_list = [_align_up(v, expert_alignment) for v in c.per_expert]
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
             x, x_scales, topk_idx, topk_weights, c, config)

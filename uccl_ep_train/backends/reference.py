@@ -72,7 +72,8 @@ class ReferenceBackend(Backend):
 
     # ---- high throughput -------------------------------------------------------------------------------
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config: Config, num_tokens_per_rdma_rank):
+                 num_tokens_per_expert, expert_alignment, num_worst_tokens, config: Config, num_tokens_per_rdma_rank,
+                 num_max_tokens_per_rank=0):
         R, me = self.num_ranks, self.rank
         num_experts = num_tokens_per_expert.numel()
         num_local = num_experts // R
