@@ -225,22 +225,25 @@ def test_registration_method_says_what_the_transport_does(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_ranks_sharing_a_gpu_check_each_other_over_fabric_with_gpu_memory(mps, monkeypatch, tmp_path, capsys):
-    """The fabric transport with GPU regions (FI_HMEM: a CUDA-enabled libfabric, docs/proxy.md), tcp on loopback."""
+@pytest.mark.parametrize("provider,shown", [("tcp", "tcp;ofi_rxm"), ("shm", "shm")])
+def test_ranks_sharing_a_gpu_check_each_other_over_fabric_with_gpu_memory(mps, monkeypatch, tmp_path, capsys,
+                                                                          provider, shown):
+    """The fabric transport with GPU regions (FI_HMEM: a CUDA-enabled libfabric, docs/proxy.md), tcp on loopback
+    or shm (a libfabric 2.6 built with CUDA carries GPU memory over shm, not over tcp)."""
     if "fabric" not in P.compiled_transports():
         pytest.skip("native module without the fabric transport")
     monkeypatch.setenv("FI_TCP_IFACE", "lo")
     try:
-        P._native.fabric_probe("tcp", hmem=True)
+        P._native.fabric_probe(provider, hmem=True)
     except RuntimeError as e:
-        pytest.skip(f"this libfabric cannot register GPU memory over tcp: {e}")
+        pytest.skip(f"this libfabric cannot register GPU memory over {provider}: {e}")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0])
-    monkeypatch.setenv("FI_PROVIDER", "tcp")
+    monkeypatch.setenv("FI_PROVIDER", provider)
     monkeypatch.setenv("UCCL_EP_PROXY_THREADS", "2")
     out = tmp_path / "peers.json"
     code = cli_main(["doctor", "--peers", "--ranks", "2", "--transport", "fabric", "--mib", "16", "--json", str(out)])
     text = capsys.readouterr().out
     assert code == 0, text
     for r in json.loads(out.read_text())["rows"]:
-        assert r["transport"] == "fabric (tcp;ofi_rxm)" and r["registration"].startswith("GPU via FI_HMEM")
+        assert r["transport"] == f"fabric ({shown})" and r["registration"].startswith("GPU via FI_HMEM")
         assert r["bytes_verified"] == preflight.CHUNK and r["gbps"]["total"] > 0
