@@ -60,6 +60,23 @@ def test_the_message_travels_through_the_store_and_its_absence_is_bounded():
         assert 0.15 < took < 2.0, took
 
 
+def test_a_stalled_store_delays_the_abort_by_the_write_bound_only(monkeypatch, caplog):
+    """The message is written before the abort record leaves: a store that is up but stalls may hold that back
+    only WRITE_BOUND_S (the record then goes on; the peers read "see rank R's log")."""
+    from uccl_ep_train import aborts
+
+    class Stalled:
+        def set(self, key, value):
+            time.sleep(3.0)
+
+    monkeypatch.setattr(aborts, "_store", lambda: Stalled())
+    start = time.monotonic()
+    with caplog.at_level("WARNING", logger="uccl_ep_train"):
+        aborts.publish_message(None, 1, 2, REFUSAL, bound_s=0.2)
+    assert 0.15 < time.monotonic() - start < 1.5
+    assert "rank 2's abort message was not written to the store within 0.2 s" in caplog.text
+
+
 def _buffer_after_abort(rank: int, world: int, device: str) -> tuple:
     from uccl_ep_train import Buffer
 

@@ -11,6 +11,7 @@ falls back to "see rank R's log" when it does not come (a store that is gone, a 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from typing import Any, Optional
 
@@ -21,6 +22,9 @@ log = logging.getLogger("uccl_ep_train")
 # How long a peer waits for the aborting rank's message: it writes it before its record leaves, so it is
 # normally there at once; longer only when the store is slow or gone.
 READ_BOUND_S = 0.5
+# How long the aborting rank waits for its own write: the abort record follows it, and a store that is up but
+# stalled must not hold that back (the peers then read "see rank R's log").
+WRITE_BOUND_S = 1.0
 
 
 def _store() -> Optional[Any]:
@@ -40,15 +44,25 @@ def message_key(group: Any, sequence: int, rank: int) -> str:
     return f"uccl_ep_train/abort/{name}/{sequence}/{rank}"
 
 
-def publish_message(group: Any, sequence: int, rank: int, message: str) -> None:
-    """Leaves this rank's abort message for its peers; a store that fails only costs them the text."""
+def publish_message(group: Any, sequence: int, rank: int, message: str, bound_s: float = WRITE_BOUND_S) -> None:
+    """Leaves this rank's abort message for its peers, waiting at most `bound_s` seconds for the store (the
+    write goes on in a daemon thread past that); a store that fails or stalls only costs them the text."""
     store = _store()
     if store is None:
         return
-    try:
-        store.set(message_key(group, sequence, rank), message.encode("utf-8", "replace"))
-    except RuntimeError as exc:  # the store's server left (rank 0 died): the peers fall back to the log
-        log.warning("uccl_ep_train: rank %d could not leave its abort message in the store: %s", rank, exc)
+
+    def write() -> None:
+        try:
+            store.set(message_key(group, sequence, rank), message.encode("utf-8", "replace"))
+        except RuntimeError as exc:  # the store's server left (rank 0 died): the peers fall back to the log
+            log.warning("uccl_ep_train: rank %d could not leave its abort message in the store: %s", rank, exc)
+
+    writer = threading.Thread(target=write, name="uccl_ep_train-abort-message", daemon=True)
+    writer.start()
+    writer.join(bound_s)
+    if writer.is_alive():
+        log.warning("uccl_ep_train: rank %d's abort message was not written to the store within %.1f s; its abort "
+                    "goes on without waiting for it", rank, bound_s)
 
 
 def read_message(group: Any, sequence: int, rank: int, bound_s: float = READ_BOUND_S) -> Optional[str]:
