@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from uccl_ep_train import sizing
+from uccl_ep_train.events import host_values
 
 
 def capacity_factor_of(config) -> Optional[float]:
@@ -103,7 +104,7 @@ class RecvBudget:
             # the grown budget rides along: a caller that grew ranks by their own needs still lays out one capacity
             most = torch.tensor([num_tokens, self._recv_capacity_override or 0], dtype=torch.int64, device=device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
-            self._max_tokens_per_rank, override = (int(v) for v in most.tolist())
+            self._max_tokens_per_rank, override = host_values(most)
             self._recv_capacity_override = override or None
             self.capacity = sizing.budget_capacity(self._max_tokens_per_rank, self.router_topk, factor,
                                                    self.num_local_experts, self.ep_size, override)

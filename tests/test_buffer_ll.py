@@ -26,6 +26,16 @@ def ll_checks(hidden: int) -> int:
     return 16 if hidden % 512 == 0 else 12
 
 
+def _settle_stream(device) -> None:
+    """Before reading GPU results into pageable memory: the copy would hold the CUDA driver until the kernels
+    queued before it ran, and with the proxies on the fabric transport (shm copies GPU memory through the
+    driver) those kernels wait for the proxies (docs/internode.md, "Host copies and the fabric transport")."""
+    if torch.device(device).type == "cuda":  # an event, not the stream's synchronize(): events.host_values
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+
+
 def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, experts: int,
               topk: int) -> tuple[int, str]:
     """Every LL mode (BF16, FP8, FP8 with round_scale, UE8M0; hook or not; zero_copy or not) against the oracle,
@@ -53,6 +63,7 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
                 x, idx, max_tokens, experts, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
                 round_scale=round_scale, use_ue8m0=ue8m0, async_finish=not hook_mode, return_recv_hook=hook_mode)
             hook() if hook_mode else event.current_stream_wait()
+            _settle_stream(device)
             if use_fp8:
                 q, s = recv
                 assert q.shape == (local, world * max_tokens, hidden)
@@ -93,6 +104,7 @@ def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, 
                     sim, idx, w, handle, zero_copy=zero_copy, async_finish=not hook_mode,
                     return_recv_hook=hook_mode, out=out)
                 chook() if hook_mode else event.current_stream_wait()
+                _settle_stream(device)
                 assert combined.data_ptr() == out.data_ptr()
                 base = me.x.float() if not use_fp8 else per_token_cast_back(*[t.cpu() for t in per_token_cast_to_fp8(
                     me.x.to(device), round_scale=round_scale, use_ue8m0=ue8m0)]).float()

@@ -225,3 +225,20 @@ def test_a_failure_report_keeps_every_ranks_error():
     assert len(report) < 6000
     for part in ("--- rank 0 ---", "rank 0's cause", "--- rank 2 ---", "connection closed by peer"):
         assert part in report, part
+
+
+def test_combine_tolerance_across_nodes_grows_with_the_partial_sums():
+    """A combine across nodes rounds each node's partial sum to the combine dtype (seed 25 case 1: one bf16
+    element 0.031 off at 0.2, the partial sums up to ~9): allowed there, not in one node, and not beyond the
+    rounding bound."""
+    from fuzz_runner import _close
+
+    want = torch.full((2, 4), 0.2).to(torch.bfloat16)
+    got = want.clone()
+    got[1, 2] += 0.03125
+    magnitude = torch.full((2, 4), 9.0)
+    _close(got, want, torch.bfloat16, "combine", magnitude)
+    with pytest.raises(AssertionError, match="not close"):
+        _close(got, want, torch.bfloat16, "combine")  # one node: no partial sums in bf16
+    with pytest.raises(AssertionError, match=r"1 of 8 elements off; first at \(1, 2\)"):
+        _close(got, want, torch.bfloat16, "combine", torch.full((2, 4), 0.5))

@@ -82,9 +82,28 @@ def reference_buffer(group, **buffer_kwargs):
     return ref
 
 
+def _gpu(t, dev):
+    """t on `dev`; to a GPU from page-locked memory, as a training loop with calls in flight must copy: a copy
+    from pageable memory holds the CUDA driver until the ops queued before it ran, and the fabric transport's
+    proxies on shm copy GPU memory through the driver, so ops waiting for them would wait until they time out
+    (docs/internode.md, "Host copies and the fabric transport")."""
+    dev = torch.device(dev)
+    return t.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else t.to(dev)
+
+
+def _host(t):
+    """t on the host once the ops queued before it ran (awaited first, through an event: see _gpu and
+    uccl_ep_train.events.host_values)."""
+    if t.is_cuda:
+        done = torch.cuda.Event()
+        done.record()
+        done.synchronize()
+    return t.cpu()
+
+
 def _dispatch(buf, x, idx, w, num_experts, dev, **kw):
-    x = tuple(t.to(dev) for t in x) if isinstance(x, tuple) else x.to(dev)
-    idx, w = idx.to(dev), w.to(dev)
+    x = tuple(_gpu(t, dev) for t in x) if isinstance(x, tuple) else _gpu(x, dev)
+    idx, w = _gpu(idx, dev), _gpu(w, dev)
     per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)
     out = buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
                        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=w, **kw)
@@ -96,7 +115,7 @@ def _same(a, b, what):
         for i, (p, q) in enumerate(zip(a, b)):
             _same(p, q, f"{what}[{i}]")
         return
-    a, b = a.cpu(), b.cpu()
+    a, b = _host(a), _host(b)
     assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     assert torch.equal(a.view(torch.uint8) if a.dtype.is_floating_point and a.element_size() == 1 else a,
                        b.view(torch.uint8) if b.dtype.is_floating_point and b.element_size() == 1 else b), what
@@ -212,7 +231,7 @@ def _run_suite(rank, world, device, L, fault_seeds):
     for i in range(200):
         (rx, _, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
         out, _, _ = native.combine(rx, h)
-    torch.testing.assert_close(out.cpu().float(), expected, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(_host(out).float(), expected, rtol=2e-2, atol=2e-2)
     native.backend.check_errors()
     native.destroy()
     ref.destroy()
@@ -230,7 +249,7 @@ def _run_suite(rank, world, device, L, fault_seeds):
         _same(rx, ex, f"rank {rank} fault seed {seed}: recv_x")
         out, _, _ = native.combine(rx, h)
         eout, _, _ = ref.combine(ex, eh)
-        torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(_host(out).float(), eout.float(), rtol=2e-2, atol=2e-2)
         native.destroy()
         ref.destroy()
     return report
@@ -274,16 +293,6 @@ def _run_suite_on_a_stream(rank, world, device, L, fault_seeds):
         return _run_suite(rank, world, device, L, fault_seeds)
 
 
-# On one H200 with libfabric 2.6.0 (CUDA), and with libfabric main (2.7.0a1): GPU memory registers through FI_HMEM
-# and every op synchronised on its own is bit-exact, but the 200 dispatch + combine pairs queued back to back
-# time out (on two H200s, one rank each, without MPS, at the second pair: a combine waits for a signal of its
-# peer while every data write arrived; docs/internode.md, 'Not (yet) here'). Strict: a fix makes these fail
-# until the mark goes.
-FABRIC_COMBINE_HANGS = pytest.mark.xfail(strict=True, reason="fabric on shm: ops queued back to back time out "
-                                                             "(docs/internode.md, 'Not (yet) here')")
-
-
-@FABRIC_COMBINE_HANGS
 @pytest.mark.parametrize("world,L,cq_bytes,per_gpu", [(2, 1, 8, 2), (4, 2, 4, 4), (6, 2, 4, 6), (2, 1, 8, 1)],
                          ids=["2x1", "4x2", "6x2", "2x1-one-rank-per-gpu"])
 def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes, per_gpu):
@@ -331,6 +340,46 @@ def test_fabric_on_shm_refuses_calls_from_the_default_stream(mps):
                      env=env)
     for rank, msg in enumerate(msgs):
         assert f"rank {rank}:" in msg and "cannot be issued from the default stream" in msg, msg
+
+
+def _pageable_read_behind_a_combine(rank, world, device):
+    import time
+
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.new_group(list(range(world)), backend="gloo"), 0, 0)
+    x, idx, w = _routing(rank, 64, "random", world, 1, seed=5)
+    with torch.cuda.stream(torch.cuda.Stream()):
+        (rx, _, _, _, h, _), _ = _dispatch(buf, x, idx, w, EXPERTS, dev)
+        _settle(buf, f"rank {rank}: dispatch")
+        dist.barrier()
+        if rank == 0:
+            time.sleep(0.5)  # rank 1's combine waits for rank 0's rows while rank 1 reads into pageable memory
+        out, _, _ = buf.combine(rx, h)
+        out.cpu()  # no stream sync first: the copy holds the driver until the combine ran
+        try:
+            buf.backend.check_errors()
+            return "no error"
+        except RuntimeError as exc:
+            return str(exc)
+
+
+def test_fabric_on_shm_names_a_pageable_copy_behind_a_combine(mps):
+    """What docs/internode.md ("Host copies and the fabric transport") says a training loop must not do: read a
+    combine's output into pageable memory while the combine waits for the proxies. It stalls the proxies'
+    CUDA copies until the kernels' deadline, and the error then names that cause and the remedy."""
+    from uccl_ep_train.backends.native import PAGEABLE_COPY_HINT
+
+    why = _ready() or fabric_gpu_memory_missing()
+    if why:
+        pytest.skip(why)
+    env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE="1", UCCL_EP_TIMEOUT_S="5")
+    msgs = run_ranks(_pageable_read_behind_a_combine, 2, device="cuda", backend="gloo", ranks_per_gpu=2,
+                     timeout=120, env=env, hard_exit=True)
+    assert "rank 1 (node 1) timed out after 5 s in 'combine" in msgs[1] and PAGEABLE_COPY_HINT in msgs[1], msgs
 
 
 def _dead_proxy(rank, world, device):

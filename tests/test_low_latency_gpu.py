@@ -43,8 +43,6 @@ def _check_ll_on_a_stream(rank, world, device, *args):
         return _check_ll(rank, world, device, *args)
 
 
-@pytest.mark.xfail(strict=True, reason="fabric on shm: the first LL dispatch's receive times out on one H200 "
-                                       "(docs/internode.md, 'Not (yet) here')")
 @pytest.mark.parametrize("world,per_node,extra", [(2, 1, {}),
                                                   (4, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
                                                           "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"})])

@@ -190,3 +190,24 @@ def test_a_rocm_torch_picks_hipcc(monkeypatch):
     assert native_build.find_gpu_compiler() == ("cuda", "/usr/local/cuda/bin/nvcc")
     monkeypatch.setattr(native_build, "_nvcc", lambda: None)
     assert native_build.find_gpu_compiler() == ("hip", "/opt/rocm/bin/hipcc")  # hipcc found without a setting
+
+
+@pytest.mark.parametrize("copies_through_cuda", [True, False])
+def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(copies_through_cuda):
+    """On fabric over shm or tcp the likeliest cause of a timeout is a pageable host copy issued while the
+    call's kernels ran (it holds the proxies' CUDA copies back): the error says so, and only there."""
+    from uccl_ep_train.backends.native import PAGEABLE_COPY_HINT, recorded_errors
+
+    class Proxy:
+        waits_for_default_stream = copies_through_cuda
+
+        def check(self):
+            pass
+
+    timed_out = "rank 0 (node 0) timed out after 20 s in 'combine (reduce)' waiting for rank 1 (node 1)"
+    recorded = types.SimpleNamespace(error=lambda: timed_out)
+    silent = types.SimpleNamespace(error=lambda: "")
+    assert (PAGEABLE_COPY_HINT in recorded_errors(recorded, Proxy())) == copies_through_cuda
+    assert (PAGEABLE_COPY_HINT in recorded_errors(silent, Proxy(), raised=timed_out)) == copies_through_cuda
+    assert recorded_errors(silent, Proxy()) == ""  # nothing recorded, nothing raised: no hint either
+    assert recorded_errors(recorded, None) == timed_out  # no proxies (one node): the kernels' text alone

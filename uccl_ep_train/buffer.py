@@ -27,7 +27,7 @@ from . import validation as V
 from .backends.base import Backend
 from .backends.low_latency import PROXY_GROUPS, low_latency_layout
 from .config import DEFAULT_COMBINE, DEFAULT_DISPATCH, DEFAULT_NUM_SMS, Config, default_config
-from .events import EventHandle, EventOverlap, capturing, current_raw_stream
+from .events import EventHandle, EventOverlap, capturing, current_raw_stream, host_values
 from .errors import RankLocalError
 from .fp8 import FP8_BLOCK
 from .gpu_sharing import group_device
@@ -641,14 +641,19 @@ class Buffer:
             if topk_idx is not None:
                 V.check_expert_range(topk_idx, num_experts, self.rank)
             if V.value_checks(is_token_in_rank):
-                sent = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-                if not torch.equal(sent, num_tokens_per_rank):
-                    raise RankLocalError(f"num_tokens_per_rank: {num_tokens_per_rank.tolist()} disagrees with "
-                                         f"is_token_in_rank, which sends {sent.tolist()}")
                 per_node = backend.tokens_per_node(is_token_in_rank)
-                if per_node is not None and not torch.equal(per_node, num_tokens_per_rdma_rank):
-                    raise RankLocalError(f"num_tokens_per_rdma_rank: {num_tokens_per_rdma_rank.tolist()} disagrees "
-                                         f"with is_token_in_rank, which sends {per_node.tolist()} tokens per node")
+                parts = [is_token_in_rank.sum(dim=0, dtype=torch.int32), num_tokens_per_rank.to(torch.int32)]
+                if per_node is not None:
+                    parts += [per_node, num_tokens_per_rdma_rank.to(torch.int32)]
+                sizes = [t.numel() for t in parts]
+                values = host_values(torch.cat(parts))  # one host sync for all of them
+                sent, given, *nodes = [values[end - n:end] for end, n in zip(itertools.accumulate(sizes), sizes)]
+                if sent != given:
+                    raise RankLocalError(f"num_tokens_per_rank: {given} disagrees with is_token_in_rank, which "
+                                         f"sends {sent}")
+                if nodes and nodes[0] != nodes[1]:
+                    raise RankLocalError(f"num_tokens_per_rdma_rank: {nodes[1]} disagrees with is_token_in_rank, "
+                                         f"which sends {nodes[0]} tokens per node")
 
         topk_idx64 = topk_idx.to(torch.int64) if topk_idx is not None else None
         result, event = self._run(

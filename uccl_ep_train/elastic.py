@@ -34,7 +34,7 @@ import torch.distributed as dist
 from . import permute
 from .buffer import Buffer
 from .config import Config, default_nvl_bytes
-from .events import EventHandle, EventOverlap
+from .events import EventHandle, EventOverlap, host_values
 from .handles import HTHandle, rows_per_source
 
 topk_idx_t = torch.int64  # DeepEP V2's `deep_ep.topk_idx_t`
@@ -326,7 +326,7 @@ class ElasticBuffer:
             counts_list = list(counts)
             rows = sum(counts_list)
         elif sync:
-            counts_list = aligned.tolist()
+            counts_list = host_values(aligned)
             rows = sum(counts_list)
         else:
             counts_list = []

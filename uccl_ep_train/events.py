@@ -3,12 +3,14 @@
 On CUDA an EventHandle is a CUDA event recorded on a stream. On CPU (gloo) the reference backend
 completes its work before returning, so the handle is already complete; the same calls work on both, so
 code written for GPUs (async_finish, previous_event, `with event:`) runs unchanged on CPU ranks.
-Also the raw handle of a device's current stream, the form our kernels take.
+Also the raw handle of a device's current stream, the form our kernels take, and the host <-> GPU copies of
+small values that calls make next to their kernels (page-locked, never pageable: `host_values` says why).
 """
 from __future__ import annotations
 
 from typing import Any, Optional, Tuple
 
+import numpy as np
 import torch
 
 
@@ -28,6 +30,32 @@ def capturing() -> bool:
     """Whether the current stream is being captured into a CUDA graph (cheap: no device query when CUDA was
     never initialised in this process, so nothing can be capturing)."""
     return torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()
+
+
+def host_values(t: torch.Tensor) -> list:
+    """A small tensor's values as a Python list, read once the current stream's earlier work is done: an event
+    recorded after it is awaited first, so the copy itself waits for nothing. Never `t.tolist()` / `.cpu()` on
+    a GPU tensor with kernels queued before it: a copy into (or out of) pageable memory holds the CUDA driver
+    while it waits for its stream, and other threads of the process then wait in their own copy calls. The
+    fabric transport's proxy threads make such calls (libfabric's shm and tcp providers copy GPU memory with
+    cudaMemcpy): were the stream's earlier kernels waiting for those proxies (an internode combine), nothing
+    would move until they time out (docs/internode.md, "Host copies and the fabric transport"). Measured on an
+    H200 (tests/test_host_copies_gpu.py), a 1 MB device-to-device copy issued by another thread while this
+    thread's stream ran a 1 s kernel: done at once while this thread awaited an event; done only after the
+    kernel while this thread copied through pageable memory."""
+    if t.device.type == "cuda":
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(t.device))
+        done.synchronize()
+    return t.tolist()
+
+
+def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A host array on the GPU, copied on the current stream from page-locked memory, without holding the
+    driver while earlier kernels run (`host_values`). The caching host allocator keeps the page-locked block
+    until the copy ran and hands it out again: only the first call of a size allocates (cudaHostAlloc, which
+    does wait for the device), and calls that repeat their sizes (every dispatch's counts) reuse it."""
+    return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
 
 
 class EventHandle:

@@ -13,7 +13,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 
 from .errors import RankLocalError, bad_expert_id
-from .events import capturing
+from .events import capturing, host_values
 from .fp8 import FP8_BLOCK, fp8_dtype_for
 
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -120,7 +120,7 @@ def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_
     in the words the native kernels use for the ids they check (errors.bad_expert_id). Reads values, so it
     syncs a GPU (see value_checks): once when the ids are good, and only a bad call pays for the position."""
     if topk_idx.numel() and value_checks(topk_idx):
-        lo, hi = torch.stack(torch.aminmax(topk_idx)).tolist()  # one host sync for both
+        lo, hi = host_values(torch.stack(torch.aminmax(topk_idx)))  # one host sync for both
         if lo < -1 or hi >= num_experts:
             bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
             row, col = bad
@@ -144,8 +144,8 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
     valid = em_map >= 0
     hits = torch.bincount(torch.where(valid, em_map, num_rows).reshape(-1).long().clamp(max=num_rows),
                           minlength=num_rows + 1)[:num_rows]
-    lo, hi, named, distinct = torch.stack([em_map.min().long(), em_map.max().long(), valid.sum(),
-                                           (hits == 1).sum()]).tolist()  # one host sync
+    lo, hi, named, distinct = host_values(torch.stack([em_map.min().long(), em_map.max().long(), valid.sum(),
+                                           (hits == 1).sum()]))  # one host sync
     if lo < -1:
         raise RankLocalError(f"{arg}: entries must be expert-major rows or -1, got {lo}")
     if named != num_rows and not padded:

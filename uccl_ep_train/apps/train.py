@@ -44,6 +44,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 from .launch import check_ranks_per_node, launched_world, run
+from uccl_ep_train.events import host_values
 from uccl_ep_train.gpu_sharing import ranks_per_gpu_on_host, shared_gpu_env
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
@@ -315,7 +316,7 @@ def train_rank(rank: int, world: int, args, device: torch.device) -> list[dict[s
         totals = torch.tensor([0.0, float(seen.pop("proxy_bytes"))], dtype=torch.float64, device=device)
         totals[0] = loss.detach().double()
         dist.all_reduce(totals, group=dp_group)
-        loss_sum, proxy_bytes = totals.tolist()
+        loss_sum, proxy_bytes = host_values(totals)  # the stream first: fabric on shm/tcp (events.host_values)
         elapsed = time.perf_counter() - t0
         record = {"step": step + 1, "loss": loss_sum / dp_group.size(), "step_s": elapsed,
                   "tokens_per_s": args.seq_length * args.micro_batch_size * world / elapsed,

@@ -20,6 +20,7 @@ import torch
 from .. import permute
 from ..config import Config
 from ..errors import RankLocalError
+from ..events import host_values
 from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens, rows_per_source
 from ..topology import Topology
 
@@ -117,7 +118,7 @@ class Backend(abc.ABC):
         epr = num_tokens_per_expert.numel() // self.num_ranks
         em_map = permute.expert_major_map_capacity(recv_idx, rows_per_source(handle, self.rank), epr, expert_capacity)
         local = (recv_idx >= 0) & (recv_idx < epr)
-        named, slots = torch.stack([(em_map >= 0).sum(), local.sum()]).tolist()  # a block overflowed: unnamed slots
+        named, slots = host_values(torch.stack([(em_map >= 0).sum(), local.sum()]))  # a block overflowed: unnamed slots
         if named != slots:
             raise RankLocalError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens "
                                  f"for one of its local experts from one source rank ({slots - named} over)")

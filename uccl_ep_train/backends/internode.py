@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from .. import sizing
 from ..config import Config, env_number, timeout_s
-from ..events import current_raw_stream
+from ..events import current_raw_stream, to_device
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
@@ -239,7 +239,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         try:
             self._buf.wait_counts(self._pinned.data_ptr())
         except RuntimeError as exc:  # with the proxies' own text where they recorded one (what _check raises)
-            self._failed = recorded_errors(self._buf, self._proxy) or str(exc)
+            self._failed = recorded_errors(self._buf, self._proxy, str(exc))
             raise RuntimeError(f"{self.error_prefix}: {self._failed}") from exc
         rows = self._pinned[:size].numpy().reshape(self.num_ranks, stride).copy()
         check_same_shape(rows.tolist())
@@ -291,14 +291,14 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         out_rows = int(num_worst_tokens) or num_recv
         starts = np.cumsum(counts, axis=0) - counts  # first receive row of source s on rank r
         state = InternodeState(rd.reshape(-1).tolist(), num_recv, send_positions(is_token_in_rank),
-                               torch.from_numpy(starts[:, self.node * L:(self.node + 1) * L].astype(np.int32)).to(dev),
+                               to_device(starts[:, self.node * L:(self.node + 1) * L].astype(np.int32), dev),
                                int(recv_per_rank.max()))
         self._ensure_for(state, x_bytes, scale_bytes, K, hidden * (4 if x.dtype == torch.float32 else 2))
         node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
         from_nodes = rd[[n * L + self.local for n in range(N)], self.node].astype(np.int32)
         forwarded = int(from_nodes.sum())
         # host-to-device copies before the kernels: behind kernels that wait for the proxies only kernels queue
-        counts_dev, from_nodes = torch.from_numpy(counts).to(dev), torch.from_numpy(from_nodes).to(dev)
+        counts_dev, from_nodes = to_device(counts, dev), to_device(from_nodes, dev)
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
