@@ -14,7 +14,7 @@ import shlex
 import socket
 import subprocess
 from datetime import datetime, timezone
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, TypeVar
 
 from ..launch import run
 
@@ -171,6 +171,21 @@ def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], ite
     if missing:
         raise RuntimeError(f"kernel timing: the profiler saw no kernel for {'; '.join(missing)}")
     return {key: total / iters for key, total in totals.items()}
+
+
+T = TypeVar("T")
+
+
+def on_own_stream(device, fn: Callable[[], T]) -> T:
+    """fn() with a stream of its own current on GPUs, as training code issues EP calls (Megatron's streams):
+    proxies on a provider that copies GPU memory through the CUDA runtime (the fabric transport on shm) refuse
+    calls from the default stream, so a bench comparing transports issues every call from another one."""
+    import torch
+
+    if getattr(device, "type", "cpu") != "cuda":
+        return fn()
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        return fn()
 
 
 def init_rank_group():

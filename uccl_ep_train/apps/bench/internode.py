@@ -6,6 +6,10 @@ them then go through the CPU proxies (the `ipc` transport) as they would through
 ranks than GPUs share the GPUs (rank r on GPU r % count) over a gloo group with CUDA tensors
 (UCCL_EP_DEVICE=cuda); run NVIDIA MPS for that (a warning says when it is not running).
 
+`--transport` picks the proxies' transport (`fabric` with FI_PROVIDER=shm carries GPU memory on one host
+given a libfabric built with CUDA, docs/proxy.md); every call is issued from a stream of the rank's own
+(`on_own_stream`), which that transport requires.
+
 Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16 dispatch, FP8 dispatch
 (e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights; µs per call = median over
 `--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included).
@@ -38,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_transport_arg, gpus_used, init_rank_group,
-               int_list, publish, rank_records, run_context, transport_env, warn_without_mps)
+               int_list, on_own_stream, publish, rank_records, run_context, transport_env, warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 FP8_BLOCK = 128
@@ -245,7 +249,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
 
 def _rank(rank: int, world: int, args, shape: dict) -> list[dict]:
     device = init_rank_group()
-    return _rank_main(rank, world, args, shape, device, dist.group.WORLD)
+    return on_own_stream(device, lambda: _rank_main(rank, world, args, shape, device, dist.group.WORLD))
 
 
 def summarise(records: list[dict]) -> list[dict]:

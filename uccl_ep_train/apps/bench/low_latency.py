@@ -8,7 +8,8 @@ times them for its published figures (timing "kernel": the mean device time of t
 profiler, every round started on all ranks' GPUs together; with the hook, a GPU wait stands for the GEMM
 DeepEP runs before calling it, so the receive phase finds its data there). Ranks form nodes of
 `--ranks-per-node` consecutive ranks (UCCL_EP_RANKS_PER_NODE): ranks of other nodes are reached through the
-CPU proxies (the ipc transport when one host plays several nodes), node peers over NVLink/IPC. More ranks than
+CPU proxies (the ipc transport when one host plays several nodes; `--transport fabric` with FI_PROVIDER=shm
+for libfabric's, every call then from a stream of the rank's own: `on_own_stream`), node peers over NVLink/IPC. More ranks than
 GPUs share them under MPS (gloo group with CUDA tensors). The reference backend (torch.distributed, a host sync per call) runs the same calls
 in the same ranks (op prefix "reference"), unless `--no-reference`.
 
@@ -28,8 +29,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import (add_ranks_arg, add_transport_arg, gpus_used, init_rank_group, publish, rank_records, run_context,
-               transport_env, warn_without_mps)
+from . import (add_ranks_arg, add_transport_arg, gpus_used, init_rank_group, on_own_stream, publish, rank_records,
+               run_context, transport_env, warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 SHAPE = {"num_tokens": 128, "hidden": 7168, "num_experts": 256, "num_topk": 8}  # DeepEP's LL test shape
@@ -174,7 +175,7 @@ def _rank_main(rank: int, world: int, args, device: torch.device, group) -> list
 
 def _rank(rank: int, world: int, args) -> list[dict]:
     device = init_rank_group()
-    return _rank_main(rank, world, args, device, dist.group.WORLD)
+    return on_own_stream(device, lambda: _rank_main(rank, world, args, device, dist.group.WORLD))
 
 
 def summarise(records: list[dict]) -> list[dict]:
