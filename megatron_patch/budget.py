@@ -28,11 +28,12 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from uccl_ep_train import sizing
-from uccl_ep_train.events import host_values
+from uccl_ep_train.events import host_values, to_device
 
 
 def capacity_factor_of(config) -> Optional[float]:
@@ -102,7 +103,7 @@ class RecvBudget:
             self._recv_capacity = self.capacity = None
         else:
             # the grown budget rides along: a caller that grew ranks by their own needs still lays out one capacity
-            most = torch.tensor([num_tokens, self._recv_capacity_override or 0], dtype=torch.int64, device=device)
+            most = to_device(np.array([num_tokens, self._recv_capacity_override or 0], dtype=np.int64), device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=self.group)
             self._max_tokens_per_rank, override = host_values(most)
             self._recv_capacity_override = override or None

@@ -133,8 +133,9 @@ def _close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, what: str,
     if magnitude is None:
         torch.testing.assert_close(a, b, rtol=tol, atol=tol, msg=lambda m: f"{what}: {m}")
         return
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} vs {tuple(b.shape)}"
     allowed = tol + tol * b.abs() + 2 * UNIT_ROUNDOFF[dtype] * magnitude
-    bad = ((a - b).abs() > allowed).nonzero()
+    bad = (~((a - b).abs() <= allowed)).nonzero()  # NaN anywhere is off too
     if len(bad):
         i = tuple(bad[0].tolist())
         raise AssertionError(f"{what}: {len(bad)} of {b.numel()} elements off; first at {i}: {a[i].item()} vs "

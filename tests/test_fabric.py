@@ -383,3 +383,22 @@ def test_cq_data_setting_is_checked():
         assert N.fabric_probe("tcp")["cq_data_bytes"] == 4
     finally:
         del os.environ["UCCL_EP_FABRIC_CQ_DATA_BYTES"]
+
+
+def test_lazy_module_loading_is_warned_about_once_where_the_proxies_copy_through_cuda(monkeypatch, caplog):
+    """Fabric on shm/tcp with GPU memory: a module loaded lazily while EP calls wait for the proxies stalls
+    them, so such proxies warn (once per process) unless CUDA_MODULE_LOADING=EAGER."""
+    import logging
+
+    from uccl_ep_train import proxy
+
+    monkeypatch.setattr(proxy, "_warned_lazy", False)
+    monkeypatch.setenv("CUDA_MODULE_LOADING", "EAGER")
+    with caplog.at_level(logging.WARNING, logger="uccl_ep_train"):
+        proxy.warn_lazy_module_loading(3)
+        assert not caplog.records
+        monkeypatch.delenv("CUDA_MODULE_LOADING")
+        proxy.warn_lazy_module_loading(3)
+        proxy.warn_lazy_module_loading(3)
+    assert len(caplog.records) == 1, caplog.records
+    assert "rank 3" in caplog.records[0].getMessage() and "CUDA_MODULE_LOADING=EAGER" in caplog.records[0].getMessage()

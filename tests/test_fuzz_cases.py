@@ -242,3 +242,8 @@ def test_combine_tolerance_across_nodes_grows_with_the_partial_sums():
         _close(got, want, torch.bfloat16, "combine")  # one node: no partial sums in bf16
     with pytest.raises(AssertionError, match=r"1 of 8 elements off; first at \(1, 2\)"):
         _close(got, want, torch.bfloat16, "combine", torch.full((2, 4), 0.5))
+    got[1, 2] = float("nan")
+    with pytest.raises(AssertionError, match="1 of 8 elements off"):
+        _close(got, want, torch.bfloat16, "combine", magnitude)
+    with pytest.raises(AssertionError, match="shape"):
+        _close(want[:1], want, torch.bfloat16, "combine", magnitude)

@@ -200,9 +200,11 @@ def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(
 
     class Proxy:
         waits_for_default_stream = copies_through_cuda
+        error = ""
 
         def check(self):
-            pass
+            if self.error:
+                raise RuntimeError(self.error)
 
     timed_out = "rank 0 (node 0) timed out after 20 s in 'combine (reduce)' waiting for rank 1 (node 1)"
     recorded = types.SimpleNamespace(error=lambda: timed_out)
@@ -211,3 +213,6 @@ def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(
     assert (PAGEABLE_COPY_HINT in recorded_errors(silent, Proxy(), raised=timed_out)) == copies_through_cuda
     assert recorded_errors(silent, Proxy()) == ""  # nothing recorded, nothing raised: no hint either
     assert recorded_errors(recorded, None) == timed_out  # no proxies (one node): the kernels' text alone
+    dead = Proxy()
+    dead.error = "rank 1 proxy thread 0: fi_writedata: Connection refused"
+    assert recorded_errors(recorded, dead) == f"{timed_out}; proxy: {dead.error}"  # the recorded cause, no guess

@@ -314,8 +314,8 @@ class ElasticBuffer:
         metadata = self._metadata(inner, sources, num_recv, T, k)
         saved_idx = topk_idx.clone() if do_handle_copy else topk_idx
         if not do_expand:
-            psum = (torch.tensor(counts, dtype=torch.int32, device=recv_idx.device) if sync else
-                    (exact + align - 1) // align * align).cumsum(0, dtype=torch.int32)
+            # the aligned counts on the device (with sync, the same values as `counts`: no host-to-device copy)
+            psum = ((exact + align - 1) // align * align).cumsum(0, dtype=torch.int32)
             h = EPHandle(False, num_experts, align, T, used_sms, saved_idx, num_recv, 0, list(counts) if sync else [],
                          sources.cumsum(0).to(torch.int32), psum, None, metadata, inner, None, recv_idx)
             return recv_x, recv_idx, recv_w, h, event

@@ -54,7 +54,10 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     """A host array on the GPU, copied on the current stream from page-locked memory, without holding the
     driver while earlier kernels run (`host_values`). The caching host allocator keeps the page-locked block
     until the copy ran and hands it out again: only the first call of a size allocates (cudaHostAlloc, which
-    does wait for the device), and calls that repeat their sizes (every dispatch's counts) reuse it."""
+    does wait for the device), and calls that repeat their sizes (every dispatch's counts) reuse it. A CPU
+    `device` gets a plain copy."""
+    if torch.device(device).type != "cuda":
+        return torch.from_numpy(a).to(device)
     return torch.from_numpy(a).pin_memory().to(device, non_blocking=True)
 
 

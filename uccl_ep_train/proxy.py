@@ -195,6 +195,25 @@ def _agree(per_rank: list[Any], rank: int) -> tuple[TransportChoice, NicChoice]:
     return per_rank[rank]
 
 
+def warn_lazy_module_loading(rank: int) -> None:
+    """Warns (once per process) when proxies that copy GPU memory through the CUDA runtime serve a process that
+    loads its CUDA modules lazily: a kernel's first launch then loads its module while EP kernels may be waiting
+    for those proxies, and the load holds the proxies' copies back (seen on an H200 as for pageable copies:
+    docs/internode.md, "Host copies and the fabric transport"). Only a warning: the setting must be made before
+    CUDA starts, and a rank refusing alone would leave its peers waiting."""
+    global _warned_lazy
+    if _warned_lazy or os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
+        return
+    _warned_lazy = True
+    log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime (fabric "
+                "on shm or tcp) and CUDA modules load lazily here: a kernel launched for the first time while EP "
+                "calls are in flight can stall them until UCCL_EP_TIMEOUT_S; set CUDA_MODULE_LOADING=EAGER in "
+                "the ranks' environment before CUDA starts", rank)
+
+
+_warned_lazy = False
+
+
 def check_caller_stream(waits_for_default_stream: bool, device: Any, rank: int) -> None:
     """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.
     waits_for_default_stream`: the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a
@@ -309,6 +328,8 @@ class ProxyGroup:
         # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
         # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp).
         self.waits_for_default_stream = bool(self._native.config()["waits_for_default_stream"])
+        if self.waits_for_default_stream:
+            warn_lazy_module_loading(rank)
         if start:
             self._native.start()
 

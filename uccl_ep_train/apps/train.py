@@ -39,12 +39,13 @@ import warnings
 from datetime import datetime, timedelta, timezone
 from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
 from .launch import check_ranks_per_node, launched_world, run
-from uccl_ep_train.events import host_values
+from uccl_ep_train.events import host_values, to_device
 from uccl_ep_train.gpu_sharing import ranks_per_gpu_on_host, shared_gpu_env
 from uccl_ep_train.topology import MAX_RANKS_PER_NODE
 
@@ -313,7 +314,7 @@ def train_rank(rank: int, world: int, args, device: torch.device) -> list[dict[s
         sched.step()
         seen = probe.take()
         # the loss summed over the ranks and the proxies' bytes of every rank, in one all-reduce
-        totals = torch.tensor([0.0, float(seen.pop("proxy_bytes"))], dtype=torch.float64, device=device)
+        totals = to_device(np.array([0.0, float(seen.pop("proxy_bytes"))]), device)
         totals[0] = loss.detach().double()
         dist.all_reduce(totals, group=dp_group)
         loss_sum, proxy_bytes = host_values(totals)  # the stream first: fabric on shm/tcp (events.host_values)

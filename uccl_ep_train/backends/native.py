@@ -110,24 +110,24 @@ def native_available() -> bool:
 
 # Appended to a timeout when the proxies copy GPU memory through the CUDA runtime (the fabric transport on
 # libfabric's shm or tcp): the usual cause there (events.host_values has the measurement).
-PAGEABLE_COPY_HINT = ("the proxies' transport copies GPU memory through the CUDA runtime (fabric on shm or tcp): a "
-                      "host copy into or out of pageable memory (tensor.to('cuda'), .cpu(), .tolist(), .item()) "
-                      "issued while this call's kernels ran held those copies back until the kernels timed out; "
-                      "copy through pinned memory (pin_memory(), non_blocking=True) or synchronise the stream "
-                      "first (docs/internode.md, \"Host copies and the fabric transport\")")
+PAGEABLE_COPY_HINT = ("the proxies' transport copies GPU memory through the CUDA runtime (fabric on shm or tcp), so a "
+                      "likely cause is a host copy into or out of pageable memory (tensor.to('cuda'), .cpu(), "
+                      ".tolist(), .item()) issued while this call's kernels ran: it holds those copies back until "
+                      "the kernels time out; copy through pinned memory (pin_memory(), non_blocking=True), or await "
+                      "an event on the stream first (docs/internode.md, \"Host copies and the fabric transport\")")
 
 
 def recorded_errors(buf, proxy, raised: str = "") -> str:
     """What a native buffer's kernels (else `raised`: the error of a host wait) and its proxies (None: none)
-    recorded, joined; "" when nothing. A timeout on proxies that copy through the CUDA runtime names the likely
-    cause (PAGEABLE_COPY_HINT)."""
+    recorded, joined; "" when nothing. A timeout on proxies that copy through the CUDA runtime, with no proxy
+    error to explain it, names the likely cause (PAGEABLE_COPY_HINT)."""
     msgs = [buf.error() or raised]
     if proxy is not None:
         try:
             proxy.check()
         except RuntimeError as exc:  # a rejected command or a dead transport, often the cause of a timeout
             msgs.append(f"proxy: {exc}")
-        if "timed out" in msgs[0] and proxy.waits_for_default_stream:
+        if len(msgs) == 1 and "timed out" in msgs[0] and proxy.waits_for_default_stream:  # no cause recorded
             msgs.append(PAGEABLE_COPY_HINT)
     return "; ".join(m for m in msgs if m)
 
