@@ -359,7 +359,7 @@ def _pageable_read_behind_a_combine(rank, world, device):
         if rank == 0:
             time.sleep(0.5)  # rank 1's combine waits for rank 0's rows while rank 1 reads into pageable memory
         out, _, _ = buf.combine(rx, h)
-        out.cpu()  # no stream sync first: the copy holds the driver until the combine ran
+        out.cpu()  # no event awaited first: the pageable copy holds the driver until the combine ran
         try:
             buf.backend.check_errors()
             return "no error"

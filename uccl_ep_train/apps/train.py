@@ -317,7 +317,7 @@ def train_rank(rank: int, world: int, args, device: torch.device) -> list[dict[s
         totals = to_device(np.array([0.0, float(seen.pop("proxy_bytes"))]), device)
         totals[0] = loss.detach().double()
         dist.all_reduce(totals, group=dp_group)
-        loss_sum, proxy_bytes = host_values(totals)  # the stream first: fabric on shm/tcp (events.host_values)
+        loss_sum, proxy_bytes = host_values(totals)  # after an event: fabric on shm/tcp (events.host_values)
         elapsed = time.perf_counter() - t0
         record = {"step": step + 1, "loss": loss_sum / dp_group.size(), "step_s": elapsed,
                   "tokens_per_s": args.seq_length * args.micro_batch_size * world / elapsed,

@@ -109,7 +109,8 @@ def native_available() -> bool:
 
 
 # Appended to a timeout when the proxies copy GPU memory through the CUDA runtime (the fabric transport on
-# libfabric's shm or tcp): the usual cause there (events.host_values has the measurement).
+# libfabric's shm or tcp) and no proxy error explains it: a likely cause there (events.host_values has the
+# measurement).
 PAGEABLE_COPY_HINT = ("the proxies' transport copies GPU memory through the CUDA runtime (fabric on shm or tcp), so a "
                       "likely cause is a host copy into or out of pageable memory (tensor.to('cuda'), .cpu(), "
                       ".tolist(), .item()) issued while this call's kernels ran: it holds those copies back until "
