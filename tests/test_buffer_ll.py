@@ -30,10 +30,10 @@ def _settle_stream(device) -> None:
     """Before reading GPU results into pageable memory: the copy would hold the CUDA driver until the kernels
     queued before it ran, and with the proxies on the fabric transport (shm copies GPU memory through the
     driver) those kernels wait for the proxies (docs/internode.md, "Host copies and the fabric transport")."""
-    if torch.device(device).type == "cuda":  # awaited through an event, as events.host_values does
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+    from uccl_ep_train.events import EventHandle
+
+    if torch.device(device).type == "cuda":
+        EventHandle().synchronize()
 
 
 def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, experts: int,

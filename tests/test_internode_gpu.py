@@ -94,10 +94,10 @@ def _gpu(t, dev):
 def _host(t):
     """t on the host once the ops queued before it ran (awaited first, through an event: see _gpu and
     uccl_ep_train.events.host_values)."""
+    from uccl_ep_train.events import EventHandle
+
     if t.is_cuda:
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
+        EventHandle(torch.cuda.current_stream(t.device)).synchronize()
     return t.cpu()
 
 

@@ -44,9 +44,7 @@ def host_values(t: torch.Tensor) -> list:
     thread's stream ran a 1 s kernel: done at once while this thread awaited an event; done only after the
     kernel while this thread copied through pageable memory."""
     if t.device.type == "cuda":
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(t.device))
-        done.synchronize()
+        EventHandle(torch.cuda.current_stream(t.device)).synchronize()
     return t.tolist()
 
 

@@ -84,11 +84,16 @@ def gpu_uuid(device: torch.device) -> Optional[str]:
     return str(torch.cuda.get_device_properties(device).uuid)
 
 
+def loads_modules_eagerly() -> bool:
+    """Whether this process loads its CUDA modules at start (CUDA_MODULE_LOADING=EAGER) rather than at each
+    kernel's first launch, which waits for the kernels running then (sharing_verdict; proxy.py's warning)."""
+    return os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER"
+
+
 def local_report(device: torch.device) -> RankGpu:
     """This rank's RankGpu for `device`."""
     return RankGpu(socket.gethostname(), gpu_uuid(device), mps_active(),
-                   os.environ.get(ALLOW_SHARED_GPU_ENV) == "1",
-                   os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER")
+                   os.environ.get(ALLOW_SHARED_GPU_ENV) == "1", loads_modules_eagerly())
 
 
 def gather_reports(group: Any, device: torch.device) -> list[RankGpu]:

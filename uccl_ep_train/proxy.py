@@ -201,8 +201,10 @@ def warn_lazy_module_loading(rank: int) -> None:
     for those proxies, and the load holds the proxies' copies back (seen on an H200 as for pageable copies:
     docs/internode.md, "Host copies and the fabric transport"). Only a warning: the setting must be made before
     CUDA starts, and a rank refusing alone would leave its peers waiting."""
+    from .gpu_sharing import loads_modules_eagerly
+
     global _warned_lazy
-    if _warned_lazy or os.environ.get("CUDA_MODULE_LOADING", "").upper() == "EAGER":
+    if _warned_lazy or loads_modules_eagerly():
         return
     _warned_lazy = True
     log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime (fabric "
