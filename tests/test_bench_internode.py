@@ -51,7 +51,9 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert (r["bench"], r["ranks"], r["ranks_per_node"], r["nodes"]) == ("internode", 4, 2, 2)
         assert (r["device"], r["gpus"], r["timing"]) == ("cpu", 0, "api")
         assert {k: r[k] for k in SHAPE} == SHAPE
-        assert r["command"] == "uccl-ep-train bench internode " + " ".join(_portable(a) for a in argv)
+        env, _, command = r["command"].partition("uccl-ep-train ")
+        assert command == "bench internode " + " ".join(_portable(a) for a in argv)
+        assert "FI_TCP_IFACE=lo" in env.split()  # tests/conftest.py keeps libfabric tcp on loopback
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
@@ -81,6 +83,19 @@ def test_records_name_no_machine_directory(tmp_path, monkeypatch):
     from uccl_ep_train.apps.bench import run_context
 
     monkeypatch.chdir(tmp_path)
+    for name in ("FI_PROVIDER", "FI_TCP_IFACE", "UCCL_EP_NICS"):
+        monkeypatch.delenv(name, raising=False)
     cmd = run_context("bench internode", ["--json", "/elsewhere/out/x.json", f"--json={tmp_path}/sub/y.json",
                                           "--ranks", "2"])["command"]
     assert cmd == "uccl-ep-train bench internode --json x.json --json=sub/y.json --ranks 2"
+
+
+def test_records_name_the_provider_they_ran_on(monkeypatch):
+    """FI_PROVIDER=shm and =tcp measure different copies: a record's command line says which was set."""
+    from uccl_ep_train.apps.bench import run_context
+
+    monkeypatch.setenv("FI_PROVIDER", "shm")
+    monkeypatch.delenv("FI_TCP_IFACE", raising=False)
+    monkeypatch.setenv("UCCL_EP_NICS", "")
+    cmd = run_context("bench low-latency", ["--transport", "fabric"])["command"]
+    assert cmd == "FI_PROVIDER=shm uccl-ep-train bench low-latency --transport fabric"

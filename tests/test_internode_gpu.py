@@ -310,7 +310,7 @@ def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes, per_gpu)
                UCCL_EP_FABRIC_CQ_DATA_BYTES=str(cq_bytes))
     reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=per_gpu,
                         timeout=600, env=env)
-    assert [r["transport"] for r in reports] == ["fabric"] * world
+    assert [r["transport"] for r in reports] == ["fabric (shm)"] * world
 
 
 def _from_the_default_stream(rank, world, device):

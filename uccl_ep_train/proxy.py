@@ -422,6 +422,17 @@ class ProxyGroup:
     def config(self) -> dict:
         return self._native.config()
 
+    @property
+    def opened_providers(self) -> str:
+        """The libfabric provider(s) the endpoints opened, e.g. 'shm' or 'tcp;ofi_rxm' ('' for ipc and verbs):
+        what FI_PROVIDER asked for may be an alias, or nothing, leaving the choice to libfabric."""
+        return ", ".join(dict.fromkeys(o["provider"] for o in self.config()["opened"] if o["provider"]))
+
+    @property
+    def described_transport(self) -> str:
+        """The transport with the provider its endpoints opened, e.g. 'fabric (shm)'; 'ipc', 'verbs' alone."""
+        return self.transport + (f" ({self.opened_providers})" if self.opened_providers else "")
+
     def thread_cpus(self) -> list[int]:
         return self._native.thread_cpus()
 

@@ -208,17 +208,15 @@ class _Rank:
             raise
         g = self.group
         # What the endpoints opened (fabric: the provider and domain of its fi_info; verbs: the device), not what
-        # FI_PROVIDER or UCCL_EP_NICS asked for: an alias ("tcp"), or nothing at all, leaves that to the library.
-        opened = g.config()["opened"]
-        provider = ", ".join(_distinct(o["provider"] for o in opened if o["provider"]))
-        self.row.transport = g.transport + (f" ({provider})" if provider else "")
-        self.row.nics = [o["device"] or "-" for o in opened]
+        # UCCL_EP_NICS asked for.
+        self.row.transport = g.described_transport
+        self.row.nics = [o["device"] or "-" for o in g.config()["opened"]]
         if g.transport == "verbs":
             for nic in _distinct(self.row.nics):
                 gid, mtu = verbs_port(nic)
                 self.row.gid.append(gid)
                 self.row.path_mtu.append(mtu)
-        self.row.registration = registration_method(g.transport, self.gpu >= 0, provider)
+        self.row.registration = registration_method(g.transport, self.gpu >= 0, g.opened_providers)
 
     # -- pattern: one signalled write to every peer, every byte checked ----------------------------
     def _pattern(self) -> None:

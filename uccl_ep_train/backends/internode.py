@@ -181,9 +181,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     @property
     def proxy_transport(self) -> Optional[str]:
-        """The transport the proxies carry the inter-node bytes on ('ipc', 'fabric', 'verbs'); None before the
-        first dispatch opened them."""
-        return None if self._proxy is None else self._proxy.transport
+        """The transport the proxies carry the inter-node bytes on ('ipc', 'fabric (shm)', 'verbs'); None before
+        the first dispatch opened them."""
+        return None if self._proxy is None else self._proxy.described_transport
 
     @property
     def waits_for_default_stream(self) -> bool:

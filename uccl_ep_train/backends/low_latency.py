@@ -209,7 +209,7 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
     @property
     def proxy_transport(self) -> Optional[str]:
         """The transport the proxies carry the other nodes' bytes on; None with every rank in one node."""
-        return None if self._proxy is None else self._proxy.transport
+        return None if self._proxy is None else self._proxy.described_transport
 
     @property
     def waits_for_default_stream(self) -> bool:

@@ -92,11 +92,18 @@ def _portable(arg: str) -> str:
     return f"{opt}{eq}{value}"
 
 
+# Settings that change what the proxies' bytes travel on without being an argument of the bench: a record's
+# command line names the ones that were set (FI_PROVIDER=shm and =tcp measure different copies).
+RECORDED_ENV = ("FI_PROVIDER", "FI_TCP_IFACE", "UCCL_EP_NICS")
+
+
 def run_context(command: str, argv: list[str]) -> dict:
     """What a record needs to be reproduced: the UTC date, the commit, and the command line as the user
-    types it (`uccl-ep-train <command> <argv>`, no interpreter, install path or machine directory)."""
+    types it (`[FI_PROVIDER=shm ...] uccl-ep-train <command> <argv>`, no interpreter, install path or machine
+    directory)."""
+    env = [f"{k}={os.environ[k]}" for k in RECORDED_ENV if os.environ.get(k)]
     return {"date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "commit": git_commit(),
-            "command": shlex.join(["uccl-ep-train", *command.split(), *map(_portable, argv)])}
+            "command": shlex.join([*env, "uccl-ep-train", *command.split(), *map(_portable, argv)])}
 
 
 def gpus_used(device, group=None) -> int:
