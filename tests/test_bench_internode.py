@@ -39,10 +39,10 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
             "--num-topk", "4", "--iters", "2", "--warmup", "1", "--json", str(out)]
     assert main(["bench", "internode", *argv]) == 0
     records = json.loads(out.read_text())
-    assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fp8", "combine", "alltoall"]
+    assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fresh_bf16", "dispatch_fp8", "combine", "alltoall"]
     assert_complete(records)  # what tests/test_records.py asks of committed records
     H, K = SHAPE["hidden"], SHAPE["num_topk"]
-    payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
+    payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fresh_bf16": H * 2 + K * 8, "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
     remote = [_remote_tokens(r, 4, 2) for r in range(4)]
     assert all(0 < n <= SHAPE["num_tokens"] for n in remote)
     for r in records:
@@ -56,6 +56,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert "FI_TCP_IFACE=lo" in env.split()  # tests/conftest.py keeps libfabric tcp on loopback
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
+        assert 0 < r["host_us"]  # API timing records the host's time per call too (no kernel timing on CPU)
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
         assert r["transport"] is None  # ... and no proxies to name a transport for
         assert r["sms_occupied"] is None  # the reference backend runs torch collectives, no SMs of its own

@@ -180,6 +180,37 @@ def device_us(fn: Callable[[], Any], kernels: Mapping[str, tuple[str, ...]], ite
     return {key: total / iters for key, total in totals.items()}
 
 
+ALIGN_CYCLES = 2_000_000  # ~1 ms of GPU wait before a kernel-timed round: every rank's host enqueues it meanwhile
+
+
+def aligned_device_us(pieces: Mapping[str, Callable[[], Any]], kernels: Mapping[str, tuple[str, ...]], iters: int,
+                      warmup: int, group, every: Optional[Mapping[str, tuple[int, int]]] = None,
+                      before: Optional[Callable[[str], None]] = None) -> dict[str, float]:
+    """device_us ("kernel" timing) over `iters` rounds (after `warmup`) that each run the pieces in order and
+    start on every rank's GPU at once: a host barrier, then a GPU wait long enough for every host to enqueue
+    the round behind it (DeepEP syncs its GPUs with an all-reduce; ranks sharing a GPU have no NCCL), so a
+    kernel's time is its own, not the wait for a peer that started later. `before(name)` runs ahead of each
+    piece (e.g. a GPU wait standing for a GEMM)."""
+    import torch
+    import torch.distributed as dist
+
+    stream, done = torch.cuda.current_stream(), torch.cuda.Event(blocking=True)
+
+    def aligned_round() -> None:
+        done.record(stream)
+        done.synchronize()  # sleeping, not spinning: ranks sharing a host need the cores for their proxies
+        dist.barrier(group=group)
+        torch.cuda._sleep(ALIGN_CYCLES)
+        for name, fn in pieces.items():
+            if before is not None:
+                before(name)
+            fn()
+
+    for _ in range(warmup):
+        aligned_round()
+    return device_us(aligned_round, kernels, iters, every)
+
+
 T = TypeVar("T")
 
 

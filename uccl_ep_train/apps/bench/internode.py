@@ -11,8 +11,12 @@ given a libfabric built with CUDA, docs/proxy.md); every call is issued from a s
 (`on_own_stream`), which that transport requires.
 
 Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16 dispatch, FP8 dispatch
-(e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights; µs per call = median over
-`--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included).
+(e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights, plus the fresh BF16 dispatch
+as Megatron's drop-and-pad calls it (`dispatch_fresh_bf16`: get_dispatch_layout, then dispatch with
+num_worst_tokens, whose count exchange across nodes still waits on the host). µs per call = median over
+`--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included; `host_us`:
+the host's time until the call returned); with the native backend on GPUs also the mean device time of the
+call's own kernels (timing "kernel", rounds started on every rank's GPU together, as `bench low-latency`).
 - RDMA GB/s: bytes this rank's tokens cross to other nodes per call / time. One copy of a token crosses
   to each other node holding at least one of its experts (counted from the routing), carrying the token's
   payload: hidden x element size + float32 scales (FP8) + int32 top-k ids + float32 top-k weights
@@ -41,8 +45,9 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_transport_arg, gpus_used, init_rank_group,
-               int_list, on_own_stream, publish, rank_records, run_context, transport_env, warn_without_mps)
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_transport_arg, aligned_device_us, gpus_used,
+               init_rank_group, int_list, on_own_stream, publish, rank_records, run_context, transport_env,
+               warn_without_mps)
 from ..launch import check_ranks_per_node, launched_world
 
 FP8_BLOCK = 128
@@ -100,7 +105,7 @@ def tokens_per_node(topk_idx: torch.Tensor, num_experts: int, num_ranks: int, ra
 def payload_bytes(op: str, hidden: int, num_topk: int) -> int:
     """Bytes of one token's copy crossing to another node: hidden x element size, float32 scales (FP8),
     int32 top-k ids and float32 top-k weights (dispatch); the reduced bf16 row and its weights (combine)."""
-    if op == "dispatch_bf16":
+    if op in ("dispatch_bf16", "dispatch_fresh_bf16"):
         return hidden * 2 + num_topk * (4 + 4)
     if op == "dispatch_fp8":
         return hidden + hidden // FP8_BLOCK * 4 + num_topk * (4 + 4)
@@ -123,9 +128,11 @@ def _sync(cuda: bool) -> None:
 
 
 def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: bool,
-                stats: Optional[Callable[[], tuple[int, int]]] = None) -> tuple[list[float], Optional[tuple]]:
+                stats: Optional[Callable[[], tuple[int, int]]] = None
+                ) -> tuple[list[float], list[float], Optional[tuple]]:
     """Per-call µs of `iters` back-to-back calls after `warmup` (CUDA events around each call; wall clock on
-    CPU), started together on every rank; with `stats`, its (bytes, commands) difference over the timed calls."""
+    CPU), started together on every rank, and the host µs each call took to return; with `stats`, its
+    (bytes, commands) difference over the timed calls."""
     for _ in range(warmup):
         fn()
     _sync(cuda)
@@ -134,9 +141,12 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
     before = stats() if stats else None
     if cuda:
         marks = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        host = []
         for start, end in marks:
             start.record()
+            t0 = time.perf_counter()
             fn()
+            host.append((time.perf_counter() - t0) * 1e6)
             end.record()
         torch.cuda.synchronize()
         us = [start.elapsed_time(end) * 1e3 for start, end in marks]
@@ -146,11 +156,20 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
             t0 = time.perf_counter()
             fn()
             us.append((time.perf_counter() - t0) * 1e6)
+        host = us
     delta = None
     if stats:
         after = stats()
         delta = (after[0] - before[0], after[1] - before[1])
-    return us, delta
+    return us, host, delta
+
+
+# The native kernels of each op (the "kernel" timing sums their device time per call; torch's own small
+# kernels in a call, e.g. zero fills, are not counted).
+_DISPATCH = ("dispatch_pack_kernel", "dispatch_forward_kernel", "dispatch_copy_out_kernel")
+_KERNELS = {"dispatch_bf16": _DISPATCH, "dispatch_fp8": _DISPATCH,
+            "dispatch_fresh_bf16": ("dispatch_layout_kernel", "notify_kernel", *_DISPATCH),
+            "combine": ("combine_stage_kernel", "combine_forward_kernel", "combine_reduce_kernel")}
 
 
 def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
@@ -187,7 +206,17 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
         topk_weights=topk_w, config=cfg0)
     num_recv = recv_x.size(0)
     nvl_bytes = {"dispatch_bf16": num_recv * H * 2, "dispatch_fp8": num_recv * (H + H // FP8_BLOCK * 4),
-                 "combine": num_recv * H * 2}
+                 "combine": num_recv * H * 2, "dispatch_fresh_bf16": num_recv * H * 2}
+    # the fresh dispatch as Megatron's drop-and-pad calls it: layout, then outputs sized by num_worst_tokens
+    # (the most any rank receives here)
+    received: list = [0] * world
+    dist.all_gather_object(received, num_recv, group=group)
+
+    def fresh_dispatch(config) -> None:
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+        buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w,
+                     num_worst_tokens=max(received), config=config)
 
     proxy_stats = getattr(buf.backend, "proxy_stats", None)
     remote_ranks = [r for r in range(world) if topo.node_of(r) != topo.node_of(rank)]
@@ -199,25 +228,36 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     gpus = gpus_used(device, group)
     common = {"bench": "internode", "ranks": world, "ranks_per_node": L, "nodes": nodes, "device": name,
-              "gpus": gpus, "timing": "api", "group": str(dist.get_backend(group)),
+              "gpus": gpus, "group": str(dist.get_backend(group)),
               "transport": getattr(buf.backend, "proxy_transport", None), **shape}
+    # kernel timing: the native kernels on GPUs (the reference backend has none of its own)
+    kernel_timing = cuda and buf.backend_name == "native"
     records = []
     for sms in sms_list:
         dcfg = dataclasses.replace(Buffer.get_dispatch_config(world), num_sms=sms)
         ccfg = dataclasses.replace(Buffer.get_combine_config(world), num_sms=sms)
-        runs = [("dispatch_bf16", dcfg, lambda: buf.dispatch(x, handle=handle, config=dcfg))]
+        runs = [("dispatch_bf16", dcfg, lambda: buf.dispatch(x, handle=handle, config=dcfg)),
+                ("dispatch_fresh_bf16", dcfg, lambda: fresh_dispatch(dcfg))]
         if not args.no_fp8:
             runs.append(("dispatch_fp8", dcfg, lambda: buf.dispatch(x_fp8, handle=handle, config=dcfg)))
         runs.append(("combine", ccfg, lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg)))
         for op, cfg, fn in runs:
-            us, delta = _time_calls(fn, args.iters, args.warmup, group, cuda, proxy_totals if proxy_stats else None)
-            med = statistics.median(us)
+            us, host, delta = _time_calls(fn, args.iters, args.warmup, group, cuda,
+                                          proxy_totals if proxy_stats else None)
+            timed = {"api": statistics.median(us)}
+            if kernel_timing:
+                timed["kernel"] = aligned_device_us({op: fn}, {op: _KERNELS[op]}, args.iters, args.warmup,
+                                                    group)[op]
             rb = rdma_bytes(op, topk_idx, shape, world, L, rank)
-            records.append({**common, "op": op, "rank": rank, "sms": sms, "sms_occupied": buf.occupied_sms(cfg),
-                            "us": med, "backend": buf.backend_name, "rdma_bytes": rb, "nvl_bytes": nvl_bytes[op],
-                            "gbps": rb / med / 1e3, "nvl_gbps": nvl_bytes[op] / med / 1e3,
-                            "proxy_bytes": delta[0] / args.iters if delta else None,
-                            "proxy_commands_per_s": delta[1] / (sum(us) * 1e-6) if delta else None})
+            for timing, med in timed.items():
+                api = timing == "api"
+                records.append({**common, "op": op, "rank": rank, "sms": sms, "timing": timing,
+                                "sms_occupied": buf.occupied_sms(cfg), "us": med, "backend": buf.backend_name,
+                                "host_us": statistics.median(host) if api else None, "rdma_bytes": rb,
+                                "nvl_bytes": nvl_bytes[op], "gbps": rb / med / 1e3,
+                                "nvl_gbps": nvl_bytes[op] / med / 1e3,
+                                "proxy_bytes": delta[0] / args.iters if delta and api else None,
+                                "proxy_commands_per_s": delta[1] / (sum(us) * 1e-6) if delta and api else None})
 
     if not args.no_alltoall:
         if str(dist.get_backend(group)) == "gloo" and cuda:
@@ -234,10 +274,11 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             out = torch.empty_like(inp)
             nbytes = n * inp.element_size()
             remote = nbytes * (world - L) // world  # the slices bound for other nodes' ranks
-            us, _ = _time_calls(lambda: dist.all_to_all_single(out, inp, group=group), args.iters, args.warmup,
-                                group, cuda)
+            us, host, _ = _time_calls(lambda: dist.all_to_all_single(out, inp, group=group), args.iters,
+                                      args.warmup, group, cuda)
             med = statistics.median(us)
-            records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "sms_occupied": None, "us": med,
+            records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "timing": "api",
+                            "sms_occupied": None, "us": med, "host_us": statistics.median(host),
                             "backend": str(dist.get_backend(group)), "rdma_bytes": remote, "nvl_bytes": nbytes,
                             "gbps": remote / med / 1e3, "nvl_gbps": nbytes / med / 1e3, "proxy_bytes": None,
                             "proxy_commands_per_s": None})
@@ -253,14 +294,14 @@ def _rank(rank: int, world: int, args, shape: dict) -> list[dict]:
 
 
 def summarise(records: list[dict]) -> list[dict]:
-    """One record per (op, SMs): means over ranks, the slowest rank's GB/s, the per-rank RDMA bytes."""
+    """One record per (op, SMs, timing): means over ranks, the slowest rank's GB/s, the per-rank RDMA bytes."""
     groups: dict = {}
     for r in records:
-        groups.setdefault((r["op"], r["sms"]), []).append(r)
-    order = {"dispatch_bf16": 0, "dispatch_fp8": 1, "combine": 2, "alltoall": 3}
+        groups.setdefault((r["op"], r["sms"], r["timing"]), []).append(r)
+    order = {"dispatch_bf16": 0, "dispatch_fresh_bf16": 1, "dispatch_fp8": 2, "combine": 3, "alltoall": 4}
     out = []
-    for (op, sms), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "alltoall", kv[0][1],
-                                                                 order.get(kv[0][0], 9))):
+    for (op, sms, timing), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "alltoall", kv[0][1],
+                                                                         order.get(kv[0][0], 9), kv[0][2])):
         rs = sorted(rs, key=lambda r: r["rank"])
         n = len(rs)
         mean = lambda key: sum(r[key] for r in rs) / n  # noqa: E731
@@ -269,7 +310,7 @@ def summarise(records: list[dict]) -> list[dict]:
                     gbps_min=min(r["gbps"] for r in rs), nvl_gbps=mean("nvl_gbps"),
                     nvl_gbps_min=min(r["nvl_gbps"] for r in rs), rdma_bytes=mean("rdma_bytes"),
                     rdma_bytes_per_rank=[r["rdma_bytes"] for r in rs], nvl_bytes=mean("nvl_bytes"))
-        for key in ("proxy_bytes", "proxy_commands_per_s"):
+        for key in ("host_us", "proxy_bytes", "proxy_commands_per_s"):
             base[key] = mean(key) if all(r[key] is not None for r in rs) else None
         out.append(base)
     return out
@@ -283,12 +324,14 @@ def _print(summary: list[dict]) -> None:
           f"({s['device']}), {s['group']} group, backend {s['backend']}, transport {s.get('transport')}, "
           f"tokens {s['num_tokens']}, "
           f"hidden {s['hidden']}, experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
-    print(f"{'op':<15}{'SMs':>5}{'µs':>11}{'RDMA GB/s':>17}{'NVL GB/s':>17}{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
+    print(f"{'op':<15}{'SMs':>5}{'timing':>8}{'µs':>11}{'host µs':>9}{'RDMA GB/s':>17}{'NVL GB/s':>17}"
+          f"{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
     for r in summary:
         pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
         pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
-        print(f"{r['op']:<15}{r['sms']:>5}{r['us']:>11.1f}{r['gbps']:>9.4g} ({r['gbps_min']:>5.4g})"
-              f"{r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}", flush=True)
+        host = f"{r['host_us']:.1f}" if r["host_us"] is not None else "-"
+        print(f"{r['op']:<15}{r['sms']:>5}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
+              f"({r['gbps_min']:>5.4g}){r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}", flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -79,35 +79,23 @@ def _time(pieces: dict, iters: int, warmup: int, group) -> dict:
     return out
 
 
-_ALIGN_CYCLES = 2_000_000  # ~1 ms of GPU wait before a kernel-timed round: every rank's host enqueues it meanwhile
 _GEMM_CYCLES = 500_000  # ~0.25 ms of GPU wait before a recv hook: the transfer lands first, as behind DeepEP's GEMM
 
 
 def _kernel_time(pieces: dict, iters: int, warmup: int, group) -> dict:
     """Per piece, the mean device µs of its native kernel launch (`dispatch` -> dispatch_kernel, both phases;
     with the hook `dispatch_send` -> the first dispatch_kernel of a round, `dispatch_recv` -> the second, the
-    same for combine), over `iters` rounds that each start
-    on every rank's GPU at once: a host barrier, then a GPU wait long enough for every host to enqueue the
-    round behind it (DeepEP syncs its GPUs with an all-reduce; ranks sharing a GPU have no NCCL)."""
-    from . import device_us
+    same for combine), over rounds that start on every rank's GPU at once (aligned_device_us); a recv hook
+    runs behind a GPU wait standing for the GEMM."""
+    from . import aligned_device_us
 
-    stream, done = torch.cuda.current_stream(), torch.cuda.Event(blocking=True)
+    def gemm(name: str) -> None:
+        if name.endswith("_recv"):
+            torch.cuda._sleep(_GEMM_CYCLES)
 
-    def aligned_round() -> None:
-        done.record(stream)
-        done.synchronize()  # sleeping, not spinning: ranks sharing a host need the cores for their proxies
-        dist.barrier(group=group)
-        torch.cuda._sleep(_ALIGN_CYCLES)
-        for name, fn in pieces.items():
-            if name.endswith("_recv"):
-                torch.cuda._sleep(_GEMM_CYCLES)
-            fn()
-
-    for _ in range(warmup):
-        aligned_round()
     kernels = {name: (f"{name.split('_')[0]}_kernel",) for name in pieces}
     every = {name: (int(name.endswith("_recv")), 2) for name in pieces if name.endswith(("_send", "_recv"))}
-    return device_us(aligned_round, kernels, iters, every)
+    return aligned_device_us(pieces, kernels, iters, warmup, group, every, before=gemm)
 
 
 def _round(buf, x, idx, w, shape: dict, use_fp8: bool, hook: bool) -> dict:
