@@ -39,10 +39,12 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
             "--num-topk", "4", "--iters", "2", "--warmup", "1", "--json", str(out)]
     assert main(["bench", "internode", *argv]) == 0
     records = json.loads(out.read_text())
-    assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fresh_bf16", "dispatch_fp8", "combine", "alltoall"]
+    assert [r["op"] for r in records] == ["dispatch_bf16", "dispatch_fresh_bf16", "dispatch_fp8", "combine",
+                                          "alltoall"]
     assert_complete(records)  # what tests/test_records.py asks of committed records
     H, K = SHAPE["hidden"], SHAPE["num_topk"]
-    payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fresh_bf16": H * 2 + K * 8, "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
+    payload = {"dispatch_bf16": H * 2 + K * 8, "dispatch_fresh_bf16": H * 2 + K * 8,
+               "dispatch_fp8": H + H // 128 * 4 + K * 8, "combine": H * 2 + K * 4}
     remote = [_remote_tokens(r, 4, 2) for r in range(4)]
     assert all(0 < n <= SHAPE["num_tokens"] for n in remote)
     for r in records:
