@@ -45,10 +45,12 @@ def _check_ll_on_a_stream(rank, world, device, *args):
 
 @pytest.mark.parametrize("world,per_node,extra", [(2, 1, {}),
                                                   (4, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
-                                                          "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"})])
+                                                          "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"}),
+                                                  (6, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4"})])
 def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, extra):
     """Every LL mode against the oracle with the other nodes' bytes on the fabric transport (shm provider, GPU
-    memory through FI_HMEM); at 2 x 2 with EFA's 4-byte CQ-data layout and reordered, delayed completions."""
+    memory through FI_HMEM); at 2 x 2 with EFA's 4-byte CQ-data layout and reordered, delayed completions; at
+    3 x 2 (each rank's proxies reach two other nodes) with the 4-byte layout."""
     from test_internode_gpu import FABRIC_ENV, fabric_gpu_memory_missing
 
     why = _ready() or fabric_gpu_memory_missing()
