@@ -207,6 +207,7 @@ def _run_suite(rank, world, device, L, fault_seeds):
     (ax, _, _, acounts, ah, event), _ = _dispatch(native, x, idx, w, EXPERTS, dev, previous_event=prev,
                                                   async_finish=True, allocate_on_comm_stream=True, expert_alignment=8)
     event.current_stream_wait()
+    _settle(native, f"rank {rank}: async dispatch")
     (ex, _, _, ecounts, _, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu", expert_alignment=8)
     _same(ax, ex, f"rank {rank}: async recv_x")
     assert acounts == ecounts
