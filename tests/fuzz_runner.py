@@ -238,20 +238,19 @@ def run_ht(c: FuzzCase, r: Ranks, buf) -> int:
     r.settle(buf, "combine")
     eout, eout_w, _ = r.ref.combine(y, eh, topk_weights=ew if c.weights else None, bias=bias_arg)
     assert out.dtype == eout.dtype == dt, (out.dtype, eout.dtype)
+    # each token's rows come back once per rank it went to, multiplied by (that rank + 1)
     value = _values(data if c.fp8 else x)
-    hits = _goes_to(idx, c.experts, world).t()
-    magnitude = sum(((value * (d + 1)).to(dt).float().abs() * hit.unsqueeze(1) for d, hit in enumerate(hits)),
-                    sum((b.float().abs() for b in bias), torch.zeros(x.shape)))
+    rows = [(value * (d + 1)).to(dt).float() * hit.unsqueeze(1)
+            for d, hit in enumerate(_goes_to(idx, c.experts, world).t())]
+    biases = [b.float() for b in bias]
+    magnitude = sum((t.abs() for t in rows), sum((b.abs() for b in biases), torch.zeros(x.shape)))
     _close(out, eout, dt, "combine", magnitude if c.nodes > 1 else None)
     assert (out_w is None) == (eout_w is None) == (not c.weights), "combined weights given iff weights"
     if c.weights:
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=lambda m: f"combined weights: {m}")
         torch.testing.assert_close(eout_w, w * (idx >= 0), rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"reference combined weights vs the oracle: {m}")
-    # dense oracle: each token's rows come back once per rank it went to, multiplied by (that rank + 1)
-    dense = sum((((value * (d + 1)).to(dt).float()) * hit.unsqueeze(1) for d, hit in enumerate(hits)),
-                torch.zeros(x.shape))
-    dense = dense + sum((b.float() for b in bias), torch.zeros(x.shape))
+    dense = sum(rows, torch.zeros(x.shape)) + sum(biases, torch.zeros(x.shape))  # the dense oracle
     _close(eout, dense.to(dt), dt, "reference combine vs the dense oracle")
     return n
 

@@ -30,10 +30,9 @@ def _settle_stream(device) -> None:
     """Before reading GPU results into pageable memory: the copy would hold the CUDA driver until the kernels
     queued before it ran, and with the proxies on the fabric transport (shm copies GPU memory through the
     driver) those kernels wait for the proxies (docs/internode.md, "Host copies and the fabric transport")."""
-    from uccl_ep_train.events import EventHandle
+    from uccl_ep_train.events import await_current_stream
 
-    if torch.device(device).type == "cuda":
-        EventHandle().synchronize()
+    await_current_stream(device)
 
 
 def _check_ll(rank: int, world: int, device: str, max_tokens: int, hidden: int, experts: int,

@@ -94,10 +94,9 @@ def _gpu(t, dev):
 def _host(t):
     """t on the host once the ops queued before it ran (awaited first, through an event: see _gpu and
     uccl_ep_train.events.host_values)."""
-    from uccl_ep_train.events import EventHandle
+    from uccl_ep_train.events import await_current_stream
 
-    if t.is_cuda:
-        EventHandle(torch.cuda.current_stream(t.device)).synchronize()
+    await_current_stream(t.device)
     return t.cpu()
 
 

@@ -43,9 +43,15 @@ def host_values(t: torch.Tensor) -> list:
     H200 (tests/test_host_copies_gpu.py), a 1 MB device-to-device copy issued by another thread while this
     thread's stream ran a 1 s kernel: done at once while this thread awaited an event; done only after the
     kernel while this thread copied through pageable memory."""
-    if t.device.type == "cuda":
-        EventHandle(torch.cuda.current_stream(t.device)).synchronize()
+    await_current_stream(t.device)
     return t.tolist()
+
+
+def await_current_stream(device: Any) -> None:
+    """Waits until the work queued so far on `device`'s current stream ran, through an event (a no-op on CPU):
+    what a host read of GPU values must do first (host_values says why)."""
+    if torch.device(device).type == "cuda":
+        EventHandle(torch.cuda.current_stream(device)).synchronize()
 
 
 def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:

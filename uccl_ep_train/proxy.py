@@ -431,7 +431,8 @@ class ProxyGroup:
     @property
     def described_transport(self) -> str:
         """The transport with the provider its endpoints opened, e.g. 'fabric (shm)'; 'ipc', 'verbs' alone."""
-        return self.transport + (f" ({self.opened_providers})" if self.opened_providers else "")
+        providers = self.opened_providers  # (one native config() call)
+        return self.transport + (f" ({providers})" if providers else "")
 
     def thread_cpus(self) -> list[int]:
         return self._native.thread_cpus()
