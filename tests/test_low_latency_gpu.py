@@ -43,11 +43,11 @@ def _check_ll_on_a_stream(rank, world, device, *args):
         return _check_ll(rank, world, device, *args)
 
 
-@pytest.mark.parametrize("world,per_node,extra", [(2, 1, {}),
-                                                  (4, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
-                                                          "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"}),
-                                                  (6, 2, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4"})])
-def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, extra):
+@pytest.mark.parametrize("world,per_node,experts,extra", [(2, 1, 8, {}),
+                                                          (4, 2, 8, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4",
+                                                                     "UCCL_EP_FAULT": "reorder=0.5,delay_us=20,seed=3"}),
+                                                          (6, 2, 12, {"UCCL_EP_FABRIC_CQ_DATA_BYTES": "4"})])
+def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, experts, extra):
     """Every LL mode against the oracle with the other nodes' bytes on the fabric transport (shm provider, GPU
     memory through FI_HMEM); at 2 x 2 with EFA's 4-byte CQ-data layout and reordered, delayed completions; at
     3 x 2 (each rank's proxies reach two other nodes) with the 4-byte layout."""
@@ -57,7 +57,7 @@ def test_low_latency_over_fabric_with_gpu_memory(mps, world, per_node, extra):
     if why:
         pytest.skip(why)
     env = dict(FABRIC_ENV, UCCL_EP_RANKS_PER_NODE=str(per_node), UCCL_EP_TIMEOUT_S="20", **extra)
-    got = run_ranks(_check_ll_on_a_stream, world, 9, 512, 8, 3, env=env, timeout=300, **gpu_ranks(world))
+    got = run_ranks(_check_ll_on_a_stream, world, 9, 512, experts, 3, env=env, timeout=300, **gpu_ranks(world))
     assert got == [(ll_checks(512), "NativeLowLatencyBackend")] * world
 
 
