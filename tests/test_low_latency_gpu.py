@@ -132,6 +132,51 @@ def test_dispatch_combine_graph_replays_exactly(mps, per_node):
     assert got == [100, 100]
 
 
+def _lifetimes(rank: int, world: int, device: str, lifetimes: int) -> int:
+    """`lifetimes` LL Buffers one after another, each making the calls of the issue's script (BF16 and FP8
+    dispatch, hook and async, each followed by a combine) with new inputs and checked, then destroyed: the
+    repetition that hunts an intermittent error (one of two runs of such a script once ended in "CUDA kernel
+    errors might be asynchronously reported"). Every call's errors are checked before its results are read."""
+    from uccl_ep_train.fp8 import per_token_cast_back, per_token_cast_to_fp8
+
+    pairs = 0
+    for life in range(lifetimes):
+        dev, buf, factor = _ll_buffer(rank, world)
+        for use_fp8 in (False, True):
+            for hook_mode in (True, False):
+                x, idx, w = _inputs(rank, 4 * life + 2 * use_fp8 + hook_mode, dev)
+                recv, _, handle, event, hook = buf.low_latency_dispatch(
+                    x, idx, M, E, use_fp8=use_fp8, async_finish=not hook_mode, return_recv_hook=hook_mode)
+                hook() if hook_mode else event.current_stream_wait()
+                if use_fp8:  # the rows the experts see: the FP8 rows cast back, expert by expert
+                    recv = torch.stack([per_token_cast_back(recv[0][e], recv[1][e]) for e in range(recv[0].size(0))])
+                    x = per_token_cast_back(*per_token_cast_to_fp8(x))
+                out, event, chook = buf.low_latency_combine((recv.float() * factor).to(torch.bfloat16), idx, w,
+                                                            handle, async_finish=not hook_mode,
+                                                            return_recv_hook=hook_mode)
+                chook() if hook_mode else event.current_stream_wait()
+                torch.cuda.synchronize()
+                buf.low_latency_backend.check_errors()
+                torch.testing.assert_close(out.float(), _expected(x, idx, w), atol=0.08, rtol=0.03,
+                                           msg=lambda m: f"rank {rank}, lifetime {life}, fp8 {use_fp8}, hook "
+                                                         f"{hook_mode}: {m}")
+                pairs += 1
+        buf.destroy()
+    return pairs
+
+
+@pytest.mark.parametrize("per_node,lifetimes", [(2, 100), (1, 30)])
+def test_buffer_lifetimes_repeat_cleanly(mps, per_node, lifetimes):
+    """The issue's intermittent LL error, hunted by repetition: 2 ranks sharing the GPU (one node: NVLink
+    kernels; two emulated nodes: the proxies), Buffers made and destroyed `lifetimes` times, four checked
+    dispatch + combine pairs each (400 at one node)."""
+    if _ready():
+        pytest.skip(_ready())
+    got = run_ranks(_lifetimes, 2, lifetimes, env={"UCCL_EP_RANKS_PER_NODE": str(per_node)}, timeout=500,
+                    **gpu_ranks(2))
+    assert got == [4 * lifetimes] * 2
+
+
 def _ht_after_ll(rank: int, world: int, device: str) -> tuple:
     """LL calls first (the HT backend stays unopened: no second proxy group), then an HT dispatch + combine
     (opened in that dispatch) against the reference backend, then LL calls again."""
