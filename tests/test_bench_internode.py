@@ -59,6 +59,7 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert r["date"] and r["commit"]
         assert r["us"] > 0 and r["gbps"] > 0 and r["nvl_gbps"] > 0
         assert 0 < r["host_us"]  # API timing records the host's time per call too (no kernel timing on CPU)
+        assert r["kernel_us"] is None  # each kernel's share: kernel timing only
         assert r["proxy_bytes"] is None and r["proxy_commands_per_s"] is None  # the reference backend has none
         assert r["transport"] is None  # ... and no proxies to name a transport for
         assert r["sms_occupied"] is None  # the reference backend runs torch collectives, no SMs of its own
@@ -70,6 +71,26 @@ def test_bench_internode_cpu_records(tmp_path, capfd):  # capfd: the ranks are c
         assert r["rdma_bytes_per_rank"] == [n * payload[r["op"]] for n in remote]
         assert r["rdma_bytes"] == sum(r["rdma_bytes_per_rank"]) / 4
     assert "RDMA GB/s" in capfd.readouterr().out
+
+
+def test_summary_keeps_each_kernels_share(capsys):
+    """A kernel-timing record names each kernel's µs (its mean over ranks), summing to the op's µs; the table
+    prints them after the op."""
+    from uccl_ep_train.apps.bench.internode import _print, summarise
+
+    def record(rank, pack, forward, copy_out):
+        split = {"pack": pack, "forward": forward, "copy_out": copy_out}
+        return {"op": "dispatch_bf16", "rank": rank, "sms": 8, "timing": "kernel", "us": sum(split.values()),
+                "gbps": 1.0, "nvl_gbps": 1.0, "rdma_bytes": 10, "nvl_bytes": 20, "host_us": None, "proxy_bytes": None,
+                "proxy_commands_per_s": None, "kernel_us": split, "ranks": 2, "nodes": 2, "ranks_per_node": 1,
+                "gpus": 1, "device": "gpu", "group": "gloo", "backend": "native", "num_tokens": 1, "hidden": 128,
+                "num_experts": 2, "num_topk": 1}
+
+    (s,) = summarise([record(0, 10.0, 100.0, 30.0), record(1, 20.0, 80.0, 10.0)])
+    assert s["kernel_us"] == {"pack": 15.0, "forward": 90.0, "copy_out": 20.0}
+    assert s["us"] == sum(s["kernel_us"].values())
+    _print([s])
+    assert "pack 15 forward 90 copy_out 20" in capsys.readouterr().out
 
 
 def test_bench_help_lists_internode(capsys):

@@ -164,12 +164,17 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
     return us, host, delta
 
 
-# The native kernels of each op (the "kernel" timing sums their device time per call; torch's own small
-# kernels in a call, e.g. zero fills, are not counted).
-_DISPATCH = ("dispatch_pack_kernel", "dispatch_forward_kernel", "dispatch_copy_out_kernel")
+# The native kernels of each op, in launch order, as (step, kernel name): the "kernel" timing is the sum of
+# their device time per call, and each step's share is recorded (kernel_us) to show where an op's time goes
+# (pack: reading x into rows, waiting for the peers' READY; forward: the proxies' hand-over and transfer,
+# then the rows to the node's ranks; copy-out: the node barrier and the rows into the outputs). torch's own
+# small kernels in a call, e.g. zero fills, are not counted.
+_DISPATCH = (("pack", "dispatch_pack_kernel"), ("forward", "dispatch_forward_kernel"),
+             ("copy_out", "dispatch_copy_out_kernel"))
 _KERNELS = {"dispatch_bf16": _DISPATCH, "dispatch_fp8": _DISPATCH,
-            "dispatch_fresh_bf16": ("dispatch_layout_kernel", "notify_kernel", *_DISPATCH),
-            "combine": ("combine_stage_kernel", "combine_forward_kernel", "combine_reduce_kernel")}
+            "dispatch_fresh_bf16": (("layout", "dispatch_layout_kernel"), ("notify", "notify_kernel"), *_DISPATCH),
+            "combine": (("stage", "combine_stage_kernel"), ("forward", "combine_forward_kernel"),
+                        ("reduce", "combine_reduce_kernel"))}
 
 
 def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
@@ -245,15 +250,18 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             us, host, delta = _time_calls(fn, args.iters, args.warmup, group, cuda,
                                           proxy_totals if proxy_stats else None)
             timed = {"api": statistics.median(us)}
+            split = None
             if kernel_timing:
-                timed["kernel"] = aligned_device_us({op: fn}, {op: _KERNELS[op]}, args.iters, args.warmup,
-                                                    group)[op]
+                split = aligned_device_us({op: fn}, {step: (name,) for step, name in _KERNELS[op]}, args.iters,
+                                          args.warmup, group)
+                timed["kernel"] = sum(split.values())
             rb = rdma_bytes(op, topk_idx, shape, world, L, rank)
             for timing, med in timed.items():
                 api = timing == "api"
                 records.append({**common, "op": op, "rank": rank, "sms": sms, "timing": timing,
                                 "sms_occupied": buf.occupied_sms(cfg), "us": med, "backend": buf.backend_name,
-                                "host_us": statistics.median(host) if api else None, "rdma_bytes": rb,
+                                "host_us": statistics.median(host) if api else None,
+                                "kernel_us": None if api else split, "rdma_bytes": rb,
                                 "nvl_bytes": nvl_bytes[op], "gbps": rb / med / 1e3,
                                 "nvl_gbps": nvl_bytes[op] / med / 1e3,
                                 "proxy_bytes": delta[0] / args.iters if delta and api else None,
@@ -278,7 +286,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
                                       args.warmup, group, cuda)
             med = statistics.median(us)
             records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "timing": "api",
-                            "sms_occupied": None, "us": med, "host_us": statistics.median(host),
+                            "sms_occupied": None, "us": med, "host_us": statistics.median(host), "kernel_us": None,
                             "backend": str(dist.get_backend(group)), "rdma_bytes": remote, "nvl_bytes": nbytes,
                             "gbps": remote / med / 1e3, "nvl_gbps": nbytes / med / 1e3, "proxy_bytes": None,
                             "proxy_commands_per_s": None})
@@ -312,6 +320,8 @@ def summarise(records: list[dict]) -> list[dict]:
                     rdma_bytes_per_rank=[r["rdma_bytes"] for r in rs], nvl_bytes=mean("nvl_bytes"))
         for key in ("host_us", "proxy_bytes", "proxy_commands_per_s"):
             base[key] = mean(key) if all(r[key] is not None for r in rs) else None
+        if all(r["kernel_us"] is not None for r in rs):  # each step's mean over ranks
+            base["kernel_us"] = {step: sum(r["kernel_us"][step] for r in rs) / n for step in rs[0]["kernel_us"]}
         out.append(base)
     return out
 
@@ -325,13 +335,15 @@ def _print(summary: list[dict]) -> None:
           f"tokens {s['num_tokens']}, "
           f"hidden {s['hidden']}, experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
     print(f"{'op':<15}{'SMs':>5}{'timing':>8}{'µs':>11}{'host µs':>9}{'RDMA GB/s':>17}{'NVL GB/s':>17}"
-          f"{'proxy MB/call':>15}{'proxy Mcmd/s':>14}")
+          f"{'proxy MB/call':>15}{'proxy Mcmd/s':>14}  kernel µs by step")
     for r in summary:
         pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
         pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
         host = f"{r['host_us']:.1f}" if r["host_us"] is not None else "-"
+        steps = " ".join(f"{k} {v:.0f}" for k, v in (r.get("kernel_us") or {}).items())
         print(f"{r['op']:<15}{r['sms']:>5}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
-              f"({r['gbps_min']:>5.4g}){r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}", flush=True)
+              f"({r['gbps_min']:>5.4g}){r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}  {steps}",
+              flush=True)
 
 
 def main(argv: Optional[list[str]] = None) -> int:
