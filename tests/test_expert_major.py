@@ -443,3 +443,43 @@ def test_native_fold_of_rows_without_local_experts_is_zero(mps):
     if not native_available():
         pytest.skip("native module built without intranode kernels")
     assert run_ranks(_rows_without_experts, 2, timeout=120, **gpu_ranks(2)) == [True, True]
+
+
+@pytest.mark.parametrize("R,epr,rank", [(2, 3, 0), (4, 2, 3), (6, 4, 1)])
+def test_internode_expert_major_blocks_match_the_permute_map(R, epr, rank):
+    """Where an expert-major dispatch across nodes lands its rows (NativeInternodeBackend: each block's base
+    from every source's counts, plus the sender's position): the row permute.expert_major_map gives the same
+    received row, exact counts; with a capacity, (expert, source) blocks of it, and an overflow names its
+    source, count, expert and rank alike on every rank."""
+    import numpy as np
+
+    from uccl_ep_train.backends.internode import _ExpertMajor
+
+    g = torch.Generator().manual_seed(R * 100 + epr)
+    sent = torch.randint(0, 6, (R, R * epr), generator=g).numpy()  # tokens source s sends to expert e
+    em = _ExpertMajor(torch.empty(0), 0)
+    em.place(sent, rank, "cpu")
+    mine = sent[:, rank * epr:(rank + 1) * epr]
+    assert em.per_expert == mine.sum(0).tolist()
+    # the receive order: source by source, each source's rows (one local expert each) in a shuffled order
+    rows, where = [], []
+    for s in range(R):
+        experts = [e for e in range(epr) for _ in range(int(mine[s, e]))]
+        order = torch.randperm(len(experts), generator=g).tolist()
+        seen = [0] * epr
+        for i in order:
+            e = experts[i]
+            rows.append(e)
+            where.append(int(em.em_base[s, e]) + seen[e])  # the sender's position of the row: seen[e]
+            seen[e] += 1
+    want = permute.expert_major_map(torch.tensor(rows, dtype=torch.int64).view(-1, 1), em.per_expert)
+    assert want.view(-1).tolist() == where
+    capped = _ExpertMajor(torch.empty(0), 7)
+    capped.place(sent, rank, "cpu")
+    assert capped.per_expert == [R * 7] * epr
+    assert capped.em_base.tolist() == [[(e * R + s) * 7 for e in range(epr)] for s in range(R)]
+    over = sent.copy()
+    over[R - 1, 1] = 9
+    with pytest.raises(ValueError, match=rf"^dispatch_expert_major: rank {R - 1} sends 9 tokens to local expert 1 of "
+                                         r"rank 0, more than expert_capacity=8"):
+        _ExpertMajor(torch.empty(0), 8).place(np.asarray(over), rank, "cpu")

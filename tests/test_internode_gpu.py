@@ -422,3 +422,70 @@ def test_a_dead_proxy_fails_the_gpu_side_within_the_timeout(mps):
     assert "rank 1 proxy thread 0" in msg1 and "stopped by fault injection after 3 commands" in msg1, msg1
     assert "rank 0 (node 0) timed out after" in msg0 and "waiting for rank 1 (node 1)" in msg0, msg0
     assert took0 < 12 and took1 < 12, (took0, took1)
+
+
+def _expert_major_landing(rank, world, device, L):
+    """dispatch_expert_major across nodes with the rows stored by the dispatch kernels (Config.fuse_max_width
+    forces it at these widths) against the reference backend: exact counts, then a capacity layout with
+    num_worst_tokens (Megatron's drop-and-pad), then a capacity some source overflows (the same ValueError
+    on every rank, before any row moves, and the Buffer goes on); the combine of the landed rows."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from uccl_ep_train import Buffer
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    native, ref = _buffers(world)
+    config = dataclasses.replace(Buffer.get_dispatch_config(world), fuse_max_width=100.0)
+    assert native.backend.lands_expert_major(TOPK, EXPERTS, config)
+    names = ("x_em", "recv_topk_idx", "recv_topk_weights", "tokens_per_expert", "em_map")
+    for case, (mode, T) in enumerate([("random", 96), ("skewed", 80), ("one_node", 0 if rank == 1 else 64)]):
+        x, idx, w = _routing(rank, T + 5 * rank if T else 0, mode, world, L, seed=40 + case)
+        for capacity, worst in ((0, 0), (40, 200 * world)):
+            tag = f"rank {rank} case {case} ({mode}) capacity {capacity}"
+            got = native.dispatch_expert_major(_gpu(x, dev), _gpu(idx, dev), _gpu(w, dev), EXPERTS, config=config,
+                                               num_worst_tokens=worst, expert_capacity=capacity)
+            _settle(native, f"{tag}: dispatch_expert_major")
+            want = ref.dispatch_expert_major(x, idx, w, EXPERTS, num_worst_tokens=worst, expert_capacity=capacity)
+            for name, a, b in zip(names, got[:5], want[:5]):
+                if name == "tokens_per_expert":
+                    assert a == b, f"{tag}: {name} {a} vs {b}"
+                else:
+                    _same(a, b, f"{tag}: {name}")
+            y = (got[0].float() * (rank + 2)).to(torch.bfloat16)
+            out, _, _ = native.combine_expert_major(y, got[5], got[4], expert_capacity=capacity)
+            _settle(native, f"{tag}: combine_expert_major")
+            eout, _, _ = ref.combine_expert_major(y.cpu(), want[5], want[4], expert_capacity=capacity)
+            torch.testing.assert_close(_host(out).float(), eout.float(), rtol=2e-2, atol=2e-2, msg=tag)
+    # every token of rank 0 to expert 0 (its other slots elsewhere): 64 tokens, over a capacity of 8
+    x, idx, w = _routing(rank, 64, "random", world, L, seed=90)
+    bad = idx.clone()
+    if rank == 0:  # (row 0 of the counts: its first block over the capacity is expert 0's, whatever the others do)
+        bad = torch.full((64, TOPK), -1, dtype=torch.int64)
+        bad[:, 0], bad[:, 1] = 0, torch.arange(64) % 40 + 1
+    with pytest.raises(ValueError, match=r"dispatch_expert_major: rank 0 sends 64 tokens to local expert 0 of "
+                                         r"rank 0, more than expert_capacity=8"):
+        native.dispatch_expert_major(_gpu(x, dev), _gpu(bad, dev), _gpu(w, dev), EXPERTS, config=config,
+                                     num_worst_tokens=64 * world, expert_capacity=8)
+    dist.barrier()
+    (rx, _, _, _, _, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
+    _settle(native, f"rank {rank}: dispatch after the capacity refusal")
+    (ex, _, _, _, _, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu")
+    _same(rx, ex, f"rank {rank}: dispatch after the capacity refusal")
+    native.destroy()
+    ref.destroy()
+    return 1
+
+
+@pytest.mark.parametrize("world,L", [(2, 1), (4, 2), (6, 2)])
+def test_expert_major_rows_land_from_the_dispatch_kernels(mps, world, L):
+    """Expert-major (and capacity) layouts across nodes written by the kernels that output each received row
+    (pack, forward, copy-out), bit-equal to the reference's dispatch + permute; rank 1 sends nothing in the
+    last case."""
+    why = _ready()
+    if why:
+        pytest.skip(why)
+    env = {"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"}
+    assert run_ranks(_expert_major_landing, world, L, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=400,
+                     env=env) == [1] * world

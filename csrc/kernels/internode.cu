@@ -336,21 +336,48 @@ __device__ void load_bases(const Common& c, const int* row_base, int64_t rows, i
   __syncthreads();
 }
 
-// The whole warp: outputs row `row` of a token whose top-k ids / weights are id(k) / w(k) and which is
-// token src_token of rank src_rank (x and scales are the caller's): ids become local expert ids or -1.
-template <typename Id, typename W>
+static_assert(kMaxExpertMajorTopk <= kWarpSize, "one lane per top-k slot");
+
+// A slot's id word as rows carry it: the expert id, and in an expert-major dispatch (kEmIdBits) the slot's
+// position + 1 among the sender's tokens for that expert, so that the receiver knows its expert-major row.
+__device__ __forceinline__ int em_word(const DispatchArgs& a, int id, int pos) {
+  return a.em_x == nullptr || id < 0 ? id : id | ((pos + 1) << kEmIdBits);
+}
+
+// The whole warp: outputs row `row` of a token whose top-k id words / weights are id(k) / w(k) (em_word)
+// and which is token src_token of rank src_rank: ids become local expert ids or -1. Expert-major: lane k
+// also names slot k's expert-major row in em_map and the warp stores the token's x (at xsrc, row format or
+// the caller's x: kNc) there.
+template <bool kNc, typename Id, typename W>
 __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id id, W w, int src_token, int src_rank,
-                                          int lane) {
+                                          const char* xsrc, int lane) {
+  const int lo = a.c.rank * a.experts_per_rank;
   if (a.recv_idx != nullptr) {
-    const int lo = a.c.rank * a.experts_per_rank;
     for (int k = lane; k < a.num_topk; k += kWarpSize) {
-      const int e = id(k) - lo;
+      const int v = id(k);
+      const int e = (a.em_x != nullptr && v >= 0 ? v & ((1 << kEmIdBits) - 1) : v) - lo;
       const bool mine = e >= 0 && e < a.experts_per_rank;
       a.recv_idx[row * a.num_topk + k] = mine ? e : -1;
       if (a.recv_w != nullptr) a.recv_w[row * a.num_topk + k] = mine ? w(k) : 0.f;
     }
   }
   if (a.recv_src != nullptr && lane < 2) a.recv_src[row * 2 + lane] = lane == 0 ? src_token : src_rank;
+  if (a.em_x == nullptr) return;
+  int d = -1;  // lane k: slot k's expert-major row (num_topk <= kMaxExpertMajorTopk: a lane per slot)
+  if (lane < a.num_topk) {
+    const int v = id(lane);
+    const int e = v < 0 ? -1 : (v & ((1 << kEmIdBits) - 1)) - lo;
+    const int pos1 = v < 0 ? 0 : v >> kEmIdBits;
+    if (e >= 0 && e < a.experts_per_rank && pos1 > 0) {
+      d = a.em_base[src_rank * a.experts_per_rank + e] + pos1 - 1;
+      if (d >= a.em_rows) d = -1;  // (the host refused blocks that overflow a capacity)
+    }
+    a.em_map[row * a.num_topk + lane] = d;
+  }
+  for (int k = 0; k < a.num_topk; ++k) {
+    const int dk = intranode::warp_shfl(d, k);
+    if (dk >= 0) warp_copy<kNc>(a.em_x + int64_t(dk) * a.x_bytes, xsrc, a.x_bytes, lane);
+  }
 }
 
 // The whole warp: outputs row `row` from a token in row format at p (landed here or in the NVL buffer).
@@ -366,8 +393,8 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat&
   if (a.recv_x != nullptr) warp_copy<false>(a.recv_x + row * a.x_bytes, p, a.x_bytes, lane);
   if (a.recv_scales != nullptr)
     warp_copy<false>(a.recv_scales + row * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
-  emit_meta(a, row, [&](int k) { return few ? id0 : ids[k]; }, [&](int k) { return few ? w0 : ws[k]; },
-            intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), lane);
+  emit_meta<false>(a, row, [&](int k) { return few ? id0 : ids[k]; }, [&](int k) { return few ? w0 : ws[k]; },
+                   intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), p, lane);
 }
 
 // Each token is read once and written, in row format, into its row of every other destination node's send
@@ -400,7 +427,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     // on every rank, its top-k
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
     const int pos_r = few_ranks && lane < R ? a.send_pos[t * R + lane] : -1;
-    const int id0 = few_topk && lane < K ? int(a.topk_idx[t * K + lane]) : 0;
+    // lane k: slot k's id word (em_word; an expert-major dispatch has few_topk)
+    const int id0 = few_topk && lane < K
+                        ? em_word(a, int(a.topk_idx[t * K + lane]), a.em_x != nullptr ? a.topk_pos[t * K + lane] : -1)
+                        : 0;
     const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
     // lane j < L: the token's position among the rows this rank sends to rank j of node n
     auto pos_on = [&](int n) {
@@ -464,8 +494,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
         warp_copy<true>(a.recv_scales + int64_t(own_row) * a.scale_bytes, scales, a.scale_bytes, lane);
       const int64_t* ids = a.topk_idx + t * K;
       const float* ws = a.topk_w != nullptr ? a.topk_w + t * K : nullptr;
-      emit_meta(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
-                [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank, lane);
+      emit_meta<true>(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
+                      [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank, x, lane);
     }
     intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
@@ -559,6 +589,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArg
         if (a.recv_w != nullptr) a.recv_w[i * a.num_topk + k] = 0.f;
       }
     if (a.recv_src != nullptr && lane < 2) a.recv_src[i * 2 + lane] = -1;
+    if (a.em_map != nullptr && lane < a.num_topk) a.em_map[i * a.num_topk + lane] = -1;
   }
 }
 

@@ -42,6 +42,11 @@ constexpr int kMaxChunks = 1024;    // RDMA chunks per (source node, call): chun
 constexpr int kMaxRings = 16;       // proxy threads (rings) a kernel can push into
 constexpr int kHeaderInts = 8;      // count row header: tokens, x bytes, scale bytes, top-k, weights, experts, ...
 constexpr int kMaxExperts = 2048;   // count rows have room for this many experts (the notify area never moves)
+// An expert-major dispatch's id words: bits [0, 11) the expert (< kMaxExperts), bits [11, 31) its position + 1
+// among the sender's tokens for that expert (0: no expert-major row, a repeated id); -1 stays -1.
+constexpr int kEmIdBits = 11;
+constexpr int kMaxEmPosition = (1 << (31 - kEmIdBits)) - 2;  // the most a position can be
+constexpr int kMaxExpertMajorTopk = 32;  // one warp lane per top-k slot
 
 // NVL buffer header (byte offsets; local words except bar, which node peers write).
 constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at
@@ -137,11 +142,17 @@ class InternodeBuffer {
   // (row of t among tokens sent to node n, -1). Outputs (0 to skip): recv_x [out_rows, x_bytes],
   // recv_scales, recv_topk_idx (int64 local ids, -1), recv_topk_w (float32, 0 where -1), recv_src_meta
   // ([out_rows, 2] int32: source token, source rank), fwd_head (int32 [forwarded rows, L]).
+  // Expert-major landing (em_x != 0, a fresh dispatch of every rank alike, num_topk <= kMaxExpertMajorTopk):
+  // topk_pos (device int32 [T, K]: the slot's row among this rank's tokens for its expert, -1 for none)
+  // travels in the rows' id words (em_word), and every received row is also stored at em_x row
+  // em_base[source * experts_per_rank + local expert] + position (em_base: device int32 [R, experts per
+  // rank]), em_map [out_rows, K] int32 naming that row (-1: no row), em_rows rows in all.
   void dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
                 int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
                 int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv, int64_t out_rows,
                 int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_w,
-                int64_t recv_src_meta, int64_t fwd_head, int num_sms, int chunk_rows, int64_t stream);
+                int64_t recv_src_meta, int64_t fwd_head, int64_t topk_pos, int64_t em_base, int64_t em_x,
+                int64_t em_map, int64_t em_rows, int num_sms, int chunk_rows, int64_t stream);
 
   // Combine: x [num_recv rows, hidden] (dtype 0 bf16, 1 fp16, 2 fp32) in dispatch's receive order is staged,
   // each forwarded row is reduced over the node's ranks (float32, local order) and sent back to its source

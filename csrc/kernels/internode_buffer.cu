@@ -365,8 +365,9 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
                                int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
                                int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv,
                                int64_t out_rows, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
-                               int64_t recv_topk_w, int64_t recv_src_meta, int64_t fwd_head, int num_sms, int chunk_rows,
-                               int64_t stream) {
+                               int64_t recv_topk_w, int64_t recv_src_meta, int64_t fwd_head, int64_t topk_pos,
+                               int64_t em_base, int64_t em_x, int64_t em_map, int64_t em_rows, int num_sms,
+                               int chunk_rows, int64_t stream) {
   check_ready("dispatch");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
                                                                                << num_device_sms_ << "]");
@@ -374,6 +375,11 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   UCCL_CHECK(out_rows >= num_recv, "dispatch: out_rows " << out_rows << " < received rows " << num_recv);
   UCCL_CHECK(x_bytes % 16 == 0 && scale_bytes % 4 == 0, "dispatch: row bytes " << x_bytes << " (x) must be a multiple "
                                                                                << "of 16 and " << scale_bytes << " (scales) of 4");
+  UCCL_CHECK(em_x == 0 || (topk_idx != 0 && topk_pos != 0 && em_base != 0 && em_map != 0 &&
+                            num_topk <= kMaxExpertMajorTopk && num_tokens <= kMaxEmPosition + 1),
+             "dispatch: an expert-major dispatch needs topk_idx, topk_pos, em_base and em_map, at most "
+                 << kMaxExpertMajorTopk << " top-k slots (got " << num_topk << ") and at most "
+                 << kMaxEmPosition + 1 << " tokens (got " << num_tokens << ")");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   DispatchArgs a{};
   Layout me;
@@ -405,6 +411,11 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   a.recv_w = as_ptr<float>(recv_topk_w);
   a.recv_src = as_ptr<int>(recv_src_meta);
   a.fwd_head = as_ptr<int>(fwd_head);
+  a.topk_pos = as_ptr<const int>(topk_pos);
+  a.em_base = as_ptr<const int>(em_base);
+  a.em_x = as_ptr<char>(em_x);
+  a.em_map = as_ptr<int>(em_map);
+  a.em_rows = em_rows;
   launch_dispatch(a, num_sms, as_stream(stream));
   done_ += (uint64_t)num_sms;  // the forward kernel counts its blocks
   barriers_ += 2;              // arrived at the op's start and after the forward

@@ -17,6 +17,7 @@ constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
 // NVL buffer header: internode_api.h (kBarOffset ... kNvlHeaderBytes)
 static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
 static_assert(kMaxLocal <= intranode::kMaxBoard, "a node's ranks fit its claim table and error board");
+static_assert(kMaxExperts <= (1 << kEmIdBits), "an expert id fits the low bits of an expert-major id word");
 
 // Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.
 //   [0, R)                notify rows arrived from rank s (cumulative)
@@ -98,6 +99,12 @@ struct DispatchArgs {
   float* recv_w;
   int* recv_src;  // [out_rows, 2]
   int* fwd_head;  // [forwarded rows, L]
+  // expert-major landing (em_x != nullptr; see InternodeBuffer::dispatch)
+  const int* topk_pos;  // [num_tokens, num_topk]
+  const int* em_base;   // [R, experts_per_rank]
+  char* em_x;           // [em_rows, x_bytes]
+  int* em_map;          // [out_rows, num_topk]
+  int64_t em_rows;
 };
 
 struct CombineArgs {

@@ -31,13 +31,14 @@ import torch.distributed as dist
 
 from .. import sizing
 from ..config import Config, env_number, timeout_s
+from ..errors import RankLocalError
 from ..events import current_raw_stream, to_device
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend, WithoutLowLatency
-from .native import (RaisesRecordedErrors, SharesMemoryWithPeers, _module, check_same_shape, module_serves, quiesce,
-                     recorded_errors, shape_header)
+from .native import (_FUSE_MAX_WIDTH, RaisesRecordedErrors, SharesMemoryWithPeers, _expected_width, _module,
+                     check_same_shape, module_serves, positions_in_expert, quiesce, recorded_errors, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -248,6 +249,52 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank=None,
                  num_max_tokens_per_rank=0):
+        return self._fresh(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                           num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
+                           num_tokens_per_rdma_rank)[:6]
+
+    def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0):
+        """Expert-major rows written by the dispatch kernels themselves when the rule allows
+        (`lands_expert_major`): each received row is stored at its expert-major rows by whichever kernel
+        outputs it (the pack for this rank's own tokens, the forward for rows it forwards to itself, the
+        copy-out for the rows node peers wrote), the sender's positions riding in the rows' id words; no
+        receive-order x is written. Otherwise the composed default: dispatch, then the permute kernels.
+        A source that sends one expert more tokens than expert_capacity raises the same ValueError on every
+        rank before any row moves (every rank has every rank's counts after notify)."""
+        if not self.lands_expert_major(topk_idx.size(1), num_tokens_per_expert.numel(), config):
+            return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+                                                 num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
+        if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
+            raise RankLocalError(f"x: {x.size(0)} tokens; an expert-major dispatch across nodes carries each "
+                                 f"token's position in 20 bits (at most "
+                                 f"{int(self._native.INTERNODE_MAX_EM_POSITION) + 1} tokens per rank)")
+        topk_idx = topk_idx.to(torch.int64).contiguous()
+        em = _ExpertMajor(positions_in_expert(topk_idx, num_tokens_per_expert.numel(), current_raw_stream()),
+                          expert_capacity)
+        _, _, recv_idx, recv_w, _, handle, em = self._fresh(
+            x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
+            num_worst_tokens, config, None, em)
+        out_rows = handle.num_recv_tokens  # (both made with a row at least: the kernels tell the mode by pointers)
+        return em.x_em[:sum(em.per_expert)], recv_idx, recv_w, em.per_expert, em.em_map[:out_rows], handle
+
+    def lands_expert_major(self, num_topk: int, num_experts: int, config: Config) -> bool:
+        """Whether dispatch_expert_major stores the expert-major rows from the dispatch kernels (True) or runs
+        the separate permute kernels after a receive-order dispatch (False). The kernels give each top-k slot
+        a lane (at most INTERNODE_MAX_EM_TOPK slots); and as in one node (backends/native.py, _FUSE_MAX_WIDTH)
+        rows that land at more than ~2 expert-major rows each are left to the permute kernels, which use the
+        whole GPU, rather than to the call's few SMs; Config.fuse_max_width replaces that width. The same on
+        every rank (the call's shape and Config)."""
+        if num_topk > int(self._native.INTERNODE_MAX_EM_TOPK):
+            return False
+        limit = _FUSE_MAX_WIDTH if config.fuse_max_width is None else config.fuse_max_width
+        return _expected_width(num_topk, num_experts, self.num_ranks) <= limit
+
+    def _fresh(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
+               num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank,
+               em: Optional["_ExpertMajor"] = None):
+        """A fresh dispatch: DeepEP's six outputs, then `em` with its outputs filled (expert-major landing:
+        recv_x is then None)."""
         self._check()
         R, L, N, me = self.num_ranks, self.L, self.N, self.rank
         x = x.contiguous()
@@ -269,7 +316,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
         per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
-        header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts)
+        header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts,
+                              0 if em is None else em.capacity, expert_major_ids=em is not None)
         if self._unopened is not None:  # collective: every rank is in this dispatch
             sizes, self._unopened = self._unopened, None
             try:
@@ -288,6 +336,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         recv_per_rank = counts.sum(axis=0)
         num_recv = int(recv_per_rank[me])
         check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)
+        if em is not None:  # every rank's counts per expert: the same capacity verdict on every rank
+            em.place(rows[:, h + R + N:h + R + N + num_experts].astype(np.int64), me, dev)
         out_rows = int(num_worst_tokens) or num_recv
         starts = np.cumsum(counts, axis=0) - counts  # first receive row of source s on rank r
         state = InternodeState(rd.reshape(-1).tolist(), num_recv, send_positions(is_token_in_rank),
@@ -299,15 +349,18 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         forwarded = int(from_nodes.sum())
         # host-to-device copies before the kernels: behind kernels that wait for the proxies only kernels queue
         counts_dev, from_nodes = to_device(counts, dev), to_device(from_nodes, dev)
-        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
+        recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev) if em is None else None
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
         recv_idx = torch.empty((out_rows, K), dtype=torch.int64, device=dev) if K else None
         recv_w = torch.empty((out_rows, K), dtype=torch.float32, device=dev) if K else None
         recv_meta = torch.empty((out_rows, 2), dtype=torch.int32, device=dev)
         fwd_head = torch.empty((forwarded, L), dtype=torch.int32, device=dev)
+        if em is not None:
+            em.allocate(out_rows, K, x)
         self._launch_dispatch(state, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, K, num_experts,
-                              node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config)
+                              node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config,
+                              em)
         handle = InternodeHandle.with_one_channel(
             counts_dev, per_node, is_token_in_rank, from_nodes, fwd_head, self.topology, me,
             recv_meta[:, 0], T, self.owner, state, send_rdma_head=node_head)
@@ -315,7 +368,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                                                        for c in expert_counts]
         if recv_idx is not None and recv_w is None:
             recv_w = torch.zeros_like(recv_idx, dtype=torch.float32)
-        return recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle
+        return recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle, em
 
     def _ensure_for(self, st: InternodeState, x_bytes: int, scale_bytes: int, num_topk: int, y_bytes: int) -> None:
         """Grows the buffers (collectively) to what a dispatch of these rows and its combine need on any rank."""
@@ -323,14 +376,17 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                                             st.max_recv))
 
     def _launch_dispatch(self, st, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, num_topk, num_experts,
-                         node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config):
+                         node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config,
+                         em: Optional["_ExpertMajor"] = None):
         row = self._native.internode_layout(st.rd, self.num_ranks, self.L, self.rank, x_bytes, scale_bytes, num_topk,
                                             0, 0)["row_bytes"]
+        em_args = (0, 0, 0, 0, 0) if em is None else (
+            em.topk_pos.data_ptr(), em.em_base.data_ptr(), em.x_em.data_ptr(), em.em_map.data_ptr(), em.x_em.size(0))
         self._buf.dispatch(st.rd, x.size(0), x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx),
                            _ptr(topk_weights), num_topk, num_experts, st.send_pos.data_ptr(), node_head.data_ptr(),
                            st.row_base.data_ptr(), st.num_recv, out_rows, _ptr(recv_x), _ptr(recv_scales),
-                           _ptr(recv_idx), _ptr(recv_w), _ptr(recv_meta), _ptr(fwd_head), self._num_sms(config),
-                           self._chunk_rows(row), current_raw_stream())
+                           _ptr(recv_idx), _ptr(recv_w), _ptr(recv_meta), _ptr(fwd_head), *em_args,
+                           self._num_sms(config), self._chunk_rows(row), current_raw_stream())
 
     @staticmethod
     def _state(handle) -> InternodeState:
@@ -379,6 +435,50 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
                           self._chunk_rows(crow), current_raw_stream())
         return out, out_w
+
+
+@dataclass
+class _ExpertMajor:
+    """An expert-major dispatch across nodes (NativeInternodeBackend.dispatch_expert_major): its inputs, then,
+    once notify gave every rank's counts, where each (source, local expert) block lands and the outputs."""
+
+    topk_pos: torch.Tensor  # int32 [T, K]: each slot's row among this rank's tokens for its expert, -1: none
+    capacity: int  # expert_capacity (0: exact counts)
+    em_base: Optional[torch.Tensor] = None  # int32 [R, experts per rank]: first expert-major row of each block
+    per_expert: Optional[list] = None  # rows per local expert (tokens_per_expert)
+    x_em: Optional[torch.Tensor] = None
+    em_map: Optional[torch.Tensor] = None
+
+    def place(self, sent: np.ndarray, rank: int, device) -> None:
+        """From every source's tokens per expert (`sent` [R, E]): this rank's block bases, in expert-major
+        order (local expert, then source); with a capacity, whole blocks of `capacity` rows, after the check
+        that no source overflows one (every rank checks every block: the same error everywhere)."""
+        R, E = sent.shape
+        epr = E // R
+        if self.capacity:
+            over = np.argwhere(sent > self.capacity)
+            if len(over):
+                src, expert = (int(v) for v in over[0])
+                raise ValueError(f"dispatch_expert_major: rank {src} sends {int(sent[src, expert])} tokens to local "
+                                 f"expert {expert % epr} of rank {expert // epr}, more than expert_capacity="
+                                 f"{self.capacity}: pass a larger expert_capacity, or drop the excess tokens in the "
+                                 "router (a capacity factor)")
+            base = (np.arange(epr)[None, :] * R + np.arange(R)[:, None]) * self.capacity
+            self.per_expert = [R * self.capacity] * epr
+        else:
+            mine = sent[:, rank * epr:(rank + 1) * epr]
+            totals = mine.sum(axis=0)
+            base = (np.cumsum(totals) - totals)[None, :] + (np.cumsum(mine, axis=0) - mine)
+            self.per_expert = [int(t) for t in totals]
+        self.em_base = to_device(base.astype(np.int32), device)
+
+    def allocate(self, out_rows: int, num_topk: int, x: torch.Tensor) -> None:
+        """The outputs: x_em (a capacity layout's unfilled rows stay zeros; at least one row, so that the kernels
+        see a pointer) and em_map [out_rows, K] (the kernels write every row of it)."""
+        rows = max(sum(self.per_expert), 1)
+        self.x_em = (torch.zeros if self.capacity else torch.empty)((rows, x.size(1)), dtype=x.dtype,
+                                                                    device=x.device)
+        self.em_map = torch.empty((max(out_rows, 1), num_topk), dtype=torch.int32, device=x.device)
 
 
 def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:

@@ -300,7 +300,6 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         per_gpu = check_gpu_sharing(group, self.device, "the native backend")
         # the fewest of any rank: SM-derived choices that change the wire format (expand blocks) must agree
         self._device_sms = comm_sms_share(min(s for _, s in hosts_sms), per_gpu)
-        self._zero_counts: dict = {}  # per (num_experts, device): zeros for _positions_in_expert
         self._pinned: Optional[torch.Tensor] = None  # notify's counts on the host (see _host_counts)
         self._copied: Optional[torch.cuda.Event] = None  # marks their copy (see _exchange_counts)
         self._failed: Optional[str] = None
@@ -545,7 +544,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         expands_in_kernel = fused or expand_blocks > 0
         # device work that needs no counts goes ahead of notify: after its host sync the GPU idles until the
         # dispatch kernel is launched
-        topk_pos = self._positions_in_expert(topk_idx, num_experts) if expands_in_kernel else None
+        topk_pos = positions_in_expert(topk_idx, num_experts, self._stream()) if expands_in_kernel else None
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
                                   shape_header(x, None, topk_idx, topk_weights, num_experts, expert_capacity,
                                                expert_major_ids=expands_in_kernel))
@@ -584,19 +583,6 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         handle = self._handle(c, recv_src_idx, n, worst)
         return x_em[:num_rows], recv_topk_idx, recv_topk_weights, per_expert, em_map[:out_rows], handle
 
-    def _positions_in_expert(self, topk_idx: torch.Tensor, num_experts: int) -> torch.Tensor:
-        """int32 [n, k]: the row of each (token, slot) among this rank's tokens for that expert (the
-        expert-major map with every expert starting at 0), -1 for slots without an expert."""
-        key = (num_experts, topk_idx.device)
-        zeros = self._zero_counts.get(key)
-        if zeros is None:
-            zeros = self._zero_counts[key] = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
-        n, k = topk_idx.shape
-        pos = torch.empty((max(n, 1), k), dtype=torch.int32, device=topk_idx.device)  # never pointer-less
-        if n:  # (the kernel writes every slot, -1 where there is no expert)
-            self._native.expert_major_map(topk_idx.data_ptr(), n, k, num_experts, zeros.data_ptr(), pos.data_ptr(),
-                                          self._stream())
-        return pos
 
     def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Config, by_sms: bool = True) -> bool:
         """Expand / fold inside the communication kernel, else through the separate permute kernels (see
@@ -711,6 +697,18 @@ class _Counts:
     max_recv: int = 0
     max_send: int = 0
     per_expert: list = field(default_factory=list)  # exact per-local-expert counts (empty with num_worst_tokens)
+
+
+def positions_in_expert(topk_idx: torch.Tensor, num_experts: int, stream: int) -> torch.Tensor:
+    """int32 [n, k] (int64 topk_idx [n, k]): the row of each (token, slot) among this rank's tokens for that
+    expert (the expert-major map with every expert starting at 0), -1 for slots without an expert and for a
+    token's repeat of an id. What an expert-major sender ships so that its receivers place its rows."""
+    n, k = topk_idx.shape
+    pos = torch.empty((max(n, 1), k), dtype=torch.int32, device=topk_idx.device)  # never pointer-less
+    if n:  # (the kernel writes every slot, -1 where there is no expert)
+        starts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        _module().expert_major_map(topk_idx.data_ptr(), n, k, num_experts, starts.data_ptr(), pos.data_ptr(), stream)
+    return pos
 
 
 def _map_arg(em_map: torch.Tensor) -> torch.Tensor:
