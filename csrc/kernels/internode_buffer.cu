@@ -375,7 +375,7 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   UCCL_CHECK(out_rows >= num_recv, "dispatch: out_rows " << out_rows << " < received rows " << num_recv);
   UCCL_CHECK(x_bytes % 16 == 0 && scale_bytes % 4 == 0, "dispatch: row bytes " << x_bytes << " (x) must be a multiple "
                                                                                << "of 16 and " << scale_bytes << " (scales) of 4");
-  UCCL_CHECK(em_x == 0 || (topk_idx != 0 && topk_pos != 0 && em_base != 0 && em_map != 0 &&
+  UCCL_CHECK(em_x == 0 || ((topk_idx != 0 || num_tokens == 0) && topk_pos != 0 && em_base != 0 && em_map != 0 &&
                             num_topk <= kMaxExpertMajorTopk && num_tokens <= kMaxEmPosition + 1),
              "dispatch: an expert-major dispatch needs topk_idx, topk_pos, em_base and em_map, at most "
                  << kMaxExpertMajorTopk << " top-k slots (got " << num_topk << ") and at most "
