@@ -10,7 +10,9 @@ and the wire format are in docs/internode.md). This class is the thin Python sid
 - a fresh dispatch sends its count row to every rank through the proxies (notify) and waits for every
   rank's row on the host: that sizes the outputs and gives every rank the global per-node counts, from
   which sender and receiver compute the same buffer layout (in C++: `_native.internode_layout`).
-- dispatch / cached dispatch / combine launch the kernels on the current stream.
+- dispatch / cached dispatch / combine launch the kernels on the current stream; a fresh expert-major
+  dispatch has the same kernels store its rows in expert-major order (docs/internode.md, "Expert-major
+  landing") when `lands_expert_major` says so.
 Receive order is intranode's (source rank, then source token index), so dispatch is bit-exact with the
 reference backend; combine reduces inside the node first (float32 in local rank order, rounded to x's dtype
 for the trip back), then over nodes (float32 in node order): within reduction tolerance of the reference.
