@@ -136,7 +136,8 @@ def _lifetimes(rank: int, world: int, device: str, lifetimes: int) -> int:
     """`lifetimes` LL Buffers one after another, each making the calls of the issue's script (BF16 and FP8
     dispatch, hook and async, each followed by a combine) with new inputs and checked, then destroyed: the
     repetition that hunts an intermittent error (one of two runs of such a script once ended in "CUDA kernel
-    errors might be asynchronously reported"). Every call's errors are checked before its results are read."""
+    errors might be asynchronously reported"). Each dispatch + combine pair's errors are checked before its
+    combined rows are compared."""
     from uccl_ep_train.fp8 import per_token_cast_back, per_token_cast_to_fp8
 
     pairs = 0

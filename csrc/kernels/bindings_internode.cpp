@@ -16,7 +16,6 @@ void register_internode(py::module_& m) {
   m.attr("INTERNODE_MAX_EXPERTS") = in::kMaxExperts;
   m.attr("INTERNODE_HEADER_INTS") = in::kHeaderInts;
   m.attr("INTERNODE_MAX_EM_POSITION") = in::kMaxEmPosition;
-  m.attr("INTERNODE_MAX_EM_TOPK") = in::kMaxExpertMajorTopk;
   m.def("internode_count_row_ints", &in::count_row_ints, py::arg("num_ranks"), py::arg("num_experts"),
         py::arg("ranks_per_node"), "ints of a notify count row (num_experts=INTERNODE_MAX_EXPERTS: the row stride)");
   m.def(

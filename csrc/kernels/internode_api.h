@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "kernels/intranode_api.h"  // kMaxExpertMajorTopk: one warp lane per top-k slot, as in one node
 #include "proxy/ring.h"
 
 namespace uccl_ep::internode {
@@ -46,7 +47,7 @@ constexpr int kMaxExperts = 2048;   // count rows have room for this many expert
 // among the sender's tokens for that expert (0: no expert-major row, a repeated id); -1 stays -1.
 constexpr int kEmIdBits = 11;
 constexpr int kMaxEmPosition = (1 << (31 - kEmIdBits)) - 2;  // the most a position can be
-constexpr int kMaxExpertMajorTopk = 32;  // one warp lane per top-k slot
+using intranode::kMaxExpertMajorTopk;
 
 // NVL buffer header (byte offsets; local words except bar, which node peers write).
 constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at

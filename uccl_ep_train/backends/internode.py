@@ -39,7 +39,7 @@ from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from .base import Backend, WithoutLowLatency
-from .native import (_FUSE_MAX_WIDTH, RaisesRecordedErrors, SharesMemoryWithPeers, _expected_width, _module,
+from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _expected_width, _module,
                      check_same_shape, module_serves, positions_in_expert, quiesce, recorded_errors, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
@@ -261,15 +261,16 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         (`lands_expert_major`): each received row is stored at its expert-major rows by whichever kernel
         outputs it (the pack for this rank's own tokens, the forward for rows it forwards to itself, the
         copy-out for the rows node peers wrote), the sender's positions riding in the rows' id words; no
-        receive-order x is written. Otherwise the composed default: dispatch, then the permute kernels.
-        A source that sends one expert more tokens than expert_capacity raises the same ValueError on every
-        rank before any row moves (every rank has every rank's counts after notify)."""
+        receive-order x is written; a source that sends one expert more tokens than expert_capacity raises the
+        same ValueError on every rank before any row moves (every rank has every rank's counts after notify).
+        Otherwise the composed default: dispatch, then the permute kernels (an overflowing capacity is then
+        the receiving rank's RankLocalError after the dispatch, base.Backend)."""
         if not self.lands_expert_major(topk_idx.size(1), num_tokens_per_expert.numel(), config):
             return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                                  num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
         if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
-            raise RankLocalError(f"x: {x.size(0)} tokens; an expert-major dispatch across nodes carries each "
-                                 f"token's position in 20 bits (at most "
+            raise RankLocalError(f"x: {x.size(0)} tokens on rank {self.rank}; an expert-major dispatch across nodes "
+                                 f"carries each token's position in 20 bits (at most "
                                  f"{int(self._native.INTERNODE_MAX_EM_POSITION) + 1} tokens per rank)")
         topk_idx = topk_idx.to(torch.int64).contiguous()
         em = _ExpertMajor(positions_in_expert(topk_idx, num_tokens_per_expert.numel(), current_raw_stream()),
@@ -283,11 +284,12 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
     def lands_expert_major(self, num_topk: int, num_experts: int, config: Config) -> bool:
         """Whether dispatch_expert_major stores the expert-major rows from the dispatch kernels (True) or runs
         the separate permute kernels after a receive-order dispatch (False). The kernels give each top-k slot
-        a lane (at most INTERNODE_MAX_EM_TOPK slots); and as in one node (backends/native.py, _FUSE_MAX_WIDTH)
+        a lane (at most _MAX_FUSED_TOPK slots); and as in one node (backends/native.py, _FUSE_MAX_WIDTH)
         rows that land at more than ~2 expert-major rows each are left to the permute kernels, which use the
-        whole GPU, rather than to the call's few SMs; Config.fuse_max_width replaces that width. The same on
-        every rank (the call's shape and Config)."""
-        if num_topk > int(self._native.INTERNODE_MAX_EM_TOPK):
+        whole GPU, rather than to the call's few SMs (one node's "or from 32 SMs" does not apply: a call
+        across nodes has few); Config.fuse_max_width replaces that width. The same on every rank (the call's
+        shape and Config)."""
+        if num_topk > _MAX_FUSED_TOPK:
             return False
         limit = _FUSE_MAX_WIDTH if config.fuse_max_width is None else config.fuse_max_width
         return _expected_width(num_topk, num_experts, self.num_ranks) <= limit

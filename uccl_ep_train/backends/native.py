@@ -583,7 +583,6 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         handle = self._handle(c, recv_src_idx, n, worst)
         return x_em[:num_rows], recv_topk_idx, recv_topk_weights, per_expert, em_map[:out_rows], handle
 
-
     def _fuse(self, width: float, num_topk: int, dispatch: bool, config: Config, by_sms: bool = True) -> bool:
         """Expand / fold inside the communication kernel, else through the separate permute kernels (see
         _FUSE_MAX_WIDTH); width = expert-major rows per received row. Config.fuse_max_width replaces the rule
@@ -699,6 +698,9 @@ class _Counts:
     per_expert: list = field(default_factory=list)  # exact per-local-expert counts (empty with num_worst_tokens)
 
 
+_ZERO_STARTS: dict = {}  # (num_experts, device) -> int32 zeros for positions_in_expert
+
+
 def positions_in_expert(topk_idx: torch.Tensor, num_experts: int, stream: int) -> torch.Tensor:
     """int32 [n, k] (int64 topk_idx [n, k]): the row of each (token, slot) among this rank's tokens for that
     expert (the expert-major map with every expert starting at 0), -1 for slots without an expert and for a
@@ -706,7 +708,10 @@ def positions_in_expert(topk_idx: torch.Tensor, num_experts: int, stream: int) -
     n, k = topk_idx.shape
     pos = torch.empty((max(n, 1), k), dtype=torch.int32, device=topk_idx.device)  # never pointer-less
     if n:  # (the kernel writes every slot, -1 where there is no expert)
-        starts = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
+        key = (num_experts, topk_idx.device)
+        starts = _ZERO_STARTS.get(key)  # every expert starts at row 0 (read only: one per shape and device)
+        if starts is None:
+            starts = _ZERO_STARTS[key] = torch.zeros(num_experts, dtype=torch.int32, device=topk_idx.device)
         _module().expert_major_map(topk_idx.data_ptr(), n, k, num_experts, starts.data_ptr(), pos.data_ptr(), stream)
     return pos
 
