@@ -157,6 +157,22 @@ def check_expert_major_map(em_map: Any, num_recv: int, num_rows: int, rows_arg: 
                              f"rows once")
 
 
+def check_expert_capacity(sent: torch.Tensor, capacity: Union[int, torch.Tensor]) -> None:
+    """Raises a ValueError naming the first (source, expert) block over its capacity: `sent` [R sources, E
+    experts] tokens each source sends each expert, `capacity` expert_capacity (one int, or [R] per destination
+    rank). Given every rank's counts, every rank raises the same sentence, before any row moves (the native
+    notify's report says the same: csrc/common/errors.cpp)."""
+    num_local = sent.size(1) // sent.size(0)
+    limit = torch.as_tensor(capacity).reshape(-1).expand(sent.size(0)).repeat_interleave(num_local)
+    over = torch.nonzero(sent > limit.unsqueeze(0))
+    if len(over):
+        src, expert = (int(v) for v in over[0])
+        raise ValueError(f"dispatch_expert_major: rank {src} sends {int(sent[src, expert])} tokens to local expert "
+                         f"{expert % num_local} of rank {expert // num_local}, more than expert_capacity="
+                         f"{int(limit[expert])}: pass a larger expert_capacity, or drop the excess tokens in the "
+                         "router (a capacity factor)")
+
+
 def check_num_experts(num_experts: Any, num_ranks: int, arg: str = "num_experts") -> None:
     if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts <= 0:
         raise ValueError(f"{arg}: must be a positive int, got {num_experts!r}")

@@ -38,6 +38,7 @@ from ..events import current_raw_stream, to_device
 from ..handles import InternodeHandle, nodes_of_tokens, send_positions
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
+from ..validation import check_expert_capacity
 from .base import Backend, WithoutLowLatency
 from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _expected_width, _module,
                      check_same_shape, module_serves, positions_in_expert, quiesce, recorded_errors, shape_header)
@@ -460,13 +461,7 @@ class _ExpertMajor:
         R, E = sent.shape
         epr = E // R
         if self.capacity:
-            over = np.argwhere(sent > self.capacity)
-            if len(over):
-                src, expert = (int(v) for v in over[0])
-                raise ValueError(f"dispatch_expert_major: rank {src} sends {int(sent[src, expert])} tokens to local "
-                                 f"expert {expert % epr} of rank {expert // epr}, more than expert_capacity="
-                                 f"{self.capacity}: pass a larger expert_capacity, or drop the excess tokens in the "
-                                 "router (a capacity factor)")
+            check_expert_capacity(torch.from_numpy(sent), self.capacity)
             base = (np.arange(epr)[None, :] * R + np.arange(R)[:, None]) * self.capacity
             self.per_expert = [R * self.capacity] * epr
         else:

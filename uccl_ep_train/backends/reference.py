@@ -22,6 +22,7 @@ from ..fp8 import per_token_cast_to_fp8
 from ..handles import (InternodeHandle, IntranodeHandle, LowLatencyHandle, forwarded_rows, prefix_matrix_from_counts,
                        rows_per_source, send_head_of, send_positions)
 from ..topology import Topology
+from ..validation import check_expert_capacity
 from .base import Backend
 from .collectives import Comm
 from .rows import pack_rows, unpack_rows
@@ -143,16 +144,7 @@ class ReferenceBackend(Backend):
         if expert_capacity:
             counts = torch.cat([num_tokens_per_expert.new_tensor([expert_capacity]), num_tokens_per_expert])
             gathered = self.comm.all_gather(counts.to(torch.int64), "dispatch_expert_major: capacity check")
-            capacity, per_expert = gathered[:, 0], gathered[:, 1:]  # [R], [source, expert]
-            num_local = per_expert.size(1) // self.num_ranks
-            over = per_expert > capacity.repeat_interleave(num_local).unsqueeze(0)
-            if bool(over.any()):
-                src, expert = (int(v) for v in torch.nonzero(over)[0])
-                dest = expert // num_local
-                raise ValueError(f"dispatch_expert_major: rank {src} sends {int(per_expert[src, expert])} tokens to "
-                                 f"local expert {expert % num_local} of rank {dest}, more than expert_capacity="
-                                 f"{int(capacity[dest])}: pass a larger expert_capacity, or drop the excess tokens in "
-                                 "the router (a capacity factor)")
+            check_expert_capacity(gathered[:, 1:], gathered[:, 0])  # [source, expert], [R]
         return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                                              num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
 

@@ -252,7 +252,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             timed = {"api": statistics.median(us)}
             split = None
             if kernel_timing:
-                split = aligned_device_us({op: fn}, {step: (name,) for step, name in _KERNELS[op]}, args.iters,
+                split = aligned_device_us({op: fn}, {step: (kernel,) for step, kernel in _KERNELS[op]}, args.iters,
                                           args.warmup, group)
                 timed["kernel"] = sum(split.values())
             rb = rdma_bytes(op, topk_idx, shape, world, L, rank)
