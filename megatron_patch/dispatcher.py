@@ -19,7 +19,8 @@ Three paths, chosen from Megatron's settings and logged once:
   reads them (one sync per dispatch), because the experts need `tokens_per_expert` on the host anyway;
 - drop-and-pad (`moe_pad_expert_input_to_capacity` with `moe_expert_capacity_factor`): every expert gets
   exactly `capacity` rows from each EP rank, as Megatron's alltoall dispatcher pads them, so every size is
-  known on the host before the dispatch: no host sync at all, and the layer can be captured in a CUDA graph.
+  known on the host before the dispatch: no host sync at all (across nodes too), and the layer can be captured
+  in a CUDA graph (one node).
   The router's padding selections (probability 0) are not sent; their rows are zeros instead of the padding
   tokens' activations, which changes nothing the experts return (the probability multiplies them by 0).
 - receive budget (`moe_expert_rank_capacity_factor`, Megatron-LM main; megatron_patch.budget): the same
@@ -100,8 +101,9 @@ def _log_path(buffer: Buffer, capacity: int, layout: str) -> None:
     _logged_paths.add(path)
     if buffer.rank == 0:
         if capacity:
+            capture = "not capturable" if buffer.backend.capture_refusal else "CUDA-graph capturable"
             log.info("uccl dispatcher: %s (capacity %d rows per expert and EP rank): every size is known before "
-                     "the dispatch: no host sync, CUDA-graph capturable on the %s backend", layout, capacity,
+                     "the dispatch: no host sync, %s on the %s backend", layout, capacity, capture,
                      buffer.backend_name)
         else:
             log.info("uccl dispatcher: dropless / token dropping: each dispatch reads the per-expert counts on the "

@@ -458,7 +458,7 @@ def test_internode_expert_major_blocks_match_the_permute_map(R, epr, rank):
     g = torch.Generator().manual_seed(R * 100 + epr)
     sent = torch.randint(0, 6, (R, R * epr), generator=g).numpy()  # tokens source s sends to expert e
     em = _ExpertMajor(torch.empty(0), 0)
-    em.place(sent, rank, "cpu")
+    em.place(sent, R, R * epr, rank, "cpu")
     mine = sent[:, rank * epr:(rank + 1) * epr]
     assert em.per_expert == mine.sum(0).tolist()
     # the receive order: source by source, each source's rows (one local expert each) in a shuffled order
@@ -475,11 +475,14 @@ def test_internode_expert_major_blocks_match_the_permute_map(R, epr, rank):
     want = permute.expert_major_map(torch.tensor(rows, dtype=torch.int64).view(-1, 1), em.per_expert)
     assert want.view(-1).tolist() == where
     capped = _ExpertMajor(torch.empty(0), 7)
-    capped.place(sent, rank, "cpu")
+    capped.place(sent, R, R * epr, rank, "cpu")
     assert capped.per_expert == [R * 7] * epr
     assert capped.em_base.tolist() == [[(e * R + s) * 7 for e in range(epr)] for s in range(R)]
+    blind = _ExpertMajor(torch.empty(0), 7)  # a sync-free dispatch: the same blocks without the counts
+    blind.place(None, R, R * epr, rank, "cpu")
+    assert blind.em_base.tolist() == capped.em_base.tolist() and blind.per_expert == capped.per_expert
     over = sent.copy()
     over[R - 1, 1] = 9
     with pytest.raises(ValueError, match=rf"^dispatch_expert_major: rank {R - 1} sends 9 tokens to local expert 1 of "
                                          r"rank 0, more than expert_capacity=8"):
-        _ExpertMajor(torch.empty(0), 8).place(np.asarray(over), rank, "cpu")
+        _ExpertMajor(torch.empty(0), 8).place(np.asarray(over), R, R * epr, rank, "cpu")

@@ -132,8 +132,12 @@ def _settle(buf, tag):
 def _check_handle(h, hr, tag):
     for name in ("is_token_in_rank", "rdma_channel_prefix_matrix", "gbl_channel_prefix_matrix",
                  "recv_rdma_channel_prefix_matrix", "recv_rdma_rank_prefix_sum", "recv_gbl_channel_prefix_matrix",
-                 "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head", "send_nvl_head"):
+                 "recv_gbl_rank_prefix_sum", "recv_src_meta", "send_rdma_head"):
         _same(getattr(h, name), getattr(hr, name), f"{tag}: handle.{name}")
+    # a sync-free dispatch (num_worst_tokens) sizes send_nvl_head for a bound: its leading rows are the handle's
+    forwarded = hr.send_nvl_head.size(0)
+    assert h.send_nvl_head.size(0) >= forwarded, f"{tag}: send_nvl_head has {h.send_nvl_head.size(0)} rows"
+    _same(h.send_nvl_head[:forwarded], hr.send_nvl_head, f"{tag}: handle.send_nvl_head")
     assert h.num_recv_tokens == hr.num_recv_tokens and h.num_tokens == hr.num_tokens, tag
 
 
@@ -464,10 +468,10 @@ def _expert_major_landing(rank, world, device, L):
     if rank == 0:  # (row 0 of the counts: its first block over the capacity is expert 0's, whatever the others do)
         bad = torch.full((64, TOPK), -1, dtype=torch.int64)
         bad[:, 0], bad[:, 1] = 0, torch.arange(64) % 40 + 1
-    with pytest.raises(ValueError, match=r"dispatch_expert_major: rank 0 sends 64 tokens to local expert 0 of "
-                                         r"rank 0, more than expert_capacity=8"):
+    overflow = r"dispatch_expert_major: rank 0 sends 64 tokens to local expert 0 of rank 0, more than expert_capacity=8"
+    with pytest.raises(ValueError, match=overflow):  # the host sync's check: before any row moves
         native.dispatch_expert_major(_gpu(x, dev), _gpu(bad, dev), _gpu(w, dev), EXPERTS, config=config,
-                                     num_worst_tokens=64 * world, expert_capacity=8)
+                                     expert_capacity=8)
     dist.barrier()
     (rx, _, _, _, _, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev)
     _settle(native, f"rank {rank}: dispatch after the capacity refusal")
@@ -475,6 +479,19 @@ def _expert_major_landing(rank, world, device, L):
     _same(rx, ex, f"rank {rank}: dispatch after the capacity refusal")
     native.destroy()
     ref.destroy()
+    # without a host sync (num_worst_tokens) the counts kernel finds the same overflow on every rank, moves no
+    # row, and the next check raises it everywhere; likewise a receive over num_worst_tokens
+    calls = [lambda b: b.dispatch_expert_major(_gpu(x, dev), _gpu(bad, dev), _gpu(w, dev), EXPERTS, config=config,
+                                               num_worst_tokens=64 * world, expert_capacity=8),
+             lambda b: _dispatch(b, x, idx, w, EXPERTS, dev, num_worst_tokens=1)]
+    for call, want in zip(calls, (overflow, r"receives \d+ tokens, more than num_worst_tokens=1")):
+        native, ref = _buffers(world)
+        ref.destroy()
+        with pytest.raises(RuntimeError, match=want):
+            call(native)
+            torch.cuda.synchronize()
+            native.backend.check_errors()
+        native.destroy()
     return 1
 
 

@@ -93,6 +93,22 @@ def internode_need(rd: list[int], num_ranks: int, ranks_per_node: int, x_bytes: 
     return rdma, nvl
 
 
+def internode_worst_counts(num_ranks: int, ranks_per_node: int, num_worst_tokens: int, num_local_experts: int,
+                           capacity: int = 0, max_tokens_per_rank: int = 0) -> tuple[list[int], int]:
+    """(rd, max_recv) a sync-free internode dispatch sizes its buffers for (internode_need): per-node counts
+    rd[s * N + n] no call can exceed, and num_worst_tokens. Only from what every rank passes alike, as
+    worst_send_rows. A rank sends a node at most what that node's L ranks receive from it: at most
+    num_worst_tokens each (the counts kernel checks every rank's receive), at most num_local_experts x capacity
+    each in a capacity layout (checked there too), and at most max_tokens_per_rank in all when given (the
+    Buffer checks x)."""
+    per_node = ranks_per_node * num_worst_tokens
+    if capacity:
+        per_node = min(per_node, ranks_per_node * num_local_experts * capacity)
+    if max_tokens_per_rank:
+        per_node = min(per_node, max_tokens_per_rank)
+    return [per_node] * (num_ranks * (num_ranks // ranks_per_node)), num_worst_tokens
+
+
 def internode_start(nvl_bytes: int, rdma_bytes: int) -> tuple[int, int]:
     """(NVL, RDMA) bytes the internode backend opens with, given the largest sizes any rank asked for."""
     return max(int(nvl_bytes), MIN_BYTES), max(int(rdma_bytes), MIN_BYTES)

@@ -40,6 +40,27 @@ void register_internode(py::module_& m) {
       py::arg("scale_bytes"), py::arg("num_topk"), py::arg("y_bytes"), py::arg("num_recv_rows"),
       "One rank's layout for one call (internode_api.h: make_layout): RDMA region / NVL buffer bytes, row sizes,\n"
       "the RDMA areas' offsets (notify, send, recv, csend, crecv, end), and each node's segment rows");
+  m.def("internode_row_bytes", &in::dispatch_row_bytes, py::arg("x_bytes"), py::arg("scale_bytes"),
+        py::arg("num_topk"), py::arg("ranks_per_node"), "bytes of one internode dispatch row");
+  m.def("internode_combine_row_bytes", &in::combine_row_bytes, py::arg("y_bytes"), py::arg("num_topk"),
+        "bytes of one internode combine row");
+  m.def(
+      "internode_info_offsets",
+      [](int num_ranks, int ranks_per_node) {
+        const in::InfoOffsets o = in::info_offsets(num_ranks, ranks_per_node);
+        py::dict d;
+        d["rd"] = o.rd;
+        d["row_base"] = o.row_base;
+        d["counts"] = o.counts;
+        d["num_recv"] = o.num_recv;
+        d["forwarded"] = o.forwarded;
+        d["from_nodes"] = o.from_nodes;
+        d["valid"] = o.valid;
+        d["ints"] = o.ints;
+        return d;
+      },
+      py::arg("num_ranks"), py::arg("ranks_per_node"),
+      "Where each item of a dispatch's call info (device int32, internode_api.h: InfoOffsets) starts, and its ints");
 #if defined(UCCL_EP_WITH_CUDA) || defined(UCCL_EP_WITH_HIP)
   using in::InternodeBuffer;
   py::class_<InternodeBuffer>(m, "InternodeBuffer",
@@ -65,6 +86,16 @@ void register_internode(py::module_& m) {
       .def("dispatch_layout", &InternodeBuffer::dispatch_layout, py::call_guard<py::gil_scoped_release>())
       .def("notify", &InternodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
       .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
+      .def(
+          "counts",
+          [](InternodeBuffer& b, int64_t num_worst_tokens, int expert_capacity, int64_t info, int64_t stream) {
+            in::CountChecks checks;
+            checks.num_worst_tokens = num_worst_tokens;
+            checks.expert_capacity = expert_capacity;
+            b.counts(checks, info, stream);
+          },
+          py::arg("num_worst_tokens"), py::arg("expert_capacity"), py::arg("info"), py::arg("stream"),
+          py::call_guard<py::gil_scoped_release>())
       .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("combine", &InternodeBuffer::combine, py::call_guard<py::gil_scoped_release>());
 #endif

@@ -297,6 +297,159 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
   }
 }
 
+// ---- counts ---------------------------------------------------------------------------------------------
+// The first thing every rank finds wrong with the call, in one order on every rank (each reads every rank's
+// count row): a shape field that differs from rank 0's (first field, then first rank), a rank receiving more
+// than num_worst_tokens (first rank), a source sending more than expert_capacity to one expert (first source,
+// then expert). Packed as kind << 40 | index, so that the smallest key is the first.
+constexpr unsigned long long kNoViolation = ~0ull;
+__device__ __forceinline__ unsigned long long violation(int kind, int64_t index) {
+  return (static_cast<unsigned long long>(kind) << 40) | static_cast<unsigned long long>(index);
+}
+
+// One block: waits for every rank's count row of this notify (thread 0 polls the host flags, as the host's
+// wait did), checks them (CountChecks) and writes the call info. A violation is reported (the same record on
+// every rank) and leaves the info zeroed: the kernels after this one then move no rows (and their waits stop
+// at the recorded error).
+__global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
+  const Common& c = a.c;
+  const int R = c.num_ranks, N = c.N, L = c.L;
+  const InfoOffsets o = info_offsets(R, L);
+  __shared__ int s_ok;
+  __shared__ unsigned long long s_first;
+  if (threadIdx.x == 0) {
+    s_ok = 1;
+    s_first = kNoViolation;
+    for (int s = 0; s < R && s_ok; ++s)
+      if (s != c.rank && !wait_geq(c.flags + notify_flag(s), a.notifies, c.timeout_cycles, c.err, c.claim, c.rank, s,
+                                   kPhaseNotify, 0))
+        s_ok = 0;
+    __threadfence_system();  // acquire side of the proxies' write-then-flag
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < o.ints; i += blockDim.x) a.info[i] = 0;
+  if (!s_ok) return;  // the wait recorded why
+  const int* rows = reinterpret_cast<const int*>(c.rdma + a.in_off);
+  auto row = [&](int s) { return rows + int64_t(s) * a.stride; };
+  auto count = [&](int s, int r) { return row(s)[kHeaderInts + r]; };
+  unsigned long long first = kNoViolation;
+  for (int i = threadIdx.x; i < R * intranode::kShapeInts; i += blockDim.x) {
+    const int field = i / R, s = i % R;  // field 0 (num_tokens) may differ
+    if (field > 0 && row(s)[field] != row(0)[field]) first = min(first, violation(0, i));
+  }
+  for (int r = threadIdx.x; r < R && a.checks.num_worst_tokens > 0; r += blockDim.x) {
+    int64_t recv = 0;
+    for (int s = 0; s < R; ++s) recv += count(s, r);
+    if (recv > a.checks.num_worst_tokens) first = min(first, violation(1, r));
+  }
+  const int64_t sent_experts = int64_t(R) * a.num_experts;
+  for (int64_t i = threadIdx.x; i < sent_experts && a.checks.expert_capacity > 0; i += blockDim.x) {
+    const int s = int(i / a.num_experts), e = int(i % a.num_experts);
+    if (row(s)[kHeaderInts + R + N + e] > a.checks.expert_capacity) first = min(first, violation(2, i));
+  }
+  if (first != kNoViolation) atomicMin(&s_first, first);
+  __syncthreads();
+  if (s_first != kNoViolation) {
+    if (threadIdx.x == 0) {
+      const int kind = int(s_first >> 40);
+      const int64_t i = int64_t(s_first & ((1ull << 40) - 1));
+      if (kind == 0) {
+        const int field = int(i / R), s = int(i % R);
+        report_error(c.err, c.claim, kErrShape, 0, s, kPhaseNotify, row(0)[field], row(s)[field], field);
+      } else if (kind == 1) {
+        int64_t recv = 0;
+        for (int s = 0; s < R; ++s) recv += count(s, int(i));
+        report_error(c.err, c.claim, kErrWorstTokens, int(i), int(i), kPhaseNotify, int(recv),
+                     int(a.checks.num_worst_tokens), 0);
+      } else {
+        const int s = int(i / a.num_experts), e = int(i % a.num_experts), epr = a.num_experts / R;
+        report_error(c.err, c.claim, kErrExpertCapacity, e / epr, s, kPhaseNotify, row(s)[kHeaderInts + R + N + e],
+                     a.checks.expert_capacity, e % epr);
+      }
+    }
+    return;
+  }
+  for (int i = threadIdx.x; i < R * N; i += blockDim.x) a.info[o.rd + i] = row(i / N)[kHeaderInts + R + i % N];
+  for (int i = threadIdx.x; i < R * R; i += blockDim.x) a.info[o.counts + i] = count(i / R, i % R);
+  if (threadIdx.x < L) {  // source by source: where each one's rows start on local rank j of this node
+    const int j = threadIdx.x;
+    int base = 0;
+    for (int s = 0; s < R; ++s) {
+      a.info[o.row_base + s * L + j] = base;
+      base += count(s, c.node * L + j);
+    }
+  }
+  if (threadIdx.x == kWarpSize) {
+    int recv = 0, forwarded = 0;
+    for (int s = 0; s < R; ++s) recv += count(s, c.rank);
+    for (int n = 0; n < N; ++n) {
+      const int v = row(n * L + c.local)[kHeaderInts + R + c.node];
+      a.info[o.from_nodes + n] = v;
+      forwarded += v;
+    }
+    a.info[o.num_recv] = recv;
+    a.info[o.forwarded] = forwarded;
+    a.info[o.valid] = 1;
+  }
+}
+
+// Every thread of the block: this call's tables from the call info, for rows of row_bytes (a dispatch) or
+// crow_bytes (a combine). Where this rank's rows land at an RDMA peer comes from the peer's layout, computed
+// here as the peer computes it: the same rd on every rank.
+__device__ void load_tables(const Common& c, const int* info, int64_t row_bytes, int64_t crow_bytes,
+                            int requested_chunk_rows, bool combine, NodeTables& t) {
+  const int R = c.num_ranks, N = c.N, L = c.L;
+  const InfoOffsets o = info_offsets(R, L);
+  const int* rd = info + o.rd;
+  const int64_t stride_bytes = 4 * count_row_ints(R, kMaxExperts, L);
+  __shared__ int s_most;
+  if (threadIdx.x == 0) s_most = 0;
+  __syncthreads();
+  int most = 0;
+  for (int i = threadIdx.x; i < R * N; i += blockDim.x) most = max(most, rd[i]);
+  if (most > 0) atomicMax(&s_most, most);
+  if (threadIdx.x < N && threadIdx.x != c.node) {  // thread n: node n's RDMA peer's layout
+    const int n = threadIdx.x, p = n * L + c.local;
+    int64_t send = 0, recv = 0, send_before = 0, recv_before = 0;
+    for (int m = 0; m < N; ++m) {
+      const int64_t sv = rd[p * N + m], rv = rd[(m * L + c.local) * N + n];
+      if (m < c.node) {
+        send_before += sv;
+        recv_before += rv;
+      }
+      send += sv;
+      recv += rv;
+    }
+    const Areas pa = areas_of(stride_bytes, R, send, recv, row_bytes, crow_bytes);
+    t.remote_in[n] = combine ? pa.crecv_off + send_before * crow_bytes : pa.recv_off + recv_before * row_bytes;
+  }
+  if (threadIdx.x == kWarpSize) {
+    t.send_row0[0] = t.recv_row0[0] = 0;
+    for (int n = 0; n < N; ++n) {
+      t.send_row0[n + 1] = t.send_row0[n] + rd[c.rank * N + n];
+      t.recv_row0[n + 1] = t.recv_row0[n] + rd[(n * L + c.local) * N + c.node];
+    }
+    t.areas = areas_of(stride_bytes, R, t.send_row0[N], t.recv_row0[N], row_bytes, crow_bytes);
+    t.num_recv = info[o.num_recv];
+    t.valid = info[o.valid];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int floor_rows = (s_most + kMaxChunks - 1) / kMaxChunks;
+    t.chunk_rows = max(max(requested_chunk_rows, 1), floor_rows);
+    for (int n = 0; n < N; ++n) {
+      t.nchunks_send[n] = int((t.send_row0[n + 1] - t.send_row0[n] + t.chunk_rows - 1) / t.chunk_rows);
+      t.nchunks_recv[n] = int((t.recv_row0[n + 1] - t.recv_row0[n] + t.chunk_rows - 1) / t.chunk_rows);
+    }
+  }
+  __syncthreads();
+}
+
+// The call info's row_base [R, L]: first receive row of source s on local rank j of this node.
+__device__ __forceinline__ const int* row_base_of(const Common& c, const int* info) {
+  return info + info_offsets(c.num_ranks, c.L).row_base;
+}
+
 // ---- dispatch -------------------------------------------------------------------------------------------
 struct RowFormat {  // byte offsets inside a dispatch row (dispatch_row_bytes)
   int64_t scales, ids, weights, src, pos;
@@ -339,9 +492,12 @@ __device__ void load_bases(const Common& c, const int* row_base, int64_t rows, i
 static_assert(kMaxExpertMajorTopk <= kWarpSize, "one lane per top-k slot");
 
 // A slot's id word as rows carry it: the expert id, and in an expert-major dispatch (kEmIdBits) the slot's
-// position + 1 among the sender's tokens for that expert, so that the receiver knows its expert-major row.
+// position + 1 among the sender's tokens for that expert, so that the receiver knows its expert-major row. An
+// id past the experts (possible only with the value checks off) goes as -1 there: its low bits would name
+// another expert.
 __device__ __forceinline__ int em_word(const DispatchArgs& a, int id, int pos) {
-  return a.em_x == nullptr || id < 0 ? id : id | ((pos + 1) << kEmIdBits);
+  if (a.em_x == nullptr || id < 0) return id;
+  return id < a.experts_per_rank * a.c.num_ranks ? id | ((pos + 1) << kEmIdBits) : -1;
 }
 
 // The whole warp: outputs row `row` of a token whose top-k id words / weights are id(k) / w(k) (em_word)
@@ -402,8 +558,10 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat&
 // rank's own outputs when it is one of its final ranks.
 __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    start_op(c, dispatch_flag(c.num_ranks, 0, 0), a.t.nchunks_recv, kPhaseDispatchSend);
+    start_op(c, dispatch_flag(c.num_ranks, 0, 0), tab.nchunks_recv, kPhaseDispatchSend);
   if (!wait_peers_ready(c, kPhaseDispatchSend)) return;
   // node peers no longer read their NVL buffers of the previous op
   if (c.L > 1 && !barrier_wait(c, c.barrier, kPhaseDispatchSend)) return;
@@ -412,7 +570,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   const int warp = threadIdx.x / kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
-  char* send = c.rdma + a.send_off;
+  char* send = c.rdma + tab.areas.send_off;
   // the token's row-format rows (other nodes' send rows, then node peers' NVL rows), then its own output row
   __shared__ char* s_dst[kWarps][kMaxNodes + kMaxLocal];
   __shared__ int s_node[kWarps][kMaxNodes + kMaxLocal];  // destination node of a send row, -1 for an NVL row
@@ -421,8 +579,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) & 15u) == 0;
   const int R = c.num_ranks, K = a.num_topk;
   const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
-  const int base = lane < c.L ? a.row_base[c.rank * c.L + lane] : 0;  // this rank's rows on the node's ranks
-  for (int64_t t = gwarp; t < a.num_tokens; t += nwarps) {
+  // this rank's rows on the node's ranks
+  const int base = lane < c.L ? row_base_of(c, a.info)[c.rank * c.L + lane] : 0;
+  const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused call moves none of the caller's rows
+  for (int64_t t = gwarp; t < num_tokens; t += nwarps) {
     // every load of the token's small fields first, in one round trip: its rows per node, its positions
     // on every rank, its top-k
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
@@ -443,7 +603,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     const uint64_t hit = intranode::warp_ballot(remote);
     if (remote) {
       const int q = __popcll(hit & ((1ull << lane) - 1ull));
-      s_dst[warp][q] = send + (a.t.send_row0[lane] + head) * a.row_bytes;
+      s_dst[warp][q] = send + (tab.send_row0[lane] + head) * a.row_bytes;
       s_node[warp][q] = lane;
     }
     const int mr = __popcll(hit);
@@ -451,7 +611,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     const int own_pos = pos_on(c.node);  // -1 everywhere when no rank of this node takes the token
     const int dst_row = own_pos >= 0 ? base + own_pos : -1;
     if (lane < c.L && a.fwd_head != nullptr && own_head >= 0)
-      a.fwd_head[(a.t.recv_row0[c.node] + own_head) * c.L + lane] = dst_row;
+      a.fwd_head[(tab.recv_row0[c.node] + own_head) * c.L + lane] = dst_row;
     const int own_row = intranode::warp_shfl(dst_row, c.local);
     const bool peer = dst_row >= 0 && lane != c.local;
     const uint64_t phit = intranode::warp_ballot(peer);
@@ -485,8 +645,9 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       if (lane < c.L) reinterpret_cast<int*>(p + f.pos)[lane] = pos;
       intranode::warp_sync();
       if (lane == 0)
-        row_written(c, n, a.node_head[t * c.N + n], a.t.send_row0[n], a.t.send_row0[n + 1] - a.t.send_row0[n],
-                    a.chunk_rows, a.send_off, a.t.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0),
+        row_written(c, n, a.node_head[t * c.N + n], tab.send_row0[n], tab.send_row0[n + 1] - tab.send_row0[n],
+                    tab.chunk_rows, tab.areas.send_off, tab.remote_in[n], a.row_bytes,
+                    dispatch_flag(c.num_ranks, c.node, 0),
                     kPhaseDispatchSend);
     }
     if (own_row >= 0) {
@@ -505,14 +666,14 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
 // node: into their NVL buffers over NVLink/xGMI (read once, stored once per rank; s_dst: the warp's scratch
 // for their addresses), and, split, into this rank's own outputs. Rows are 16-byte multiples
 // (dispatch_row_bytes).
-__device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFormat& f, int n, int64_t i, int lane,
-                            char** s_dst) {
-  const int64_t k = a.t.recv_row0[n] + i;
-  const char* p = c.rdma + a.recv_off + k * a.row_bytes;
+__device__ void forward_row(const DispatchArgs& a, const Common& c, const NodeTables& tab, const RowFormat& f, int n,
+                            int64_t i, int lane, char** s_dst) {
+  const int64_t k = tab.recv_row0[n] + i;
+  const char* p = c.rdma + tab.areas.recv_off + k * a.row_bytes;
   const int src = n * c.L + c.local;
   int dst_row = -1;
   if (lane < c.L) {
-    const int base = a.row_base[src * c.L + lane];  // issued before, not after, the position's load
+    const int base = row_base_of(c, a.info)[src * c.L + lane];  // issued before, not after, the position's load
     const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
     dst_row = pos >= 0 ? base + pos : -1;
     if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
@@ -529,6 +690,8 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const RowFor
 // watcher warp 0) of all blocks in turn; a worker forwards a row as soon as its chunk landed (Arrivals).
 __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs a) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
   if (!barrier_wait(c, c.barrier, kPhaseDispatchForward)) return;
   __shared__ Arrivals s;
   arrivals_init(s);
@@ -537,12 +700,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   const int warp = threadIdx.x / kWarpSize;
   __shared__ char* s_dst[kWarps][kMaxLocal];
   if (warp == 0) {
-    watch_arrivals(c, s, a.t.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); }, 0,
+    watch_arrivals(c, s, tab.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); }, 0,
                    kPhaseDispatchForward);
   } else {
     int64_t total = 0;  // remote rows (the pack kernel placed this node's own)
     for (int n = 0; n < c.N; ++n)
-      if (n != c.node) total += a.t.recv_row0[n + 1] - a.t.recv_row0[n];
+      if (n != c.node) total += tab.recv_row0[n + 1] - tab.recv_row0[n];
     const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
     int n = -1;
     int64_t seg_lo = 0, seg_hi = 0;  // the concatenated rows [seg_lo, seg_hi) are node n's segment
@@ -550,13 +713,13 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
       while (k >= seg_hi) {
         do ++n; while (n == c.node);
         seg_lo = seg_hi;
-        seg_hi += a.t.recv_row0[n + 1] - a.t.recv_row0[n];
+        seg_hi += tab.recv_row0[n + 1] - tab.recv_row0[n];
       }
       const int64_t i = k - seg_lo;
-      const bool ok = intranode::warp_shfl(lane == 0 ? int(arrived(s, n, int(i / a.chunk_rows))) : 0, 0) != 0;
+      const bool ok = intranode::warp_shfl(lane == 0 ? int(arrived(s, n, int(i / tab.chunk_rows))) : 0, 0) != 0;
       intranode::warp_sync();  // lane 0's acquire orders the other lanes' loads too
       if (!ok) break;
-      forward_row(a, c, f, n, i, lane, s_dst[warp]);
+      forward_row(a, c, tab, f, n, i, lane, s_dst[warp]);
     }
   }
   if (last_block(c)) barrier_arrive(c, c.barrier + 1);
@@ -566,17 +729,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
 // outputs, and fills the padding rows up to num_worst_tokens (zeros, ids -1, sources -1).
 __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArgs a) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
   if (!barrier_wait(c, c.barrier + 1, kPhaseDispatchCopyOut)) return;
-  clear_chunk_counts(c, a.t.nchunks_send);  // the pack kernel's
+  clear_chunk_counts(c, tab.nchunks_send);  // the pack kernel's
   __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
-  load_bases(c, a.row_base, a.num_recv, s_base);
+  load_bases(c, row_base_of(c, a.info), tab.num_recv, s_base);
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const char* area = c.nvl[c.local] + a.nvl_recv_off;
-  for (int64_t i = (c.L == 1 ? a.num_recv : 0) + gwarp; i < a.out_rows; i += nwarps) {
-    if (i < a.num_recv) {
+  for (int64_t i = (c.L == 1 ? tab.num_recv : 0) + gwarp; i < a.out_rows; i += nwarps) {
+    if (i < tab.num_recv) {
       if (!written_here(c, source_of(s_base, c.num_ranks, i))) emit_row(a, f, area + i * a.row_bytes, i, lane);
       continue;
     }
@@ -598,17 +763,19 @@ __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArg
 // one rank per node) with their weights into this rank's NVL staging area.
 __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, int elem_bytes) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, 0, a.crow_bytes, a.requested_chunk_rows, true, tab);
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    start_op(c, combine_flag(c.num_ranks, c.N, 0, 0), a.t.nchunks_send, kPhaseCombineStage);
+    start_op(c, combine_flag(c.num_ranks, c.N, 0, 0), tab.nchunks_send, kPhaseCombineStage);
   if (!barrier_wait(c, c.barrier, kPhaseCombineStage)) return;  // peers no longer read the staging rows
   __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
-  load_bases(c, a.row_base, a.num_recv, s_base);
+  load_bases(c, row_base_of(c, a.info), tab.num_recv, s_base);
   const int lane = threadIdx.x % kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int64_t y_bytes = int64_t(a.hidden) * elem_bytes;
   char* stage = c.nvl[c.local] + a.nvl_stage_off;
-  for (int64_t i = (c.L == 1 ? a.num_recv : 0) + gwarp; i < a.num_recv; i += nwarps) {
+  for (int64_t i = (c.L == 1 ? tab.num_recv : 0) + gwarp; i < tab.num_recv; i += nwarps) {
     if (written_here(c, source_of(s_base, c.num_ranks, i))) continue;
     char* p = stage + i * a.crow_bytes;
     warp_copy<true>(p, a.x + i * y_bytes, y_bytes, lane);
@@ -639,6 +806,8 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, 0, a.crow_bytes, a.requested_chunk_rows, true, tab);
   if (!barrier_wait(c, c.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, kPhaseCombineForward)) return;
   __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's inputs, in local rank order
   __shared__ const float* s_w[kWarps][kMaxLocal];
@@ -647,10 +816,10 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
-  const int64_t total = a.t.recv_row0[c.N];
+  const int64_t total = tab.recv_row0[c.N];
   for (int64_t k = gwarp; k < total; k += nwarps) {
-    const int n = segment_of(a.t.recv_row0, c.N, k);
-    const int64_t i = k - a.t.recv_row0[n];
+    const int n = segment_of(tab.recv_row0, c.N, k);
+    const int64_t i = k - tab.recv_row0[n];
     const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
     const T* src = nullptr;
     const float* w = nullptr;
@@ -664,14 +833,15 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
     }
     warp_compact(s_w[warp], dst_row >= 0, w, lane);
     const int m = warp_compact(s_src[warp], dst_row >= 0, src, lane);
-    char* out = n == c.node ? c.rdma + a.crecv_off + (a.t.send_row0[n] + i) * a.crow_bytes
-                            : c.rdma + a.csend_off + k * a.crow_bytes;
+    char* out = n == c.node ? c.rdma + tab.areas.crecv_off + (tab.send_row0[n] + i) * a.crow_bytes
+                            : c.rdma + tab.areas.csend_off + k * a.crow_bytes;
     sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes),
                       a, lane);
     intranode::warp_sync();  // s_src[warp] is rewritten for the next row
     if (lane == 0 && n != c.node)
-      row_written(c, n, i, a.t.recv_row0[n], a.t.recv_row0[n + 1] - a.t.recv_row0[n], a.chunk_rows, a.csend_off,
-                  a.t.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
+      row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+                  tab.areas.csend_off,
+                  tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
   }
 }
 
@@ -681,28 +851,31 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   const Common& c = a.c;
+  __shared__ NodeTables tab;
+  load_tables(c, a.info, 0, a.crow_bytes, a.requested_chunk_rows, true, tab);
   __shared__ Arrivals s;
   arrivals_init(s);
-  clear_chunk_counts(c, a.t.nchunks_recv);  // the forward kernel's (it finished: it ran before on this stream)
+  clear_chunk_counts(c, tab.nchunks_recv);  // the forward kernel's (it finished: it ran before on this stream)
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   __shared__ const float* s_w[kWarps][kMaxNodes];
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   if (warp == 0) {
-    watch_arrivals(c, s, a.t.nchunks_send,
+    watch_arrivals(c, s, tab.nchunks_send,
                    [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, 1, kPhaseCombineReduce);
     return;
   }
   const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
-  const char* crecv = c.rdma + a.crecv_off;
-  for (int64_t t = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; t < a.num_tokens; t += nw) {
+  const char* crecv = c.rdma + tab.areas.crecv_off;
+  const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused dispatch's chunks never come
+  for (int64_t t = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; t < num_tokens; t += nw) {
     const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
-    const bool ok = !(head >= 0 && lane != c.node) || arrived(s, lane, head / a.chunk_rows);
+    const bool ok = !(head >= 0 && lane != c.node) || arrived(s, lane, head / tab.chunk_rows);
     const bool failed = intranode::warp_any(!ok);
     intranode::warp_sync();  // the waiting lanes' acquires order every lane's loads
     if (failed) break;
-    const char* row = crecv + (a.t.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
+    const char* row = crecv + (tab.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
     warp_compact(s_w[warp], head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
     const int m = warp_compact(s_src[warp], head >= 0, reinterpret_cast<const T*>(row), lane);
     int nb = m;
@@ -761,6 +934,7 @@ void load_combine(const char* type) {
 
 void preload_kernels() {
   load(notify_kernel, "notify");
+  load(counts_kernel, "counts");
   load(dispatch_pack_kernel, "dispatch_pack");
   load(dispatch_forward_kernel, "dispatch_forward");
   load(dispatch_copy_out_kernel, "dispatch_copy_out");
@@ -773,6 +947,11 @@ void preload_kernels() {
 void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
   notify_kernel<<<1, kThreads, 0, stream>>>(a);
   check_launch("notify");
+}
+
+void launch_counts(const CountsArgs& a, gpuStream_t stream) {
+  counts_kernel<<<1, kThreads, 0, stream>>>(a);
+  check_launch("counts");
 }
 
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream) {

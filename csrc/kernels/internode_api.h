@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "common/errors.h"
+#include "common/portability.h"
 #include "kernels/intranode_api.h"  // kMaxExpertMajorTopk: one warp lane per top-k slot, as in one node
 #include "proxy/ring.h"
 
@@ -68,21 +69,80 @@ int64_t dispatch_row_bytes(int64_t x_bytes, int64_t scale_bytes, int num_topk, i
 int64_t combine_row_bytes(int64_t y_bytes, int num_topk);
 // Ints of one notify count row: header | per-rank counts | per-node counts | per-expert counts. Rows sit
 // count_row_ints(R, kMaxExperts, L) ints apart (the stride), whatever the call's number of experts.
-int64_t count_row_ints(int num_ranks, int num_experts, int ranks_per_node);
+UCCL_HOST_DEVICE inline int64_t count_row_ints(int num_ranks, int num_experts, int ranks_per_node) {
+  return kHeaderInts + num_ranks + num_ranks / ranks_per_node + num_experts;
+}
+
+UCCL_HOST_DEVICE inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// One rank's RDMA areas (byte offsets) for a call in which it sends send_rows rows (its segments for every
+// node) and receives recv_rows rows from its RDMA peers: the one home of the region's arrangement, used by the
+// host (make_layout: sizing) and by the kernels (their per-call tables, from the counts on the device).
+// notify: the outgoing count row, then 2 parities x R incoming rows; it never overlaps what the ops write
+// (peers send count rows before any READY).
+struct Areas {
+  int64_t notify_off, send_off, recv_off, csend_off, crecv_off, rdma_bytes;
+};
+UCCL_HOST_DEVICE inline Areas areas_of(int64_t count_stride_bytes, int num_ranks, int64_t send_rows,
+                                       int64_t recv_rows, int64_t row_bytes, int64_t crow_bytes) {
+  Areas a;
+  a.notify_off = 0;
+  a.send_off = align_up(count_stride_bytes * (1 + 2 * int64_t(num_ranks)), 256);
+  a.recv_off = align_up(a.send_off + send_rows * row_bytes, 256);
+  a.csend_off = align_up(a.recv_off + recv_rows * row_bytes, 256);
+  a.crecv_off = align_up(a.csend_off + recv_rows * crow_bytes, 256);
+  a.rdma_bytes = align_up(a.crecv_off + send_rows * crow_bytes, 256);
+  return a;
+}
 
 // Where everything of one rank lives for one call (byte offsets; "row0" arrays are row indices of each
 // node's segment). Computed from the global per-node send counts rd[s * N + n] (tokens rank s sends to
 // node n) that notify gives every rank, so a sender computes its receivers' offsets the same way.
-struct Layout {
+struct Layout : Areas {
   int num_nodes = 0;
   int64_t row_bytes = 0, crow_bytes = 0, count_stride = 0;  // count_stride: bytes between count rows
-  int64_t notify_off = 0, send_off = 0, recv_off = 0, csend_off = 0, crecv_off = 0, rdma_bytes = 0;
   int64_t send_row0[kMaxNodes + 1] = {};  // this rank's tokens for node n (segment n of send and crecv)
   int64_t recv_row0[kMaxNodes + 1] = {};  // rows from node n's RDMA peer (segments of recv, csend; forwarded rows)
   int64_t nvl_bytes = 0;  // NVL buffer this rank needs: header + two halves of num_recv_rows rows
 };
 Layout make_layout(const std::vector<int>& rd, int num_ranks, int ranks_per_node, int rank, int64_t row_bytes,
                    int64_t crow_bytes, int64_t num_recv_rows);
+
+// A dispatch's call info (device int32, written by the counts kernel from every rank's count row once notify
+// delivered them, kept by the handle for the cached dispatch and the combine): everything the kernels derive
+// their per-call tables from, and the handle items, without a host copy of the counts.
+//   rd [R * N]        tokens rank s sends to node n
+//   row_base [R, L]   first receive row of source s on local rank j of this node
+//   counts [R, R]     tokens rank s sends to rank r
+//   num_recv          rows this rank receives; forwarded: rows it receives from its RDMA peers
+//   from_nodes [N]    rows it receives from node n's RDMA peer (forwarded = their sum)
+//   valid             1 once the checks passed: a refused call's kernels take none of the caller's rows
+struct InfoOffsets {
+  int64_t rd, row_base, counts, num_recv, forwarded, from_nodes, valid, ints;
+};
+UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_node) {
+  const int64_t R = num_ranks, N = num_ranks / ranks_per_node;
+  InfoOffsets o;
+  o.rd = 0;
+  o.row_base = o.rd + R * N;
+  o.counts = o.row_base + R * ranks_per_node;
+  o.num_recv = o.counts + R * R;
+  o.forwarded = o.num_recv + 1;
+  o.from_nodes = o.forwarded + 1;
+  o.valid = o.from_nodes + N;
+  o.ints = o.valid + 1;
+  return o;
+}
+
+// What the counts kernel checks, for every rank alike (each reads every rank's count row, so every rank
+// reaches the same verdict and either all move rows or none does): the shape headers agree, no rank receives
+// more than num_worst_tokens (0: unbounded), no source sends more than expert_capacity tokens to one expert
+// (0: no capacity). Whether the rows fit the buffers is the host's part: it sizes them from the counts (a
+// synced dispatch) or from a bound these checks enforce (sizing.internode_worst_counts).
+struct CountChecks {
+  int64_t num_worst_tokens = 0;
+  int expert_capacity = 0;
+};
 
 class InternodeBuffer {
  public:
@@ -136,11 +196,18 @@ class InternodeBuffer {
               int num_experts, int64_t stream);
   void wait_counts(int64_t host_out);
 
-  // Dispatch after notify (or cached): packs and sends rows to other nodes (RDMA), forwards rows over NVLink
-  // to their final ranks, copies the landed rows out. rd: global per-node counts (see make_layout);
-  // row_base: device int32 [R, L]: first receive row of source s on local rank j of this node;
-  // send_pos: device int32 [T, R] (row of token t among rows sent to r, -1); node_head: device int32 [T, N]
-  // (row of t among tokens sent to node n, -1). Outputs (0 to skip): recv_x [out_rows, x_bytes],
+  // Fresh dispatch, step 2 (on the caller's stream, after notify): the counts kernel waits on the GPU for every
+  // rank's count row, checks them (CountChecks: the same verdict on every rank; a violation is recorded as
+  // this rank's error, the info is zeroed so that no rows move, and the host raises it at its next check) and
+  // writes the call info (device int32 [InfoOffsets::ints]) the dispatch, its cached dispatches and its
+  // combines take. No host sync: a dispatch with num_worst_tokens needs no host copy of the counts.
+  void counts(const CountChecks& checks, int64_t info, int64_t stream);
+
+  // Dispatch after notify + counts (or cached): packs and sends rows to other nodes (RDMA), forwards rows over
+  // NVLink to their final ranks, copies the landed rows out. info: the dispatch's call info (counts); every
+  // kernel derives its tables from it on the GPU. send_pos: device int32 [T, R] (row of token t among rows
+  // sent to r, -1); node_head: device int32 [T, N] (row of t among tokens sent to node n, -1). Outputs (0 to
+  // skip), out_rows rows (the received rows, then padding up to num_worst_tokens): recv_x [out_rows, x_bytes],
   // recv_scales, recv_topk_idx (int64 local ids, -1), recv_topk_w (float32, 0 where -1), recv_src_meta
   // ([out_rows, 2] int32: source token, source rank), fwd_head (int32 [forwarded rows, L]).
   // Expert-major landing (em_x != 0, a fresh dispatch of every rank alike, num_topk <= kMaxExpertMajorTopk):
@@ -148,30 +215,26 @@ class InternodeBuffer {
   // travels in the rows' id words (em_word), and every received row is also stored at em_x row
   // em_base[source * experts_per_rank + local expert] + position (em_base: device int32 [R, experts per
   // rank]), em_map [out_rows, K] int32 naming that row (-1: no row), em_rows rows in all.
-  void dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
-                int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
-                int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv, int64_t out_rows,
-                int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_w,
+  void dispatch(int64_t info, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales, int64_t scale_bytes,
+                int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts, int64_t send_pos, int64_t node_head,
+                int64_t out_rows, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_w,
                 int64_t recv_src_meta, int64_t fwd_head, int64_t topk_pos, int64_t em_base, int64_t em_x,
                 int64_t em_map, int64_t em_rows, int num_sms, int chunk_rows, int64_t stream);
 
-  // Combine: x [num_recv rows, hidden] (dtype 0 bf16, 1 fp16, 2 fp32) in dispatch's receive order is staged,
-  // each forwarded row is reduced over the node's ranks (float32, local order) and sent back to its source
-  // node's RDMA peer (one write per chunk), and each token sums its nodes' rows (float32, node order) +
-  // bias0 + bias1. fwd_head / node_head / row_base from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
-  void combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
-               int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head, int64_t row_base, int64_t bias0,
-               int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
+  // Combine: x [rows received, hidden] (dtype 0 bf16, 1 fp16, 2 fp32; at least the received rows, e.g. a
+  // dispatch's padded outputs) in dispatch's receive order is staged, each forwarded row is reduced over the
+  // node's ranks (float32, local order) and sent back to its source node's RDMA peer (one write per chunk),
+  // and each token sums its nodes' rows (float32, node order) + bias0 + bias1. info / fwd_head / node_head
+  // from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
+  void combine(int64_t info, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w, int num_topk,
+               int64_t x_rows, int64_t node_head, int64_t fwd_head, int64_t bias0, int64_t bias1, int64_t out,
+               int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
 
   int rank() const { return rank_; }
 
  private:
   void check_ready(const char* what) const;
   Common common() const;
-  // The tables of one call: this rank's layout, and where its rows land on each RDMA peer; returns the rows
-  // per RDMA chunk (the requested count, grown so that no stream has more than kMaxChunks chunks).
-  int fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes, int64_t num_recv,
-                  int requested_chunk_rows, bool combine, struct NodeTables* t, Layout* mine) const;
   void alloc_rdma(int64_t bytes);
   std::string adopt_proxy_failure();
   const volatile ErrorRecord* record() const;
@@ -197,6 +260,7 @@ class InternodeBuffer {
   // Counters every rank advances identically (host side; the kernels take their current values).
   uint64_t ops_ = 0;          // ops started (each sends one READY to every RDMA peer)
   uint64_t notifies_ = 0;     // fresh dispatches (one count row from every rank each)
+  int num_experts_ = 0;       // the last notify's (its count rows' per-expert counts)
   uint64_t barriers_ = 0;     // node barriers passed
   uint64_t done_ = 0;         // blocks that finished a kernel with a last-block step (local counter)
 };

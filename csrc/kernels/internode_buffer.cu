@@ -15,10 +15,6 @@
 
 namespace uccl_ep::internode {
 
-namespace {
-int64_t chunks(int64_t rows, int chunk_rows) { return (rows + chunk_rows - 1) / chunk_rows; }
-}  // namespace
-
 // dispatch_row_bytes, combine_row_bytes, count_row_ints, make_layout: layouts.cpp
 
 InternodeBuffer::InternodeBuffer(int device, int rank, int num_ranks, int ranks_per_node, int64_t nvl_bytes,
@@ -270,6 +266,7 @@ void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, i
   a.c = common();
   a.row_ints = (int)row_ints;
   a.num_experts = num_experts;
+  num_experts_ = num_experts;
   for (int i = 0; i < kHeaderInts; ++i) a.header[i] = header[i];
   a.per_rank = as_ptr<const int>(per_rank);
   a.per_node = as_ptr<const int>(per_node);
@@ -325,54 +322,38 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
   if (!e.empty()) UCCL_THROW(e);
 }
 
-// Rows per RDMA chunk: the requested count, grown until no (source, node) stream has more than kMaxChunks
-// chunks. Every rank derives it from the same global counts, so senders and receivers agree.
-static int effective_chunk_rows(const std::vector<int>& rd, int requested) {
-  int most = 0;
-  for (int v : rd) most = std::max(most, v);
-  return std::max(std::max(requested, 1), (most + kMaxChunks - 1) / kMaxChunks);
+void InternodeBuffer::counts(const CountChecks& checks, int64_t info, int64_t stream) {
+  check_ready("dispatch (counts)");
+  UCCL_CHECK(notifies_ > 0, "counts: no notify was issued");
+  UCCL_CHECK(info != 0, "counts: no call info tensor");
+  UCCL_CHECK(checks.num_worst_tokens >= 0 && checks.expert_capacity >= 0,
+             "counts: num_worst_tokens " << checks.num_worst_tokens << " and expert_capacity "
+                                         << checks.expert_capacity << " must be >= 0");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
+  CountsArgs a{};
+  a.c = common();
+  a.in_off = 4 * stride * (1 + (int64_t)((notifies_ - 1) % 2) * num_ranks_);
+  a.stride = (int)stride;
+  a.num_experts = num_experts_;
+  a.notifies = notifies_;
+  a.checks = checks;
+  a.info = as_ptr<int>(info);
+  launch_counts(a, as_stream(stream));
 }
 
-int InternodeBuffer::fill_tables(const std::vector<int>& rd, int64_t row_bytes, int64_t crow_bytes,
-                                 int64_t num_recv, int requested_chunk_rows, bool combine, NodeTables* t,
-                                 Layout* mine) const {
-  const int R = num_ranks_, L = ranks_per_node_, N = num_nodes_;
-  const int chunk_rows = effective_chunk_rows(rd, requested_chunk_rows);
-  *mine = make_layout(rd, R, L, rank_, row_bytes, crow_bytes, num_recv);
-  UCCL_CHECK(mine->rdma_bytes <= rdma_bytes_, "internode: this call needs " << mine->rdma_bytes << " bytes of RDMA region on rank "
-                                                                            << rank_ << ", it has " << rdma_bytes_);
-  UCCL_CHECK(num_recv * std::max(row_bytes, crow_bytes) <= nvl_stage_off() - nvl_recv_off(),
-             "internode: this call needs " << mine->nvl_bytes << " bytes of NVL buffer on rank " << rank_ << ", it has "
-                                           << nvl_bytes_);
-  *t = NodeTables{};
-  for (int n = 0; n <= N; ++n) {
-    t->send_row0[n] = mine->send_row0[n];
-    t->recv_row0[n] = mine->recv_row0[n];
-  }
-  for (int n = 0; n < N; ++n) {
-    t->nchunks_send[n] = (int)chunks(mine->send_row0[n + 1] - mine->send_row0[n], chunk_rows);
-    t->nchunks_recv[n] = (int)chunks(mine->recv_row0[n + 1] - mine->recv_row0[n], chunk_rows);
-    if (n == node_) continue;
-    const Layout peer = make_layout(rd, R, L, n * L + local_, row_bytes, crow_bytes, 0);
-    t->remote_in[n] = combine ? peer.crecv_off + peer.send_row0[node_] * crow_bytes
-                              : peer.recv_off + peer.recv_row0[node_] * row_bytes;
-  }
-  return chunk_rows;
-}
-
-
-void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
+void InternodeBuffer::dispatch(int64_t info, int num_tokens, int64_t x, int64_t x_bytes, int64_t scales,
                                int64_t scale_bytes, int64_t topk_idx, int64_t topk_w, int num_topk, int num_experts,
-                               int64_t send_pos, int64_t node_head, int64_t row_base, int64_t num_recv,
-                               int64_t out_rows, int64_t recv_x, int64_t recv_scales, int64_t recv_topk_idx,
-                               int64_t recv_topk_w, int64_t recv_src_meta, int64_t fwd_head, int64_t topk_pos,
-                               int64_t em_base, int64_t em_x, int64_t em_map, int64_t em_rows, int num_sms,
-                               int chunk_rows, int64_t stream) {
+                               int64_t send_pos, int64_t node_head, int64_t out_rows, int64_t recv_x,
+                               int64_t recv_scales, int64_t recv_topk_idx, int64_t recv_topk_w, int64_t recv_src_meta,
+                               int64_t fwd_head, int64_t topk_pos, int64_t em_base, int64_t em_x, int64_t em_map,
+                               int64_t em_rows, int num_sms, int chunk_rows, int64_t stream) {
   check_ready("dispatch");
+  UCCL_CHECK(info != 0, "dispatch: no call info (the handle's)");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "dispatch: num_sms " << num_sms << " outside [1, "
                                                                                << num_device_sms_ << "]");
   UCCL_CHECK(num_experts % num_ranks_ == 0, "dispatch: num_experts " << num_experts << " not divisible by " << num_ranks_);
-  UCCL_CHECK(out_rows >= num_recv, "dispatch: out_rows " << out_rows << " < received rows " << num_recv);
+  UCCL_CHECK(out_rows >= 0, "dispatch: out_rows " << out_rows << " < 0");
   UCCL_CHECK(x_bytes % 16 == 0 && scale_bytes % 4 == 0, "dispatch: row bytes " << x_bytes << " (x) must be a multiple "
                                                                                << "of 16 and " << scale_bytes << " (scales) of 4");
   UCCL_CHECK(em_x == 0 || ((topk_idx != 0 || num_tokens == 0) && topk_pos != 0 && em_base != 0 && em_map != 0 &&
@@ -382,15 +363,12 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
                  << kMaxEmPosition + 1 << " tokens (got " << num_tokens << ")");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   DispatchArgs a{};
-  Layout me;
-  const int64_t row_bytes = dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node_);
-  a.chunk_rows = fill_tables(rd, row_bytes, 0, num_recv, chunk_rows, false, &a.t, &me);
   ops_ += 1;
   a.c = common();
-  a.send_off = me.send_off;
-  a.recv_off = me.recv_off;
-  a.row_bytes = row_bytes;
+  a.info = as_ptr<const int>(info);
+  a.row_bytes = dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node_);
   a.nvl_recv_off = nvl_recv_off();
+  a.requested_chunk_rows = chunk_rows;
   a.num_tokens = num_tokens;
   a.num_topk = num_topk;
   a.experts_per_rank = num_experts / num_ranks_;
@@ -402,8 +380,6 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   a.topk_w = as_ptr<const float>(topk_w);
   a.send_pos = as_ptr<const int>(send_pos);
   a.node_head = as_ptr<const int>(node_head);
-  a.row_base = as_ptr<const int>(row_base);
-  a.num_recv = num_recv;
   a.out_rows = out_rows;
   a.recv_x = as_ptr<char>(recv_x);
   a.recv_scales = as_ptr<char>(recv_scales);
@@ -421,41 +397,35 @@ void InternodeBuffer::dispatch(const std::vector<int>& rd, int num_tokens, int64
   barriers_ += 2;              // arrived at the op's start and after the forward
 }
 
-void InternodeBuffer::combine(const std::vector<int>& rd, int num_tokens, int64_t x, int dtype, int hidden,
-                              int64_t topk_w, int num_topk, int64_t num_recv, int64_t node_head, int64_t fwd_head,
-                              int64_t row_base, int64_t bias0, int64_t bias1, int64_t out, int64_t out_w, int num_sms,
-                              int chunk_rows, int64_t stream) {
+void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
+                              int num_topk, int64_t x_rows, int64_t node_head, int64_t fwd_head, int64_t bias0,
+                              int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream) {
   check_ready("combine");
+  UCCL_CHECK(info != 0, "combine: no call info (the handle's)");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
   UCCL_CHECK(dtype >= 0 && dtype <= 2, "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
   // Presence is num_topk (the weights' columns, the same on every rank: it sizes every rank's combine rows),
   // never the pointer: a rank that received no rows passes a [0, num_topk] tensor, whose data pointer is 0.
   // The pointer is needed only for rows this rank reads (Buffer.combine checked their count beforehand).
-  UCCL_CHECK(topk_w != 0 || num_topk == 0 || num_recv == 0,
-             "combine: topk_weights has " << num_topk << " columns but no data for the " << num_recv
-                                          << " received rows");
+  UCCL_CHECK(topk_w != 0 || num_topk == 0 || x_rows == 0,
+             "combine: topk_weights has " << num_topk << " columns but no data for the " << x_rows << " rows of x");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   CombineArgs a{};
-  Layout me;
-  const int64_t crow_bytes = combine_row_bytes(int64_t(hidden) * (dtype == 2 ? 4 : 2), num_topk);
-  a.chunk_rows = fill_tables(rd, 0, crow_bytes, num_recv, chunk_rows, true, &a.t, &me);
   ops_ += 1;
   a.c = common();
-  a.csend_off = me.csend_off;
-  a.crecv_off = me.crecv_off;
-  a.crow_bytes = crow_bytes;
+  a.info = as_ptr<const int>(info);
+  a.crow_bytes = combine_row_bytes(int64_t(hidden) * (dtype == 2 ? 4 : 2), num_topk);
   a.nvl_stage_off = nvl_stage_off();
+  a.requested_chunk_rows = chunk_rows;
   a.num_tokens = num_tokens;
   a.num_topk = num_topk;
   a.hidden = hidden;
   a.dtype = dtype;
   a.x = as_ptr<const char>(x);
   a.topk_w = as_ptr<const float>(topk_w);
-  a.num_recv = num_recv;
   a.node_head = as_ptr<const int>(node_head);
   a.fwd_head = as_ptr<const int>(fwd_head);
-  a.row_base = as_ptr<const int>(row_base);
   a.bias0 = as_ptr<const char>(bias0);
   a.bias1 = as_ptr<const char>(bias1);
   a.out = as_ptr<char>(out);

@@ -68,20 +68,37 @@ struct NotifyArgs {
   int64_t out_off, in_off;  // this rank's outgoing row; the receive slots [R] of this parity
 };
 
-// Per-node tables of one call (row indices, byte offsets in the RDMA region).
+// What the counts kernel needs (InternodeBuffer::counts).
+struct CountsArgs {
+  Common c;
+  int64_t in_off;     // the receive slots [R] of this notify's parity
+  int stride;         // ints between count rows
+  int num_experts;
+  uint64_t notifies;  // every rank's notify flag reaches this value
+  CountChecks checks;
+  int* info;          // out: the call info (InfoOffsets)
+};
+
+// Per-node tables of one call (row indices, byte offsets in the RDMA region): every block of every kernel
+// computes them at its start from the call info (load_tables), so nothing of the call's counts comes from
+// the host.
 struct NodeTables {
   int64_t send_row0[kMaxNodes + 1];    // this rank's segment for node n (send area, crecv area)
   int64_t recv_row0[kMaxNodes + 1];    // rows forwarded from node n (recv area, csend area)
   int64_t remote_in[kMaxNodes];        // byte offset, in node n's RDMA peer, where this rank's rows land
   int nchunks_send[kMaxNodes];         // chunks of this rank's segment for node n
   int nchunks_recv[kMaxNodes];         // chunks coming from node n
+  Areas areas;                         // this rank's RDMA areas
+  int64_t num_recv;                    // rows this rank receives
+  int valid;                           // the counts passed their checks (else no row of the caller's moves)
+  int chunk_rows;  // rows per RDMA chunk: the requested count, grown until no stream has more than kMaxChunks
 };
 
 struct DispatchArgs {
   Common c;
-  NodeTables t;
-  int64_t send_off, recv_off, row_bytes, nvl_recv_off;
-  int chunk_rows;
+  const int* info;  // the call info (InfoOffsets)
+  int64_t row_bytes, nvl_recv_off;
+  int requested_chunk_rows;
   int num_tokens, num_topk, experts_per_rank;
   const char* x;
   int64_t x_bytes;
@@ -91,8 +108,7 @@ struct DispatchArgs {
   const float* topk_w;
   const int* send_pos;   // [T, R]
   const int* node_head;  // [T, N]
-  const int* row_base;   // [R, L]
-  int64_t num_recv, out_rows;
+  int64_t out_rows;
   char* recv_x;
   char* recv_scales;
   int64_t* recv_idx;
@@ -109,16 +125,14 @@ struct DispatchArgs {
 
 struct CombineArgs {
   Common c;
-  NodeTables t;
-  int64_t csend_off, crecv_off, crow_bytes, nvl_stage_off;
-  int chunk_rows;
+  const int* info;  // the dispatch's call info (InfoOffsets)
+  int64_t crow_bytes, nvl_stage_off;
+  int requested_chunk_rows;
   int num_tokens, num_topk, hidden, dtype;
   const char* x;
   const float* topk_w;
-  int64_t num_recv;
   const int* node_head;  // [T, N]
   const int* fwd_head;   // [forwarded rows, L]
-  const int* row_base;   // [R, L]
   const char* bias0;
   const char* bias1;
   char* out;
@@ -131,6 +145,7 @@ struct CombineArgs {
 // timed out in the forward phase unless CUDA_MODULE_LOADING=EAGER.
 void preload_kernels();
 void launch_notify(const NotifyArgs& a, gpuStream_t stream);
+void launch_counts(const CountsArgs& a, gpuStream_t stream);
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream);  // pack+send, forward, copy-out
 void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream);    // stage, forward, reduce
 

@@ -9,11 +9,8 @@
 #include "kernels/intranode_api.h"
 
 namespace uccl_ep {
-namespace {
-int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
-}  // namespace
-
 namespace intranode {
+using internode::align_up;
 
 RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_bytes, int num_topk, bool with_src) {
   RowLayout l;
@@ -44,10 +41,6 @@ int64_t dispatch_row_bytes(int64_t x_bytes, int64_t scale_bytes, int num_topk, i
 
 int64_t combine_row_bytes(int64_t y_bytes, int num_topk) { return align_up(y_bytes + 4 * int64_t(num_topk), 16); }
 
-int64_t count_row_ints(int num_ranks, int num_experts, int ranks_per_node) {
-  return kHeaderInts + num_ranks + num_ranks / ranks_per_node + num_experts;
-}
-
 Layout make_layout(const std::vector<int>& rd, int R, int L, int rank, int64_t row_bytes, int64_t crow_bytes,
                    int64_t num_recv_rows) {
   UCCL_CHECK(L >= 1 && L <= kMaxLocal && R % L == 0, "internode layout: ranks per node " << L << " must divide "
@@ -66,14 +59,7 @@ Layout make_layout(const std::vector<int>& rd, int R, int L, int rank, int64_t r
     l.recv_row0[n + 1] = l.recv_row0[n] + rd[(int64_t)(n * L + local) * N + node];
   }
   l.count_stride = 4 * count_row_ints(R, kMaxExperts, L);
-  // notify: the outgoing row, then 2 parities x R incoming rows; it never overlaps what the ops write
-  // (peers send count rows before any READY)
-  l.notify_off = 0;
-  l.send_off = align_up(l.count_stride * (1 + 2 * (int64_t)R), 256);
-  l.recv_off = align_up(l.send_off + l.send_row0[N] * row_bytes, 256);
-  l.csend_off = align_up(l.recv_off + l.recv_row0[N] * row_bytes, 256);
-  l.crecv_off = align_up(l.csend_off + l.recv_row0[N] * crow_bytes, 256);
-  l.rdma_bytes = align_up(l.crecv_off + l.send_row0[N] * crow_bytes, 256);
+  static_cast<Areas&>(l) = areas_of(l.count_stride, R, l.send_row0[N], l.recv_row0[N], row_bytes, crow_bytes);
   l.nvl_bytes = kNvlHeaderBytes + 2 * align_up(num_recv_rows * std::max(row_bytes, crow_bytes), 256);
   return l;
 }

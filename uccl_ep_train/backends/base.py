@@ -112,16 +112,25 @@ class Backend(abc.ABC):
         recv_x, _, recv_idx, recv_w, counts, handle = self.dispatch(
             x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
             num_worst_tokens, config, self.tokens_per_node(is_token_in_rank))
+        return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
+                              expert_capacity, capacity_checked=False)
+
+    def _permuted(self, recv_x, recv_idx, recv_w, counts, handle, num_experts: int, expert_capacity: int,
+                  capacity_checked: bool):
+        """dispatch_expert_major's outputs from a receive-order dispatch's: the map, then a non-autograd expand.
+        capacity_checked: the dispatch already refused a capacity overflow on every rank (else this rank checks
+        its blocks here, reading two counts back: a RankLocalError)."""
         if not expert_capacity:
             em_map = permute.expert_major_map(recv_idx, counts)
             return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
-        epr = num_tokens_per_expert.numel() // self.num_ranks
+        epr = num_experts // self.num_ranks
         em_map = permute.expert_major_map_capacity(recv_idx, rows_per_source(handle, self.rank), epr, expert_capacity)
-        local = (recv_idx >= 0) & (recv_idx < epr)
-        named, slots = host_values(torch.stack([(em_map >= 0).sum(), local.sum()]))  # a block overflowed: unnamed slots
-        if named != slots:
-            raise RankLocalError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens "
-                                 f"for one of its local experts from one source rank ({slots - named} over)")
+        if not capacity_checked:
+            local = (recv_idx >= 0) & (recv_idx < epr)
+            named, slots = host_values(torch.stack([(em_map >= 0).sum(), local.sum()]))  # overflow: unnamed slots
+            if named != slots:
+                raise RankLocalError(f"expert_capacity: rank {self.rank} receives more than {expert_capacity} tokens "
+                                     f"for one of its local experts from one source rank ({slots - named} over)")
         counts = [self.num_ranks * expert_capacity] * epr
         x_em = permute.expand_rows_raw(recv_x, em_map, sum(counts), padded=True)
         return x_em, recv_idx, recv_w, counts, em_map, handle

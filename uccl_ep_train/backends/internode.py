@@ -22,6 +22,7 @@ graphs: not capturable (the kernels take host-side op counters); capture raises.
 """
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -65,11 +66,12 @@ def internode_available() -> bool:
 class InternodeState:
     """Backend-private part of an InternodeHandle: what the kernels need again (cached dispatch, combine)."""
 
-    rd: list  # [R * N] tokens rank s sends to node n (every rank's num_tokens_per_rdma_rank)
-    num_recv: int  # rows really received (out_rows may be num_worst_tokens)
+    info: torch.Tensor  # int32 call info on the GPU (the counts kernel's, _native.internode_info_offsets)
+    # What the buffers were sized for: the global per-node counts (rd[s * N + n]: tokens rank s sends to node n)
+    # and the most rows any rank receives, read on the host (a synced dispatch), or their bounds (sync-free)
+    rd: list
+    max_recv: int
     send_pos: torch.Tensor  # [T, R] int32
-    row_base: torch.Tensor  # [R, L] int32: first receive row of source s on local rank j of this node
-    max_recv: int  # the most rows any rank receives (NVL buffer sizing)
 
 
 class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLatency, Backend):
@@ -230,13 +232,12 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         return False
 
     # ---- dispatch ------------------------------------------------------------------------------------
-    def _notify(self, header: list[int], per_rank, per_node, per_expert, num_experts: int) -> np.ndarray:
-        """Every rank's count row (host int32 [R, stride]), after checking that the ranks agree on the shape
-        of the call (the same error on every rank: all of them read every row)."""
+    def _wait_counts(self) -> np.ndarray:
+        """The host sync of a dispatch without num_worst_tokens: every rank's count row (host int32 [R, stride]),
+        after checking that the ranks agree on the shape of the call (the same error on every rank: all of
+        them read every row)."""
         stride = int(self._native.internode_count_row_ints(self.num_ranks, int(self._native.INTERNODE_MAX_EXPERTS),
                                                            self.L))
-        stream = current_raw_stream()
-        self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
         size = self.num_ranks * stride
         if self._pinned is None or self._pinned.numel() < size:
             self._pinned = torch.empty(size, dtype=torch.int32, pin_memory=True)
@@ -254,7 +255,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                  num_max_tokens_per_rank=0):
         return self._fresh(x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                            num_tokens_per_expert, expert_alignment, num_worst_tokens, config,
-                           num_tokens_per_rdma_rank)[:6]
+                           num_tokens_per_rdma_rank, num_max_tokens_per_rank=num_max_tokens_per_rank)[:6]
 
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0):
@@ -264,11 +265,14 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         copy-out for the rows node peers wrote), the sender's positions riding in the rows' id words; no
         receive-order x is written; a source that sends one expert more tokens than expert_capacity raises the
         same ValueError on every rank before any row moves (every rank has every rank's counts after notify).
-        Otherwise the composed default: dispatch, then the permute kernels (an overflowing capacity is then
-        the receiving rank's RankLocalError after the dispatch, base.Backend)."""
+        Otherwise a receive-order dispatch, then the permute kernels (base.Backend); its notify checks the
+        capacity as the landing does."""
         if not self.lands_expert_major(topk_idx.size(1), num_tokens_per_expert.numel(), config):
-            return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                                 num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
+            recv_x, _, recv_idx, recv_w, counts, handle, _ = self._fresh(
+                x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
+                num_worst_tokens, config, None, capacity=expert_capacity)
+            return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
+                                  expert_capacity, capacity_checked=True)
         if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
             raise RankLocalError(f"x: {x.size(0)} tokens on rank {self.rank}; an expert-major dispatch across nodes "
                                  f"carries each token's position in 20 bits (at most "
@@ -297,9 +301,19 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     def _fresh(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank,
-               em: Optional["_ExpertMajor"] = None):
+               em: Optional["_ExpertMajor"] = None, num_max_tokens_per_rank: int = 0, capacity: int = 0):
         """A fresh dispatch: DeepEP's six outputs, then `em` with its outputs filled (expert-major landing:
-        recv_x is then None)."""
+        recv_x is then None). `capacity`: an expert-major dispatch's expert_capacity (em's when em is given),
+        checked with the counts.
+
+        notify sends this rank's count row to every rank; the counts kernel (on the GPU) waits for every rank's
+        row, checks the call against them and writes the call info every kernel of the dispatch, its cached
+        dispatches and its combines take. With num_worst_tokens nothing else needs the counts: the outputs are
+        sized num_worst_tokens, the buffers from bounds every rank computes alike (sizing.internode_worst_counts,
+        grown before notify), and a violation (a rank receiving more, an expert over its capacity, ranks that
+        disagree on the shape) is recorded on every rank and raised by the next call. Without it the host reads
+        the rows once (the one sync): exact output sizes, growth to the exact layout, and those checks raised
+        before any row moves."""
         self._check()
         R, L, N, me = self.num_ranks, self.L, self.N, self.rank
         x = x.contiguous()
@@ -316,13 +330,16 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 topk_weights = topk_weights.to(torch.float32).contiguous()
         is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
         num_experts = num_tokens_per_expert.numel()
+        epr = num_experts // R
         if num_tokens_per_rdma_rank is None:
             num_tokens_per_rdma_rank = self.tokens_per_node(is_token_in_rank)
         per_rank = num_tokens_per_rank.to(torch.int32).contiguous()
         per_node = num_tokens_per_rdma_rank.to(torch.int32).contiguous()
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
-        header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts,
-                              0 if em is None else em.capacity, expert_major_ids=em is not None)
+        capacity = capacity if em is None else em.capacity
+        header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts, capacity,
+                              expert_major_ids=em is not None)
+        y_bytes = hidden * (4 if x.dtype == torch.float32 else 2)  # the combine's rows, sized for now too
         if self._unopened is not None:  # collective: every rank is in this dispatch
             sizes, self._unopened = self._unopened, None
             try:
@@ -332,28 +349,42 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 raise
             # The Buffer checks the caller's stream before each call, but learns what the proxies need only now.
             check_caller_stream(self.waits_for_default_stream, dev, me)
-        rows = self._notify(header, per_rank, per_node, per_expert, num_experts)
-        h = int(self._native.INTERNODE_HEADER_INTS)
-        counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
-        rd = rows[:, h + R:h + R + N]
-        epr = num_experts // R
-        expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)
-        recv_per_rank = counts.sum(axis=0)
-        num_recv = int(recv_per_rank[me])
-        check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)
-        if em is not None:  # every rank's counts per expert: the same capacity verdict on every rank
-            em.place(rows[:, h + R + N:h + R + N + num_experts].astype(np.int64), me, dev)
-        out_rows = int(num_worst_tokens) or num_recv
-        starts = np.cumsum(counts, axis=0) - counts  # first receive row of source s on rank r
-        state = InternodeState(rd.reshape(-1).tolist(), num_recv, send_positions(is_token_in_rank),
-                               to_device(starts[:, self.node * L:(self.node + 1) * L].astype(np.int32), dev),
-                               int(recv_per_rank.max()))
-        self._ensure_for(state, x_bytes, scale_bytes, K, hidden * (4 if x.dtype == torch.float32 else 2))
+        sync_free = bool(num_worst_tokens)
+        if sync_free:  # every size from bounds every rank computes alike: a grow is every rank's or none's
+            rd, max_recv = sizing.internode_worst_counts(R, L, int(num_worst_tokens), epr, capacity,
+                                                         int(num_max_tokens_per_rank))
+            self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
+        stream = current_raw_stream()
+        self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
+        info = torch.empty(self._info_offsets["ints"], dtype=torch.int32, device=dev)
+        if sync_free:
+            self._buf.counts(int(num_worst_tokens), capacity, info.data_ptr(), stream)
+            out_rows = int(num_worst_tokens)
+            forwarded = min(L * out_rows, N * rd[0])  # rows of this node's ranks, and of its RDMA peers' sends
+            if em is not None:
+                em.place(None, R, num_experts, me, dev)
+            per_expert_list: list = []
+        else:
+            rows = self._wait_counts()
+            h = int(self._native.INTERNODE_HEADER_INTS)
+            counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
+            recv_per_rank = counts.sum(axis=0)
+            sent = rows[:, h + R + N:h + R + N + num_experts].astype(np.int64)  # every rank's: one verdict
+            if em is not None:
+                em.place(sent, R, num_experts, me, dev)
+            elif capacity:
+                check_expert_capacity(torch.from_numpy(sent), capacity)
+            rd_rows = rows[:, h + R:h + R + N]
+            rd, max_recv = rd_rows.reshape(-1).tolist(), int(recv_per_rank.max())
+            out_rows = int(recv_per_rank[me])
+            forwarded = int(rd_rows[[n * L + self.local for n in range(N)], self.node].sum())
+            expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)
+            per_expert_list = [-(-int(c) // expert_alignment) * expert_alignment for c in expert_counts]
+            # before a grow: the rows live in the RDMA region a grow replaces (the host checked them already)
+            self._buf.counts(0, capacity, info.data_ptr(), stream)
+            self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
+        state = InternodeState(info, rd, max_recv, send_positions(is_token_in_rank))
         node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
-        from_nodes = rd[[n * L + self.local for n in range(N)], self.node].astype(np.int32)
-        forwarded = int(from_nodes.sum())
-        # host-to-device copies before the kernels: behind kernels that wait for the proxies only kernels queue
-        counts_dev, from_nodes = to_device(counts, dev), to_device(from_nodes, dev)
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev) if em is None else None
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)
@@ -366,32 +397,42 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._launch_dispatch(state, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, K, num_experts,
                               node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config,
                               em)
+        o = self._info_offsets
         handle = InternodeHandle.with_one_channel(
-            counts_dev, per_node, is_token_in_rank, from_nodes, fwd_head, self.topology, me,
-            recv_meta[:, 0], T, self.owner, state, send_rdma_head=node_head)
-        per_expert_list = [] if num_worst_tokens else [-(-int(c) // expert_alignment) * expert_alignment
-                                                       for c in expert_counts]
+            info[o["counts"]:o["counts"] + R * R].view(R, R), per_node, is_token_in_rank,
+            info[o["from_nodes"]:o["from_nodes"] + N], fwd_head, self.topology, me, recv_meta[:, 0], T, self.owner,
+            state, send_rdma_head=node_head)
         if recv_idx is not None and recv_w is None:
             recv_w = torch.zeros_like(recv_idx, dtype=torch.float32)
         return recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle, em
 
+    @functools.cached_property
+    def _info_offsets(self) -> dict:
+        return dict(self._native.internode_info_offsets(self.num_ranks, self.L))
+
+    def _need(self, rd: list, max_recv: int, x_bytes: int, scale_bytes: int, num_topk: int,
+              y_bytes: int) -> tuple[int, int]:
+        """(RDMA, NVL) bytes a dispatch of these rows and its combine need on any rank (sizing.internode_need;
+        counts alike for every rank, as a bound's are, need one rank's layout)."""
+        ranks = [0] if len(set(rd)) <= 1 else None
+        return sizing.internode_need(rd, self.num_ranks, self.L, x_bytes, scale_bytes, num_topk, y_bytes, max_recv,
+                                     ranks=ranks)
+
     def _ensure_for(self, st: InternodeState, x_bytes: int, scale_bytes: int, num_topk: int, y_bytes: int) -> None:
         """Grows the buffers (collectively) to what a dispatch of these rows and its combine need on any rank."""
-        self._ensure(*sizing.internode_need(st.rd, self.num_ranks, self.L, x_bytes, scale_bytes, num_topk, y_bytes,
-                                            st.max_recv))
+        self._ensure(*self._need(st.rd, st.max_recv, x_bytes, scale_bytes, num_topk, y_bytes))
 
     def _launch_dispatch(self, st, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, num_topk, num_experts,
                          node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config,
                          em: Optional["_ExpertMajor"] = None):
-        row = self._native.internode_layout(st.rd, self.num_ranks, self.L, self.rank, x_bytes, scale_bytes, num_topk,
-                                            0, 0)["row_bytes"]
+        row = int(self._native.internode_row_bytes(x_bytes, scale_bytes, num_topk, self.L))
         em_args = (0, 0, 0, 0, 0) if em is None else (
             em.topk_pos.data_ptr(), em.em_base.data_ptr(), em.x_em.data_ptr(), em.em_map.data_ptr(), em.x_em.size(0))
-        self._buf.dispatch(st.rd, x.size(0), x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes, _ptr(topk_idx),
-                           _ptr(topk_weights), num_topk, num_experts, st.send_pos.data_ptr(), node_head.data_ptr(),
-                           st.row_base.data_ptr(), st.num_recv, out_rows, _ptr(recv_x), _ptr(recv_scales),
-                           _ptr(recv_idx), _ptr(recv_w), _ptr(recv_meta), _ptr(fwd_head), *em_args,
-                           self._num_sms(config), self._chunk_rows(row), current_raw_stream())
+        self._buf.dispatch(st.info.data_ptr(), x.size(0), x.data_ptr(), x_bytes, _ptr(x_scales), scale_bytes,
+                           _ptr(topk_idx), _ptr(topk_weights), num_topk, num_experts, st.send_pos.data_ptr(),
+                           node_head.data_ptr(), out_rows, _ptr(recv_x), _ptr(recv_scales), _ptr(recv_idx),
+                           _ptr(recv_w), _ptr(recv_meta), _ptr(fwd_head), *em_args, self._num_sms(config),
+                           self._chunk_rows(row), current_raw_stream())
 
     @staticmethod
     def _state(handle) -> InternodeState:
@@ -433,10 +474,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         T = handle.num_tokens
         out = torch.empty((T, hidden), dtype=x.dtype, device=x.device)
         out_w = torch.empty((T, K), dtype=torch.float32, device=x.device) if K else None
-        crow = self._native.internode_layout(st.rd, self.num_ranks, self.L, self.rank, 0, 0, K,
-                                             hidden * x.element_size(), 0)["crow_bytes"]
-        self._buf.combine(st.rd, T, x.data_ptr(), _DTYPE_CODES[x.dtype], hidden, _ptr(topk_weights), K, st.num_recv,
-                          handle.send_rdma_head.data_ptr(), handle.send_nvl_head.data_ptr(), st.row_base.data_ptr(),
+        crow = int(self._native.internode_combine_row_bytes(hidden * x.element_size(), K))
+        self._buf.combine(st.info.data_ptr(), T, x.data_ptr(), _DTYPE_CODES[x.dtype], hidden, _ptr(topk_weights), K,
+                          x.size(0), handle.send_rdma_head.data_ptr(), handle.send_nvl_head.data_ptr(),
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
                           self._chunk_rows(crow), current_raw_stream())
         return out, out_w
@@ -454,14 +494,15 @@ class _ExpertMajor:
     x_em: Optional[torch.Tensor] = None
     em_map: Optional[torch.Tensor] = None
 
-    def place(self, sent: np.ndarray, rank: int, device) -> None:
-        """From every source's tokens per expert (`sent` [R, E]): this rank's block bases, in expert-major
-        order (local expert, then source); with a capacity, whole blocks of `capacity` rows, after the check
-        that no source overflows one (every rank checks every block: the same error everywhere)."""
-        R, E = sent.shape
-        epr = E // R
+    def place(self, sent: Optional[np.ndarray], num_ranks: int, num_experts: int, rank: int, device) -> None:
+        """This rank's block bases, in expert-major order (local expert, then source). With a capacity, whole
+        blocks of `capacity` rows, known without the counts; `sent` (every source's tokens per expert [R, E],
+        a synced dispatch's) is then checked here (every rank checks every block: the same error everywhere;
+        None: the counts kernel checks them on the GPU). Exact counts need `sent`."""
+        R, epr = num_ranks, num_experts // num_ranks
         if self.capacity:
-            check_expert_capacity(torch.from_numpy(sent), self.capacity)
+            if sent is not None:
+                check_expert_capacity(torch.from_numpy(sent), self.capacity)
             base = (np.arange(epr)[None, :] * R + np.arange(R)[:, None]) * self.capacity
             self.per_expert = [R * self.capacity] * epr
         else:
@@ -478,19 +519,6 @@ class _ExpertMajor:
         self.x_em = (torch.zeros if self.capacity else torch.empty)((rows, x.size(1)), dtype=x.dtype,
                                                                     device=x.device)
         self.em_map = torch.empty((max(out_rows, 1), num_topk), dtype=torch.int32, device=x.device)
-
-
-def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
-    """Raises unless num_worst_tokens (0: not given) bounds what every rank receives. It takes every rank's
-    receive count (notify gives each rank all of them), not this rank's, so every rank raises, before its
-    kernels, or none does: a rank refusing alone would leave its peers' kernels waiting for it until the
-    timeout (UCCL_EP_TIMEOUT_S)."""
-    if not num_worst_tokens:
-        return
-    busiest = max(range(len(recv_per_rank)), key=lambda r: recv_per_rank[r])
-    if recv_per_rank[busiest] > num_worst_tokens:
-        raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
-                           f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
 
 
 def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int, proxy_groups: int) -> dict:

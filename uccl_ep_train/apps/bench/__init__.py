@@ -42,6 +42,20 @@ def add_ranks_arg(p: argparse.ArgumentParser, default_help: str) -> None:
                    help=f"ranks to spawn (default: {default_help})")
 
 
+def add_ranks_per_node_arg(p: argparse.ArgumentParser, default_help: str) -> None:
+    """`--ranks-per-node L`: ranks of one (emulated) node, UCCL_EP_RANKS_PER_NODE in every rank (ranks_env)."""
+    p.add_argument("--ranks-per-node", type=int, default=None,
+                   help=f"ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: {default_help})")
+
+
+def ranks_env(ranks_per_node: Optional[int], world: int) -> dict:
+    """The ranks' environment for --ranks-per-node (checked against the rank count; None: nothing set)."""
+    from ..launch import check_ranks_per_node
+
+    check_ranks_per_node(ranks_per_node, world)
+    return {} if ranks_per_node is None else {"UCCL_EP_RANKS_PER_NODE": str(ranks_per_node)}
+
+
 def add_transport_arg(p: argparse.ArgumentParser) -> None:
     """`--transport`: the proxies' transport for the bytes between nodes (UCCL_EP_TRANSPORT in every rank;
     default: the automatic choice, `ipc` when every rank is on one host)."""

@@ -13,7 +13,8 @@ given a libfabric built with CUDA, docs/proxy.md); every call is issued from a s
 Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16 dispatch, FP8 dispatch
 (e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights, plus the fresh BF16 dispatch
 as Megatron's drop-and-pad calls it (`dispatch_fresh_bf16`: get_dispatch_layout, then dispatch with
-num_worst_tokens, whose count exchange across nodes still waits on the host). µs per call = median over
+num_worst_tokens: no host sync, the counts stay on the GPU; inside `validation.trusted_values()`, as the
+Megatron dispatcher makes it, so that the host's value checks do not read the ids back). µs per call = median over
 `--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included; `host_us`:
 the host's time until the call returned); with the native backend on GPUs also the mean device time of the
 call's own kernels (timing "kernel", rounds started on every rank's GPU together, as `bench low-latency`).
@@ -45,10 +46,10 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_transport_arg, aligned_device_us, gpus_used,
-               init_rank_group, int_list, on_own_stream, publish, rank_records, run_context, transport_env,
-               warn_without_mps)
-from ..launch import check_ranks_per_node, launched_world
+from . import (LAYER_SHAPE, add_layer_shape_args, add_ranks_arg, add_ranks_per_node_arg, add_transport_arg,
+               aligned_device_us, gpus_used, init_rank_group, int_list, on_own_stream, publish, rank_records,
+               ranks_env, run_context, transport_env, warn_without_mps)
+from ..launch import launched_world
 
 FP8_BLOCK = 128
 CPU_LAYER_SHAPE = {"num_tokens": 128, "hidden": 512, "num_experts": 32, "num_topk": 4}  # gloo ranks on CPU
@@ -58,8 +59,7 @@ SEED = 1234  # rank r routes with torch.Generator().manual_seed(SEED + r): see m
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench internode", description=__doc__.split("\n")[0])
     add_ranks_arg(p, "visible GPUs, at least 2; 4 on CPU")
-    p.add_argument("--ranks-per-node", type=int, default=None,
-                   help="ranks per (emulated) node, sets UCCL_EP_RANKS_PER_NODE (default: half the ranks)")
+    add_ranks_per_node_arg(p, "half the ranks")
     add_transport_arg(p)
     add_layer_shape_args(p)
     p.set_defaults(**{k: None for k in LAYER_SHAPE})  # resolved per device: DeepSeek-V3 on GPUs, small on CPU
@@ -172,13 +172,14 @@ def _time_calls(fn: Callable[[], object], iters: int, warmup: int, group, cuda: 
 _DISPATCH = (("pack", "dispatch_pack_kernel"), ("forward", "dispatch_forward_kernel"),
              ("copy_out", "dispatch_copy_out_kernel"))
 _KERNELS = {"dispatch_bf16": _DISPATCH, "dispatch_fp8": _DISPATCH,
-            "dispatch_fresh_bf16": (("layout", "dispatch_layout_kernel"), ("notify", "notify_kernel"), *_DISPATCH),
+            "dispatch_fresh_bf16": (("layout", "dispatch_layout_kernel"), ("notify", "notify_kernel"),
+                                    ("counts", "counts_kernel"), *_DISPATCH),
             "combine": (("stage", "combine_stage_kernel"), ("forward", "combine_forward_kernel"),
                         ("reduce", "combine_reduce_kernel"))}
 
 
 def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, group) -> list[dict]:
-    from uccl_ep_train import Buffer
+    from uccl_ep_train import Buffer, validation
     from uccl_ep_train.fp8 import fp8_dtype_for, per_token_cast_to_fp8
     from uccl_ep_train.topology import detect_topology
 
@@ -218,10 +219,11 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
     dist.all_gather_object(received, num_recv, group=group)
 
     def fresh_dispatch(config) -> None:
-        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
-        buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
-                     num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_w,
-                     num_worst_tokens=max(received), config=config)
+        with validation.trusted_values():
+            per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
+                         topk_weights=topk_w, num_worst_tokens=max(received), config=config)
 
     proxy_stats = getattr(buf.backend, "proxy_stats", None)
     remote_ranks = [r for r in range(world) if topo.node_of(r) != topo.node_of(rank)]
@@ -368,13 +370,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                      f"--num-tokens >= 1; got {shape}")
     if args.ranks_per_node is None and not launched:  # launched: nodes from LOCAL_WORLD_SIZE
         args.ranks_per_node = max(world // 2, 1)
-    check_ranks_per_node(args.ranks_per_node, world)
+    env = {**transport_env(args), **ranks_env(args.ranks_per_node, world)}
     context = run_context("bench internode", argv)
     if cuda:
         warn_without_mps(world, "internode")
-    env = transport_env(args)
-    if args.ranks_per_node is not None:
-        env["UCCL_EP_RANKS_PER_NODE"] = str(args.ranks_per_node)
     records = rank_records(_rank, world, args, shape, env=env)
     if records is None:  # a launched rank other than 0
         return 0

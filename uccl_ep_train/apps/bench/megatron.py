@@ -35,13 +35,15 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import add_layer_shape_args, add_ranks_arg, gpus_used, init_rank_group, run_context, warn_without_mps
+from . import (add_layer_shape_args, add_ranks_arg, add_ranks_per_node_arg, gpus_used, init_rank_group, ranks_env,
+               run_context, warn_without_mps)
 from ..launch import launched_world, run
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="uccl-ep-train bench megatron", description=__doc__.split("\n")[0])
     add_ranks_arg(p, "visible GPUs, or 2 on CPU")
+    add_ranks_per_node_arg(p, "every rank on one node, or the launcher's")
     add_layer_shape_args(p)
     p.add_argument("--dispatchers", default="uccl,alltoall,flex",
                    help="comma-separated: uccl, alltoall, flex (= flex-deepep), flex-hybridep, flex-ncclep")
@@ -320,8 +322,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
     world = launched_world() or args.ranks or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
     warn_without_mps(world, "megatron")
+    env = ranks_env(args.ranks_per_node, world)
     context = run_context("bench megatron", argv)
-    if run(_rank, world, args, args.json, context, timeout=1800) is None:  # a launched rank other than 0
+    if run(_rank, world, args, args.json, context, env=env, timeout=1800) is None:  # a launched rank other than 0
         return 0
     if args.json:
         print(f"records: {args.json}", file=sys.stderr)
