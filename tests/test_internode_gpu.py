@@ -206,6 +206,25 @@ def _run_suite(rank, world, device, L, fault_seeds):
     _same(ridx, eidx, f"rank {rank}: fp8 recv_topk_idx")
     assert counts == ecounts == []
     _check_handle(h, eh, f"rank {rank} fp8 worst")
+    # the same call again, inputs on the GPU beforehand: no host sync at all (torch raises on any synchronising
+    # call in this mode; the host's value checks are off, as the Megatron dispatcher makes them)
+    from uccl_ep_train import validation
+
+    xd, idxd, wd = (q.to(dev), s.to(dev)), idx.to(dev), w.to(dev)
+    torch.cuda.synchronize()
+    with validation.trusted_values():
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            per_rank, per_node, per_expert, in_rank, _ = native.get_dispatch_layout(idxd, EXPERTS)
+            sq, sidx, _, _, sh, _ = native.dispatch(
+                xd, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                num_tokens_per_expert=per_expert, topk_idx=idxd, topk_weights=wd, num_worst_tokens=64 * world)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    _settle(native, f"rank {rank}: sync-free dispatch")
+    _same(sq, eq, f"rank {rank}: sync-free fp8 recv (x, scales)")
+    _same(sidx, eidx, f"rank {rank}: sync-free recv_topk_idx")
+    _check_handle(sh, eh, f"rank {rank} sync-free")
     prev = native.capture()
     (ax, _, _, acounts, ah, event), _ = _dispatch(native, x, idx, w, EXPERTS, dev, previous_event=prev,
                                                   async_finish=True, allocate_on_comm_stream=True, expert_alignment=8)

@@ -55,6 +55,9 @@ void register_internode(py::module_& m) {
         d["num_recv"] = o.num_recv;
         d["forwarded"] = o.forwarded;
         d["from_nodes"] = o.from_nodes;
+        d["from_ends"] = o.from_ends;
+        d["recv_starts"] = o.recv_starts;
+        d["recv_ends"] = o.recv_ends;
         d["valid"] = o.valid;
         d["ints"] = o.ints;
         return d;

@@ -381,11 +381,16 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
   }
   if (threadIdx.x == kWarpSize) {
     int recv = 0, forwarded = 0;
-    for (int s = 0; s < R; ++s) recv += count(s, c.rank);
+    for (int s = 0; s < R; ++s) {
+      a.info[o.recv_starts + s] = recv;
+      recv += count(s, c.rank);
+      a.info[o.recv_ends + s] = recv;
+    }
     for (int n = 0; n < N; ++n) {
       const int v = row(n * L + c.local)[kHeaderInts + R + c.node];
       a.info[o.from_nodes + n] = v;
       forwarded += v;
+      a.info[o.from_ends + n] = forwarded;
     }
     a.info[o.num_recv] = recv;
     a.info[o.forwarded] = forwarded;

@@ -115,10 +115,13 @@ Layout make_layout(const std::vector<int>& rd, int num_ranks, int ranks_per_node
 //   row_base [R, L]   first receive row of source s on local rank j of this node
 //   counts [R, R]     tokens rank s sends to rank r
 //   num_recv          rows this rank receives; forwarded: rows it receives from its RDMA peers
-//   from_nodes [N]    rows it receives from node n's RDMA peer (forwarded = their sum)
+//   from_nodes [N]    rows it receives from node n's RDMA peer (forwarded = their sum); from_ends [N] their
+//                     inclusive prefix
+//   recv_starts [R], recv_ends [R]  where the rows from source s start / end in its receive order
 //   valid             1 once the checks passed: a refused call's kernels take none of the caller's rows
+// (from_nodes, from_ends, recv_starts, recv_ends and this rank's row of counts are DeepEP's handle items.)
 struct InfoOffsets {
-  int64_t rd, row_base, counts, num_recv, forwarded, from_nodes, valid, ints;
+  int64_t rd, row_base, counts, num_recv, forwarded, from_nodes, from_ends, recv_starts, recv_ends, valid, ints;
 };
 UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_node) {
   const int64_t R = num_ranks, N = num_ranks / ranks_per_node;
@@ -129,7 +132,10 @@ UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_no
   o.num_recv = o.counts + R * R;
   o.forwarded = o.num_recv + 1;
   o.from_nodes = o.forwarded + 1;
-  o.valid = o.from_nodes + N;
+  o.from_ends = o.from_nodes + N;
+  o.recv_starts = o.from_ends + N;
+  o.recv_ends = o.recv_starts + R;
+  o.valid = o.recv_ends + R;
   o.ints = o.valid + 1;
   return o;
 }

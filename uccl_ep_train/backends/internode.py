@@ -397,11 +397,13 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._launch_dispatch(state, x, x_bytes, x_scales, scale_bytes, topk_idx, topk_weights, K, num_experts,
                               node_head, out_rows, recv_x, recv_scales, recv_idx, recv_w, recv_meta, fwd_head, config,
                               em)
-        o = self._info_offsets
-        handle = InternodeHandle.with_one_channel(
-            info[o["counts"]:o["counts"] + R * R].view(R, R), per_node, is_token_in_rank,
-            info[o["from_nodes"]:o["from_nodes"] + N], fwd_head, self.topology, me, recv_meta[:, 0], T, self.owner,
-            state, send_rdma_head=node_head)
+        # DeepEP's items, as InternodeHandle.with_one_channel defines them: the counts kernel wrote the prefixes
+        # and the dispatch kernels each row's source (token, rank; -1 for padding), so no torch op derives them
+        item = lambda name, n: info[self._info_offsets[name]:self._info_offsets[name] + n]  # noqa: E731
+        handle = InternodeHandle(
+            is_token_in_rank, per_node.reshape(N, 1).clone(), item("counts", R * R)[me * R:(me + 1) * R].view(R, 1),
+            item("from_nodes", N).view(N, 1), item("from_ends", N), item("recv_starts", R).view(R, 1),
+            item("recv_ends", R), recv_meta.view(torch.uint8), node_head, fwd_head, out_rows, T, L, self.owner, state)
         if recv_idx is not None and recv_w is None:
             recv_w = torch.zeros_like(recv_idx, dtype=torch.float32)
         return recv_x, recv_scales, recv_idx, recv_w, per_expert_list, handle, em

@@ -175,6 +175,11 @@ def shape_header(x: torch.Tensor, x_scales: Optional[torch.Tensor], topk_idx: Op
             _X_DTYPES.get(x.dtype, 0), int(expert_capacity)]
 
 
+def _combine_row_bytes(x: torch.Tensor) -> int:
+    """Bytes of a row the combine of a dispatch of `x` sends back (FP8 and BF16 rows come back BF16)."""
+    return x.size(1) * (4 if x.dtype == torch.float32 else 2)
+
+
 def check_same_shape(per_rank: list) -> None:
     """Raises the same ValueError on every rank (each passes every rank's header) unless they agree."""
     for i, name in enumerate(_module().INTRANODE_SHAPE_FIELDS):
@@ -382,10 +387,13 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         return self._pinned[:size]
 
     def _exchange_counts(self, n: int, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert,
-                         num_worst_tokens: int, shape: list[int], num_max_tokens_per_rank: int = 0) -> "_Counts":
+                         num_worst_tokens: int, shape: list[int], num_max_tokens_per_rank: int = 0,
+                         y_bytes: int = 0) -> "_Counts":
         """notify (per-rank / per-expert counts and the call's `shape` into every peer), then, unless
         num_worst_tokens bounds the receive, the one host sync that sizes the outputs and checks that the
-        ranks agree on the shape (the same error on every rank: each reads every rank's)."""
+        ranks agree on the shape (the same error on every rank: each reads every rank's). With
+        num_worst_tokens the buffer is sized before notify (`y_bytes`: the combine's row bytes): a grow
+        replaces the buffer and with it the error record notify writes (capacity, shape, worst tokens)."""
         R, me = self.num_ranks, self.rank
         dev = is_token_in_rank.device
         is_token_in_rank = is_token_in_rank.to(torch.bool).contiguous()
@@ -393,6 +401,19 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         per_expert = num_tokens_per_expert.to(torch.int32).contiguous()
         num_experts = per_expert.numel()
         epr = num_experts // R
+        fields = self._native.INTRANODE_SHAPE_FIELDS
+        if num_worst_tokens:
+            # Sized from what every rank passes alike (num_worst_tokens, the capacity, num_max_tokens_per_rank),
+            # never from this rank's token count: a grow must be every rank's or none's (the kernels check the
+            # real counts against the buffer and report instead of overflowing). Before notify: after it, a
+            # grow would drop the error notify records (the dispatch would then move the refused rows).
+            max_recv = int(num_worst_tokens)
+            max_send = sizing.worst_send_rows(max_recv, R, epr, shape[fields.index("expert_capacity")],
+                                              num_max_tokens_per_rank)
+            for need in sizing.intranode_dispatch_needs(max_recv, max_send, shape[fields.index("x row bytes")],
+                                                        shape[fields.index("FP8 scale bytes")],
+                                                        shape[fields.index("num_topk")], y_bytes):
+                self._ensure(*need)
         send_pos = torch.empty((n, R), dtype=torch.int32, device=dev)
         # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr], and the handle's
         # one-channel matrices [R] + [R] (notify writes them all: no further launches before the host sync)
@@ -404,13 +425,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         c = _Counts(send_pos, info, per_rank, is_token_in_rank, epr,
                     (info[o: o + R].view(R, 1), info[o + R: o + 2 * R].view(R, 1)))
         if num_worst_tokens:
-            c.out_rows = int(num_worst_tokens)
-            # Sized from what every rank passes alike (num_worst_tokens, the capacity, num_max_tokens_per_rank),
-            # never from this rank's token count: a grow must be every rank's or none's (the kernels check the
-            # real counts against the buffer and report instead of overflowing).
-            c.max_recv = c.out_rows
-            capacity = shape[self._native.INTRANODE_SHAPE_FIELDS.index("expert_capacity")]
-            c.max_send = sizing.worst_send_rows(c.out_rows, R, epr, capacity, num_max_tokens_per_rank)
+            c.out_rows = c.max_recv = max_recv
+            c.max_send = max_send
             return c
         # the one host sync (into pinned memory, waiting on an event): it sizes the outputs (plain ints from here)
         counts = self._host_counts(info.numel())
@@ -463,7 +479,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                 topk_weights = topk_weights.to(torch.float32).contiguous()
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
                                   shape_header(x, x_scales, topk_idx, topk_weights, num_tokens_per_expert.numel()),
-                                  num_max_tokens_per_rank)
+                                  num_max_tokens_per_rank, y_bytes=_combine_row_bytes(x))
         per_expert_list = [_align_up(v, expert_alignment) for v in c.per_expert]
         recv_x, recv_scales, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
             x, x_scales, topk_idx, topk_weights, c, config)
@@ -479,7 +495,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         with_topk = topk_idx is not None
         num_topk = topk_idx.size(1) if with_topk else 0
         for need in sizing.intranode_dispatch_needs(c.max_recv, c.max_send, x_bytes, scale_bytes, num_topk,
-                                                    hidden * 4 if x.dtype == torch.float32 else hidden * 2):
+                                                    _combine_row_bytes(x)):
             self._ensure(*need)  # its receive rows, then its combine's rows
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev)
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
@@ -547,7 +563,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         topk_pos = positions_in_expert(topk_idx, num_experts, self._stream()) if expands_in_kernel else None
         c = self._exchange_counts(n, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, num_worst_tokens,
                                   shape_header(x, None, topk_idx, topk_weights, num_experts, expert_capacity,
-                                               expert_major_ids=expands_in_kernel))
+                                               expert_major_ids=expands_in_kernel), y_bytes=_combine_row_bytes(x))
         if expert_capacity:
             per_expert = [R * expert_capacity] * c.epr
         else:
