@@ -243,6 +243,16 @@ def _all_gather(obj: Any, group: Any, world: int) -> list:
     return out
 
 
+def providers_of(opened: list) -> str:
+    """The distinct libfabric providers of a ProxyGroup's `config()["opened"]` endpoints, in order, joined."""
+    return ", ".join(dict.fromkeys(o["provider"] for o in opened if o["provider"]))
+
+
+def described(transport: str, providers: str) -> str:
+    """A transport with the providers its endpoints opened, e.g. 'fabric (shm)'; 'ipc', 'verbs' alone."""
+    return transport + (f" ({providers})" if providers else "")
+
+
 class ProxyGroup:
     """One rank's proxy threads + rings + transport endpoints, bootstrapped over torch.distributed.
 
@@ -426,13 +436,12 @@ class ProxyGroup:
     def opened_providers(self) -> str:
         """The libfabric provider(s) the endpoints opened, e.g. 'shm' or 'tcp;ofi_rxm' ('' for ipc and verbs):
         what FI_PROVIDER asked for may be an alias, or nothing, leaving the choice to libfabric."""
-        return ", ".join(dict.fromkeys(o["provider"] for o in self.config()["opened"] if o["provider"]))
+        return providers_of(self.config()["opened"])
 
     @property
     def described_transport(self) -> str:
         """The transport with the provider its endpoints opened, e.g. 'fabric (shm)'; 'ipc', 'verbs' alone."""
-        providers = self.opened_providers  # (one native config() call)
-        return self.transport + (f" ({providers})" if providers else "")
+        return described(self.transport, self.opened_providers)
 
     def thread_cpus(self) -> list[int]:
         return self._native.thread_cpus()

@@ -209,14 +209,16 @@ class _Rank:
         g = self.group
         # What the endpoints opened (fabric: the provider and domain of its fi_info; verbs: the device), not what
         # UCCL_EP_NICS asked for.
-        self.row.transport = g.described_transport
-        self.row.nics = [o["device"] or "-" for o in g.config()["opened"]]
+        opened = g.config()["opened"]  # (one native read for all three)
+        providers = P.providers_of(opened)
+        self.row.transport = P.described(g.transport, providers)
+        self.row.nics = [o["device"] or "-" for o in opened]
         if g.transport == "verbs":
             for nic in _distinct(self.row.nics):
                 gid, mtu = verbs_port(nic)
                 self.row.gid.append(gid)
                 self.row.path_mtu.append(mtu)
-        self.row.registration = registration_method(g.transport, self.gpu >= 0, g.opened_providers)
+        self.row.registration = registration_method(g.transport, self.gpu >= 0, providers)
 
     # -- pattern: one signalled write to every peer, every byte checked ----------------------------
     def _pattern(self) -> None:
