@@ -151,3 +151,53 @@ def test_a_sync_free_combine_is_sized_from_what_every_rank_passes_alike():
     assert sizing.worst_send_rows(2053, 3, 8, 16) == 3 * 8 * 16
     assert sizing.worst_send_rows(2053, 3, 8, 16, 100) == 3 * 100
     assert sizing.worst_send_rows(64, 8, 8, 0, 4096) == 8 * 64
+
+
+@needs_layouts
+@pytest.mark.parametrize("R,L", [(4, 1), (4, 2), (6, 3), (8, 4)])
+def test_internode_sync_free_bound_holds_every_routing_it_allows(R, L):
+    """A sync-free internode dispatch sizes its buffers before the counts, from internode_worst_counts (only
+    what every rank passes: num_worst_tokens, an expert capacity, a token bound): every routing that keeps within
+    them (the counts kernel refuses the others) has per-node counts within the bound, and every rank's layout
+    fits the buffers sized from it."""
+    N, epr, K, hb = R // L, 3, 2, 256
+    E = R * epr
+    g = torch.Generator().manual_seed(R * 10 + L)
+    for trial in range(12):
+        # odd trials: one sender (a node gets more of its tokens than any of its ranks); even: skewed to one rank
+        tokens = ([30] + [0] * (R - 1)) if trial % 2 else torch.randint(0, 30, (R,), generator=g).tolist()
+        hot = int(torch.randint(0, R, (1,), generator=g))
+        routes = []
+        for T in tokens:
+            idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else torch.empty(0, K)
+            skew = (torch.rand(idx.shape, generator=g) < 0.5) & (trial % 2 == 0)
+            idx = torch.where(skew, hot * epr + idx % epr, idx).long()
+            routes.append(idx)
+        to_rank = [[int(((r.view(-1, K) // epr) == d).any(1).sum()) if r.numel() else 0 for d in range(R)]
+                   for r in routes]
+        per_node = [[int(((r.view(-1, K) // epr // L) == n).any(1).sum()) if r.numel() else 0 for n in range(N)]
+                    for r in routes]
+        per_expert = [torch.bincount(r.reshape(-1), minlength=E) if r.numel() else torch.zeros(E, dtype=torch.long)
+                      for r in routes]
+        recv = [sum(to_rank[s][d] for s in range(R)) for d in range(R)]
+        rd = [v for row in per_node for v in row]
+        exact = sizing.internode_need(rd, R, L, hb, 0, K, hb, max(recv))
+        worst = max(max(recv), 1)
+        capacity = int(max(int(c.max()) for c in per_expert)) or 1
+        for cap, most in ((0, 0), (capacity, 0), (0, max(tokens) or 1), (capacity, max(tokens) or 1)):
+            bound, max_recv = sizing.internode_worst_counts(R, L, worst, epr, cap, most)
+            assert max(rd) <= bound[0] and max_recv == worst, (rd, bound[0], cap, most)
+            need = sizing.internode_need(bound, R, L, hb, 0, K, hb, max_recv, ranks=[0])
+            assert exact[0] <= need[0] and exact[1] <= need[1], (exact, need, cap, most)
+
+
+@needs_layouts
+def test_internode_growth_stops_at_the_largest_rdma_region():
+    """Growth adds headroom (grown_bytes), but never past what the RDMA region can address (32-bit offsets):
+    a need just under the limit gets a region at the limit, not one the allocation would refuse."""
+    most = sizing.internode_max_rdma_bytes()
+    assert most == (1 << 32) - 1
+    need = most - (1 << 20)
+    assert sizing.grown_bytes(need) > most  # (the headroom alone would pass it)
+    assert need <= sizing.internode_grow(1 << 20, need, most) <= most
+    assert sizing.internode_grow(1 << 30, 1 << 29, most) == 1 << 30  # enough already: unchanged

@@ -90,3 +90,15 @@ def test_reference_zero_rows_match_the_oracle(world, per_node):
     assert got[-1]["last_rank_idle"] == 0 and all(got[r]["last_rank_idle"] for r in range(world - 1)), got
     assert got[-1]["idle_node"] == got[-2]["idle_node"] == 0, got
     assert got[0]["one_rank"] > 0 and all(got[r]["one_rank"] == 0 for r in range(1, world)), got
+
+
+def test_worst_token_check_gives_every_rank_the_same_verdict():
+    """Each rank passes every rank's receive count: the rank that receives the most decides, for all."""
+    from uccl_ep_train.backends.internode import check_worst_tokens
+
+    counts = [0, 5, 12, 3]
+    check_worst_tokens(counts, 0)  # not given: nothing to check
+    check_worst_tokens(counts, 12)
+    with pytest.raises(RuntimeError, match=r"rank 2 receives 12 tokens, more than num_worst_tokens=11"):
+        check_worst_tokens(counts, 11)
+    check_worst_tokens([0, 0, 0], 1)  # nobody receives anything

@@ -79,8 +79,9 @@ class InternodeHandle(NamedTuple):
                          send_nvl_head: torch.Tensor, topology: Topology, rank: int, recv_src_idx: torch.Tensor,
                          num_tokens: int, owner: int, private: Any = None,
                          send_rdma_head: Optional[torch.Tensor] = None) -> "InternodeHandle":
-        """The handle of a dispatch whose rows move as one channel per rank pair (every backend builds it
-        here, so the items mean the same everywhere).
+        """The handle of a dispatch whose rows move as one channel per rank pair: what each item means (the
+        reference backend builds it here; the native internode backend takes the same items from its kernels'
+        call info, checked against this in tests/test_internode_gpu.py).
 
         counts: [R, R] counts[s][r] = tokens rank s sends to rank r (every rank's num_tokens_per_rank).
         num_tokens_per_rdma_rank: [N] this rank's tokens per node (get_dispatch_layout's).

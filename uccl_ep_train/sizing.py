@@ -100,7 +100,8 @@ def internode_worst_counts(num_ranks: int, ranks_per_node: int, num_worst_tokens
     worst_send_rows. A rank sends a node at most what that node's L ranks receive from it: at most
     num_worst_tokens each (the counts kernel checks every rank's receive), at most num_local_experts x capacity
     each in a capacity layout (checked there too), and at most max_tokens_per_rank in all when given (the
-    Buffer checks x)."""
+    Buffer checks x). Without the last two the bound is ranks_per_node x num_worst_tokens per node: large with
+    many ranks per node (the backend counts on the host when it passes the largest RDMA region)."""
     per_node = ranks_per_node * num_worst_tokens
     if capacity:
         per_node = min(per_node, ranks_per_node * num_local_experts * capacity)
@@ -109,14 +110,22 @@ def internode_worst_counts(num_ranks: int, ranks_per_node: int, num_worst_tokens
     return [per_node] * (num_ranks * (num_ranks // ranks_per_node)), num_worst_tokens
 
 
+def internode_max_rdma_bytes() -> int:
+    """The largest RDMA region (commands carry 32-bit offsets into it)."""
+    return int(_module().INTERNODE_MAX_RDMA_BYTES)
+
+
 def internode_start(nvl_bytes: int, rdma_bytes: int) -> tuple[int, int]:
     """(NVL, RDMA) bytes the internode backend opens with, given the largest sizes any rank asked for."""
     return max(int(nvl_bytes), MIN_BYTES), max(int(rdma_bytes), MIN_BYTES)
 
 
-def internode_grow(have: int, need: int) -> int:
-    """A buffer of `have` bytes after a call that needs `need` bytes of it."""
-    return have if need <= have else grown_bytes(need)
+def internode_grow(have: int, need: int, most: Optional[int] = None) -> int:
+    """A buffer of `have` bytes after a call that needs `need` bytes of it (at most `most`, the need allowing)."""
+    if need <= have:
+        return have
+    grown = grown_bytes(need)
+    return grown if most is None else max(min(grown, most), need)
 
 
 def internode_worst_need(num_tokens: int, hidden_bytes: int, num_ranks: int, ranks_per_node: int,

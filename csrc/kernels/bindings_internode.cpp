@@ -16,6 +16,7 @@ void register_internode(py::module_& m) {
   m.attr("INTERNODE_MAX_EXPERTS") = in::kMaxExperts;
   m.attr("INTERNODE_HEADER_INTS") = in::kHeaderInts;
   m.attr("INTERNODE_MAX_EM_POSITION") = in::kMaxEmPosition;
+  m.attr("INTERNODE_MAX_RDMA_BYTES") = in::kMaxRdmaBytes;
   m.def("internode_count_row_ints", &in::count_row_ints, py::arg("num_ranks"), py::arg("num_experts"),
         py::arg("ranks_per_node"), "ints of a notify count row (num_experts=INTERNODE_MAX_EXPERTS: the row stride)");
   m.def(
@@ -53,7 +54,6 @@ void register_internode(py::module_& m) {
         d["row_base"] = o.row_base;
         d["counts"] = o.counts;
         d["num_recv"] = o.num_recv;
-        d["forwarded"] = o.forwarded;
         d["from_nodes"] = o.from_nodes;
         d["from_ends"] = o.from_ends;
         d["recv_starts"] = o.recv_starts;

@@ -380,7 +380,7 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
     }
   }
   if (threadIdx.x == kWarpSize) {
-    int recv = 0, forwarded = 0;
+    int recv = 0, forwarded = 0;  // (forwarded: the rows from the RDMA peers, so far)
     for (int s = 0; s < R; ++s) {
       a.info[o.recv_starts + s] = recv;
       recv += count(s, c.rank);
@@ -393,7 +393,6 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
       a.info[o.from_ends + n] = forwarded;
     }
     a.info[o.num_recv] = recv;
-    a.info[o.forwarded] = forwarded;
     a.info[o.valid] = 1;
   }
 }
@@ -429,11 +428,7 @@ __device__ void load_tables(const Common& c, const int* info, int64_t row_bytes,
     t.remote_in[n] = combine ? pa.crecv_off + send_before * crow_bytes : pa.recv_off + recv_before * row_bytes;
   }
   if (threadIdx.x == kWarpSize) {
-    t.send_row0[0] = t.recv_row0[0] = 0;
-    for (int n = 0; n < N; ++n) {
-      t.send_row0[n + 1] = t.send_row0[n] + rd[c.rank * N + n];
-      t.recv_row0[n + 1] = t.recv_row0[n] + rd[(n * L + c.local) * N + c.node];
-    }
+    segment_rows(rd, R, L, c.rank, t.send_row0, t.recv_row0);
     t.areas = areas_of(stride_bytes, R, t.send_row0[N], t.recv_row0[N], row_bytes, crow_bytes);
     t.num_recv = info[o.num_recv];
     t.valid = info[o.valid];

@@ -38,8 +38,9 @@ namespace uccl_ep::internode {
 struct Common;  // kernel arguments every launch shares (internode_launch.cuh)
 
 constexpr int kMaxLocal = 8;        // ranks per node (one NVLink / xGMI domain)
-constexpr int kMaxNodes = 32;       // nodes (the per-node tables travel as kernel arguments)
+constexpr int kMaxNodes = 32;       // nodes (each block keeps its per-node tables in shared memory)
 constexpr int kMaxRanks = 256;      // a command's destination rank is one byte
+constexpr int64_t kMaxRdmaBytes = (int64_t(1) << 32) - 1;  // commands carry 32-bit offsets into the RDMA region
 constexpr int kMaxChunks = 1024;    // RDMA chunks per (source node, call): chunks grow to fit
 constexpr int kMaxRings = 16;       // proxy threads (rings) a kernel can push into
 constexpr int kHeaderInts = 8;      // count row header: tokens, x bytes, scale bytes, top-k, weights, experts, ...
@@ -74,6 +75,18 @@ UCCL_HOST_DEVICE inline int64_t count_row_ints(int num_ranks, int num_experts, i
 }
 
 UCCL_HOST_DEVICE inline int64_t align_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+// A rank's node segments from the global per-node counts rd[s * N + n]: send_row0[n] the first of its rows for
+// node n, recv_row0[n] the first of the rows from node n's RDMA peer (N + 1 entries each).
+UCCL_HOST_DEVICE inline void segment_rows(const int* rd, int num_ranks, int ranks_per_node, int rank,
+                                          int64_t* send_row0, int64_t* recv_row0) {
+  const int N = num_ranks / ranks_per_node, node = rank / ranks_per_node, local = rank % ranks_per_node;
+  send_row0[0] = recv_row0[0] = 0;
+  for (int n = 0; n < N; ++n) {
+    send_row0[n + 1] = send_row0[n] + rd[int64_t(rank) * N + n];
+    recv_row0[n + 1] = recv_row0[n] + rd[int64_t(n * ranks_per_node + local) * N + node];
+  }
+}
 
 // One rank's RDMA areas (byte offsets) for a call in which it sends send_rows rows (its segments for every
 // node) and receives recv_rows rows from its RDMA peers: the one home of the region's arrangement, used by the
@@ -114,14 +127,14 @@ Layout make_layout(const std::vector<int>& rd, int num_ranks, int ranks_per_node
 //   rd [R * N]        tokens rank s sends to node n
 //   row_base [R, L]   first receive row of source s on local rank j of this node
 //   counts [R, R]     tokens rank s sends to rank r
-//   num_recv          rows this rank receives; forwarded: rows it receives from its RDMA peers
-//   from_nodes [N]    rows it receives from node n's RDMA peer (forwarded = their sum); from_ends [N] their
+//   num_recv          rows this rank receives
+//   from_nodes [N]    rows it receives from node n's RDMA peer (the rows it forwards); from_ends [N] their
 //                     inclusive prefix
 //   recv_starts [R], recv_ends [R]  where the rows from source s start / end in its receive order
 //   valid             1 once the checks passed: a refused call's kernels take none of the caller's rows
 // (from_nodes, from_ends, recv_starts, recv_ends and this rank's row of counts are DeepEP's handle items.)
 struct InfoOffsets {
-  int64_t rd, row_base, counts, num_recv, forwarded, from_nodes, from_ends, recv_starts, recv_ends, valid, ints;
+  int64_t rd, row_base, counts, num_recv, from_nodes, from_ends, recv_starts, recv_ends, valid, ints;
 };
 UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_node) {
   const int64_t R = num_ranks, N = num_ranks / ranks_per_node;
@@ -130,8 +143,7 @@ UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_no
   o.row_base = o.rd + R * N;
   o.counts = o.row_base + R * ranks_per_node;
   o.num_recv = o.counts + R * R;
-  o.forwarded = o.num_recv + 1;
-  o.from_nodes = o.forwarded + 1;
+  o.from_nodes = o.num_recv + 1;
   o.from_ends = o.from_nodes + N;
   o.recv_starts = o.from_ends + N;
   o.recv_ends = o.recv_starts + R;

@@ -73,8 +73,8 @@ int64_t InternodeBuffer::nvl_stage_off() const { return kNvlHeaderBytes + (nvl_b
 int64_t InternodeBuffer::flag_bytes() const { return 8 * flag_words(num_ranks_, num_nodes_); }
 
 void InternodeBuffer::alloc_rdma(int64_t bytes) {
-  UCCL_CHECK(bytes > 0 && bytes < (int64_t(1) << 32), "internode buffer: num_rdma_bytes " << bytes
-                                                                                          << " must be in (0, 4 GiB)");
+  UCCL_CHECK(bytes > 0 && bytes <= kMaxRdmaBytes, "internode buffer: num_rdma_bytes " << bytes
+                                                                                      << " must be in (0, 4 GiB)");
   UCCL_CHECK_GPU(gpuMalloc(&rdma_, (size_t)bytes));
   UCCL_CHECK_GPU(gpuMemset(rdma_, 0, (size_t)bytes));
   rdma_bytes_ = bytes;

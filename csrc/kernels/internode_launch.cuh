@@ -18,6 +18,8 @@ constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
 static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
 static_assert(kMaxLocal <= intranode::kMaxBoard, "a node's ranks fit its claim table and error board");
 static_assert(kMaxExperts <= (1 << kEmIdBits), "an expert id fits the low bits of an expert-major id word");
+static_assert(kHeaderInts == intranode::kShapeInts, "a count row's header is the call's shape (the counts kernel "
+                                                    "compares it field by field)");
 
 // Flag region (int64 words, pinned host memory): the proxies apply atomic adds there in sequence order.
 //   [0, R)                notify rows arrived from rank s (cumulative)

@@ -53,11 +53,7 @@ Layout make_layout(const std::vector<int>& rd, int R, int L, int rank, int64_t r
   l.num_nodes = N;
   l.row_bytes = row_bytes;
   l.crow_bytes = crow_bytes;
-  const int node = rank / L, local = rank % L;
-  for (int n = 0; n < N; ++n) {
-    l.send_row0[n + 1] = l.send_row0[n] + rd[(int64_t)rank * N + n];
-    l.recv_row0[n + 1] = l.recv_row0[n] + rd[(int64_t)(n * L + local) * N + node];
-  }
+  segment_rows(rd.data(), R, L, rank, l.send_row0, l.recv_row0);
   l.count_stride = 4 * count_row_ints(R, kMaxExperts, L);
   static_cast<Areas&>(l) = areas_of(l.count_stride, R, l.send_row0[N], l.recv_row0[N], row_bytes, crow_bytes);
   l.nvl_bytes = kNvlHeaderBytes + 2 * align_up(num_recv_rows * std::max(row_bytes, crow_bytes), 256);

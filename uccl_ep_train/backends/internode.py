@@ -7,9 +7,11 @@ and the wire format are in docs/internode.md). This class is the thin Python sid
   over its RDMA region (region 0, GPU) and flag region (region 1, pinned host memory). The transport is
   chosen at run time: `ipc` on one host (several "nodes" on one machine: the copy engine writes exactly
   where a NIC would), `verbs` (RC) on RDMA NICs, `fabric` elsewhere; UCCL_EP_TRANSPORT overrides.
-- a fresh dispatch sends its count row to every rank through the proxies (notify) and waits for every
-  rank's row on the host: that sizes the outputs and gives every rank the global per-node counts, from
-  which sender and receiver compute the same buffer layout (in C++: `_native.internode_layout`).
+- a fresh dispatch sends its count row to every rank through the proxies (notify); the counts kernel waits
+  for every rank's row on the GPU, checks them and writes the call info from which every kernel computes its
+  tables (sender and receiver derive the same layout from the same global per-node counts; host sizing:
+  `_native.internode_layout`). With num_worst_tokens that is all (no host sync); without it the host also
+  reads the rows once, to size the outputs exactly (docs/internode.md, "Notify and counts").
 - dispatch / cached dispatch / combine launch the kernels on the current stream; a fresh expert-major
   dispatch has the same kernels store its rows in expert-major order (docs/internode.md, "Expert-major
   landing") when `lands_expert_major` says so.
@@ -17,8 +19,9 @@ Receive order is intranode's (source rank, then source token index), so dispatch
 reference backend; combine reduces inside the node first (float32 in local rank order, rounded to x's dtype
 for the trip back), then over nodes (float32 in node order): within reduction tolerance of the reference.
 
-Buffers grow on demand, collectively (every rank derives the same sizes from the global counts). CUDA
-graphs: not capturable (the kernels take host-side op counters); capture raises.
+Buffers grow on demand, collectively (every rank derives the same sizes from the global counts, or from bounds
+every rank shares: sizing.internode_worst_counts). CUDA graphs: not capturable (the kernels take host-side op
+counters); capture raises.
 """
 from __future__ import annotations
 
@@ -41,8 +44,9 @@ from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from ..validation import check_expert_capacity
 from .base import Backend, WithoutLowLatency
-from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _expected_width, _module,
-                     check_same_shape, module_serves, positions_in_expert, quiesce, recorded_errors, shape_header)
+from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _combine_row_bytes,
+                     _expected_width, _module, check_same_shape, module_serves, positions_in_expert, quiesce,
+                     recorded_errors, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -168,10 +172,15 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             super()._check()
 
     def _ensure(self, rdma_need: int, nvl_need: int) -> None:
-        """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small."""
+        """Collective (every rank passes the global maxima): rebuilds buffers and proxies when too small. A
+        need past the largest RDMA region raises before anything is released (every rank alike)."""
         if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
             return
-        rdma = sizing.internode_grow(self._buf.rdma_bytes(), rdma_need)
+        most = sizing.internode_max_rdma_bytes()
+        if rdma_need > most:
+            raise ValueError(f"dispatch: this call needs an RDMA region of {rdma_need} bytes; the internode backend "
+                             f"addresses at most {most} (fewer tokens per call, or more nodes)")
+        rdma = sizing.internode_grow(self._buf.rdma_bytes(), rdma_need, most)
         nvl = sizing.internode_grow(self._buf.nvl_bytes(), nvl_need)
         if self.rank == 0:
             log.warning("uccl_ep_train native internode: growing the RDMA region to %d and the NVL buffer to %d "
@@ -216,7 +225,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
         per_rank, per_expert = counts[: self.num_ranks], counts[self.num_ranks:]
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
-        if self._buf is not None:  # records a bad expert id (raised at the dispatch's count sync)
+        if self._buf is not None:  # records a bad expert id (raised at a synced dispatch's count read, or later)
             self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
                                       per_expert.data_ptr(), in_rank.data_ptr(), current_raw_stream())
         else:  # not opened yet (a low-latency Buffer's first HT call): the host checked the ids
@@ -263,10 +272,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         (`lands_expert_major`): each received row is stored at its expert-major rows by whichever kernel
         outputs it (the pack for this rank's own tokens, the forward for rows it forwards to itself, the
         copy-out for the rows node peers wrote), the sender's positions riding in the rows' id words; no
-        receive-order x is written; a source that sends one expert more tokens than expert_capacity raises the
-        same ValueError on every rank before any row moves (every rank has every rank's counts after notify).
-        Otherwise a receive-order dispatch, then the permute kernels (base.Backend); its notify checks the
-        capacity as the landing does."""
+        receive-order x is written; a source that sends one expert more tokens than expert_capacity is refused
+        on every rank with the same sentence (every rank has every rank's counts after notify): a ValueError
+        before any row moves when the host reads the counts, else found by the counts kernel and raised later
+        (_fresh). Otherwise a receive-order dispatch, then the permute kernels (base.Backend); its counts are
+        checked against the capacity as the landing's are."""
         if not self.lands_expert_major(topk_idx.size(1), num_tokens_per_expert.numel(), config):
             recv_x, _, recv_idx, recv_w, counts, handle, _ = self._fresh(
                 x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
@@ -311,9 +321,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         dispatches and its combines take. With num_worst_tokens nothing else needs the counts: the outputs are
         sized num_worst_tokens, the buffers from bounds every rank computes alike (sizing.internode_worst_counts,
         grown before notify), and a violation (a rank receiving more, an expert over its capacity, ranks that
-        disagree on the shape) is recorded on every rank and raised by the next call. Without it the host reads
-        the rows once (the one sync): exact output sizes, growth to the exact layout, and those checks raised
-        before any row moves."""
+        disagree on the shape) is recorded on every rank and raised by a later call or check_errors (the refused
+        call's outputs are unspecified; the Buffer must be recreated). A bound past the largest RDMA region
+        (no num_max_tokens_per_rank, no capacity) falls back to the host read, every rank alike. Without
+        num_worst_tokens the host reads the rows once (the one sync): exact output sizes, growth to the exact
+        layout, and those checks raised before any row moves."""
         self._check()
         R, L, N, me = self.num_ranks, self.L, self.N, self.rank
         x = x.contiguous()
@@ -339,7 +351,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         capacity = capacity if em is None else em.capacity
         header = shape_header(x, x_scales, topk_idx, topk_weights, num_experts, capacity,
                               expert_major_ids=em is not None)
-        y_bytes = hidden * (4 if x.dtype == torch.float32 else 2)  # the combine's rows, sized for now too
+        y_bytes = _combine_row_bytes(x)  # the combine's rows, sized for now too
         if self._unopened is not None:  # collective: every rank is in this dispatch
             sizes, self._unopened = self._unopened, None
             try:
@@ -353,7 +365,19 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if sync_free:  # every size from bounds every rank computes alike: a grow is every rank's or none's
             rd, max_recv = sizing.internode_worst_counts(R, L, int(num_worst_tokens), epr, capacity,
                                                          int(num_max_tokens_per_rank))
-            self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
+            need = self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes)
+            # a bound past the largest region (no num_max_tokens_per_rank, no capacity, many ranks per node):
+            # every rank alike counts on the host instead
+            sync_free = need[0] <= sizing.internode_max_rdma_bytes()
+            if sync_free:
+                self._ensure(*need)
+                if em is not None:  # a capacity layout's blocks need no counts: placed before notify's kernels
+                    em.place(None, R, num_experts, me, dev)
+            else:
+                _say_once(f"uccl_ep_train native internode: num_worst_tokens={num_worst_tokens} bounds the buffers "
+                          f"at {need[0]} bytes of RDMA region, past the {sizing.internode_max_rdma_bytes()} it "
+                          f"can have: these dispatches read the counts on the host (one sync each); pass "
+                          f"num_max_tokens_per_rank to bound them", self.rank)
         stream = current_raw_stream()
         self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
         info = torch.empty(self._info_offsets["ints"], dtype=torch.int32, device=dev)
@@ -361,8 +385,6 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             self._buf.counts(int(num_worst_tokens), capacity, info.data_ptr(), stream)
             out_rows = int(num_worst_tokens)
             forwarded = min(L * out_rows, N * rd[0])  # rows of this node's ranks, and of its RDMA peers' sends
-            if em is not None:
-                em.place(None, R, num_experts, me, dev)
             per_expert_list: list = []
         else:
             rows = self._wait_counts()
@@ -376,10 +398,12 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 check_expert_capacity(torch.from_numpy(sent), capacity)
             rd_rows = rows[:, h + R:h + R + N]
             rd, max_recv = rd_rows.reshape(-1).tolist(), int(recv_per_rank.max())
-            out_rows = int(recv_per_rank[me])
+            check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)
+            out_rows = int(num_worst_tokens) or int(recv_per_rank[me])
             forwarded = int(rd_rows[[n * L + self.local for n in range(N)], self.node].sum())
             expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)
-            per_expert_list = [-(-int(c) // expert_alignment) * expert_alignment for c in expert_counts]
+            per_expert_list = [] if num_worst_tokens else [-(-int(c) // expert_alignment) * expert_alignment
+                                                           for c in expert_counts]
             # before a grow: the rows live in the RDMA region a grow replaces (the host checked them already)
             self._buf.counts(0, capacity, info.data_ptr(), stream)
             self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
@@ -521,6 +545,29 @@ class _ExpertMajor:
         self.x_em = (torch.zeros if self.capacity else torch.empty)((rows, x.size(1)), dtype=x.dtype,
                                                                     device=x.device)
         self.em_map = torch.empty((max(out_rows, 1), num_topk), dtype=torch.int32, device=x.device)
+
+
+def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
+    """Raises unless num_worst_tokens (0: not given) bounds what every rank receives (a dispatch that counts on
+    the host). It takes every rank's receive count (notify gives each rank all of them), not this rank's, so
+    every rank raises, before its kernels, or none does: a rank refusing alone would leave its peers' kernels
+    waiting for it until the timeout (UCCL_EP_TIMEOUT_S). (Without a host sync the counts kernel checks it.)"""
+    if not num_worst_tokens:
+        return
+    busiest = max(range(len(recv_per_rank)), key=lambda r: recv_per_rank[r])
+    if recv_per_rank[busiest] > num_worst_tokens:
+        raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
+                           f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
+
+
+_said: set = set()
+
+
+def _say_once(message: str, rank: int) -> None:
+    """A warning rank 0 logs once per process."""
+    if rank == 0 and message not in _said:
+        _said.add(message)
+        log.warning(message)
 
 
 def _shared_gpu_proxy_options(ranks_per_gpu: int, cpus: int, proxy_groups: int) -> dict:
