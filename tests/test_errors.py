@@ -478,6 +478,9 @@ _SENTENCES = [
     ("expert_capacity", "intranode_notify", 0, (1, 0, 3, 24, 1), 1,
      [r"^dispatch_expert_major: rank 0 sends 24 tokens to local expert 3 of rank 1, more than expert_capacity=1: "
       r"pass a larger expert_capacity"]),
+    ("node_rows", "internode_notify", 2, (0, 3, 1, 900, 512), 0,
+     [r"^dispatch: rank 3 sends 900 tokens to node 1, more than the 512 this dispatch without a host sync sized its "
+      r"buffers for .*: its num_tokens_per_rdma_rank disagrees with its num_tokens_per_rank"]),
     ("ring_full", "internode_combine_forward", 2, (0, 3, 4, 2, 0), 0,
      [r"^rank 0 \(node 0\): the proxy ring of channel 4 stayed full for 2 s in 'combine \(forward\)' \(sending to "
       r"rank 3 \(node 1\)\): the proxy thread stopped draining it", r"\(need 2, have 0\)$"]),

@@ -167,6 +167,13 @@ std::string describe_error(const ErrorFields& e, const ErrorContext& ctx) {
          << ": pass a larger expert_capacity, or drop the excess tokens in the router (a capacity factor)";
       numbers = false;
       break;
+    case kErrNodeRows:
+      os << "dispatch: rank " << e.peer << " sends " << e.need << " tokens to node " << e.block << ", more than the "
+         << e.have << " this dispatch without a host sync sized its buffers for (num_worst_tokens, expert_capacity, "
+         << "num_max_tokens_per_rank): its num_tokens_per_rdma_rank disagrees with its num_tokens_per_rank; pass "
+         << "what get_dispatch_layout returned";
+      numbers = false;
+      break;
     case kErrRingFull:
       os << me << ": the proxy ring of channel " << e.block << " stayed full for " << ctx.timeout_s << " s in '"
          << p.label << "' (sending to " << rank_name(e.peer, ctx) << "): the proxy thread stopped draining it; "

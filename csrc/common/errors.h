@@ -17,7 +17,8 @@ namespace uccl_ep {
 // kErrBadExpert: topk_idx[peer, block] = need, outside [-1, have). Both are the GPU's value checks (the host's
 // are opt-in). kErrShape: field `block` of the call's shape is `need` here and `have` on rank `peer` (checked
 // on the GPU when no host sync checks it). kErrExpertCapacity: rank `peer` sends `need` tokens to local expert
-// `block`, more than the expert_capacity `have` of an expert-major dispatch.
+// `block`, more than the expert_capacity `have` of an expert-major dispatch. kErrNodeRows: rank `peer` sends
+// `need` tokens to node `block`, more than the `have` a dispatch without a host sync sized the buffers for.
 enum ErrorCode : int {
   kErrNone = 0,
   kErrTimeout = 1,
@@ -27,6 +28,7 @@ enum ErrorCode : int {
   kErrBadExpert = 5,
   kErrShape = 6,
   kErrExpertCapacity = 7,
+  kErrNodeRows = 8,
   kErrRingFull = 10,    // a proxy ring stayed full for the whole timeout (proxy thread dead or stuck)
   kErrExpertFull = 11,  // low latency: more than max_tokens rows for one expert from one rank (repeated ids)
   kErrAborted = 12,     // rank `rank` raised on the host inside call kAbortOps[block] (abort(), kernels/abort.h)

@@ -91,13 +91,16 @@ void register_internode(py::module_& m) {
       .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
       .def(
           "counts",
-          [](InternodeBuffer& b, int64_t num_worst_tokens, int expert_capacity, int64_t info, int64_t stream) {
+          [](InternodeBuffer& b, int64_t num_worst_tokens, int expert_capacity, int64_t max_node_rows, int64_t info,
+             int64_t stream) {
             in::CountChecks checks;
             checks.num_worst_tokens = num_worst_tokens;
             checks.expert_capacity = expert_capacity;
+            checks.max_node_rows = max_node_rows;
             b.counts(checks, info, stream);
           },
-          py::arg("num_worst_tokens"), py::arg("expert_capacity"), py::arg("info"), py::arg("stream"),
+          py::arg("num_worst_tokens"), py::arg("expert_capacity"), py::arg("max_node_rows"), py::arg("info"),
+          py::arg("stream"),
           py::call_guard<py::gil_scoped_release>())
       .def("dispatch", &InternodeBuffer::dispatch, py::call_guard<py::gil_scoped_release>())
       .def("combine", &InternodeBuffer::combine, py::call_guard<py::gil_scoped_release>());

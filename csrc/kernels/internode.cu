@@ -301,7 +301,8 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
 // The first thing every rank finds wrong with the call, in one order on every rank (each reads every rank's
 // count row): a shape field that differs from rank 0's (first field, then first rank), a rank receiving more
 // than num_worst_tokens (first rank), a source sending more than expert_capacity to one expert (first source,
-// then expert). Packed as kind << 40 | index, so that the smallest key is the first.
+// then expert), a source sending a node more than max_node_rows (first source, then node). Packed as
+// kind << 40 | index, so that the smallest key is the first.
 constexpr unsigned long long kNoViolation = ~0ull;
 __device__ __forceinline__ unsigned long long violation(int kind, int64_t index) {
   return (static_cast<unsigned long long>(kind) << 40) | static_cast<unsigned long long>(index);
@@ -347,6 +348,10 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
     const int s = int(i / a.num_experts), e = int(i % a.num_experts);
     if (row(s)[kHeaderInts + R + N + e] > a.checks.expert_capacity) first = min(first, violation(2, i));
   }
+  for (int i = threadIdx.x; i < R * N && a.checks.max_node_rows > 0; i += blockDim.x) {
+    const int v = row(i / N)[kHeaderInts + R + i % N];
+    if (v < 0 || v > a.checks.max_node_rows) first = min(first, violation(3, i));
+  }
   if (first != kNoViolation) atomicMin(&s_first, first);
   __syncthreads();
   if (s_first != kNoViolation) {
@@ -361,10 +366,14 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
         for (int s = 0; s < R; ++s) recv += count(s, int(i));
         report_error(c.err, c.claim, kErrWorstTokens, int(i), int(i), kPhaseNotify, int(recv),
                      int(a.checks.num_worst_tokens), 0);
-      } else {
+      } else if (kind == 2) {
         const int s = int(i / a.num_experts), e = int(i % a.num_experts), epr = a.num_experts / R;
         report_error(c.err, c.claim, kErrExpertCapacity, e / epr, s, kPhaseNotify, row(s)[kHeaderInts + R + N + e],
                      a.checks.expert_capacity, e % epr);
+      } else {
+        const int s = int(i / N), n = int(i % N);
+        report_error(c.err, c.claim, kErrNodeRows, c.rank, s, kPhaseNotify, row(s)[kHeaderInts + R + n],
+                     int(a.checks.max_node_rows), n);
       }
     }
     return;

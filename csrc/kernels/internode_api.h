@@ -155,11 +155,14 @@ UCCL_HOST_DEVICE inline InfoOffsets info_offsets(int num_ranks, int ranks_per_no
 // What the counts kernel checks, for every rank alike (each reads every rank's count row, so every rank
 // reaches the same verdict and either all move rows or none does): the shape headers agree, no rank receives
 // more than num_worst_tokens (0: unbounded), no source sends more than expert_capacity tokens to one expert
-// (0: no capacity). Whether the rows fit the buffers is the host's part: it sizes them from the counts (a
-// synced dispatch) or from a bound these checks enforce (sizing.internode_worst_counts).
+// (0: no capacity), no source sends a node more than max_node_rows tokens (0: unchecked). The host sizes the
+// buffers from the counts (a synced dispatch) or from max_node_rows (sizing.internode_worst_counts), which the
+// other checks imply for counts that agree with each other: the last one refuses counts that do not (a
+// num_tokens_per_rdma_rank that disagrees with num_tokens_per_rank) before they could write past a region.
 struct CountChecks {
   int64_t num_worst_tokens = 0;
   int expert_capacity = 0;
+  int64_t max_node_rows = 0;
 };
 
 class InternodeBuffer {

@@ -326,9 +326,9 @@ void InternodeBuffer::counts(const CountChecks& checks, int64_t info, int64_t st
   check_ready("dispatch (counts)");
   UCCL_CHECK(notifies_ > 0, "counts: no notify was issued");
   UCCL_CHECK(info != 0, "counts: no call info tensor");
-  UCCL_CHECK(checks.num_worst_tokens >= 0 && checks.expert_capacity >= 0,
-             "counts: num_worst_tokens " << checks.num_worst_tokens << " and expert_capacity "
-                                         << checks.expert_capacity << " must be >= 0");
+  UCCL_CHECK(checks.num_worst_tokens >= 0 && checks.expert_capacity >= 0 && checks.max_node_rows >= 0,
+             "counts: num_worst_tokens " << checks.num_worst_tokens << ", expert_capacity " << checks.expert_capacity
+                                         << " and max_node_rows " << checks.max_node_rows << " must be >= 0");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
   CountsArgs a{};

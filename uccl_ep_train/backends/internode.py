@@ -382,7 +382,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
         info = torch.empty(self._info_offsets["ints"], dtype=torch.int32, device=dev)
         if sync_free:
-            self._buf.counts(int(num_worst_tokens), capacity, info.data_ptr(), stream)
+            self._buf.counts(int(num_worst_tokens), capacity, rd[0], info.data_ptr(), stream)
             out_rows = int(num_worst_tokens)
             forwarded = min(L * out_rows, N * rd[0])  # rows of this node's ranks, and of its RDMA peers' sends
             per_expert_list: list = []
@@ -405,7 +405,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             per_expert_list = [] if num_worst_tokens else [-(-int(c) // expert_alignment) * expert_alignment
                                                            for c in expert_counts]
             # before a grow: the rows live in the RDMA region a grow replaces (the host checked them already)
-            self._buf.counts(0, capacity, info.data_ptr(), stream)
+            self._buf.counts(0, capacity, 0, info.data_ptr(), stream)
             self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
         state = InternodeState(info, rd, max_recv, send_positions(is_token_in_rank))
         node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
