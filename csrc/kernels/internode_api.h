@@ -40,7 +40,8 @@ struct Common;  // kernel arguments every launch shares (internode_launch.cuh)
 constexpr int kMaxLocal = 8;        // ranks per node (one NVLink / xGMI domain)
 constexpr int kMaxNodes = 32;       // nodes (each block keeps its per-node tables in shared memory)
 constexpr int kMaxRanks = 256;      // a command's destination rank is one byte
-constexpr int64_t kMaxRdmaBytes = (int64_t(1) << 32) - 1;  // commands carry 32-bit offsets into the RDMA region
+// commands carry 32-bit offsets into the RDMA region; 64 MiB short of 4 GiB keeps the largest one page-aligned
+constexpr int64_t kMaxRdmaBytes = (int64_t(1) << 32) - (int64_t(64) << 20);
 constexpr int kMaxChunks = 1024;    // RDMA chunks per (source node, call): chunks grow to fit
 constexpr int kMaxRings = 16;       // proxy threads (rings) a kernel can push into
 constexpr int kHeaderInts = 8;      // count row header: tokens, x bytes, scale bytes, top-k, weights, experts, ...

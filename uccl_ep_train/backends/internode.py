@@ -178,8 +178,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             return
         most = sizing.internode_max_rdma_bytes()
         if rdma_need > most:
-            raise ValueError(f"dispatch: this call needs an RDMA region of {rdma_need} bytes; the internode backend "
-                             f"addresses at most {most} (fewer tokens per call, or more nodes)")
+            raise ValueError(f"this call needs an RDMA region of {rdma_need} bytes; the internode backend addresses "
+                             f"at most {most} (fewer tokens per call, or more nodes)")
         rdma = sizing.internode_grow(self._buf.rdma_bytes(), rdma_need, most)
         nvl = sizing.internode_grow(self._buf.nvl_bytes(), nvl_need)
         if self.rank == 0:
@@ -384,13 +384,14 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if sync_free:
             self._buf.counts(int(num_worst_tokens), capacity, rd[0], info.data_ptr(), stream)
             out_rows = int(num_worst_tokens)
-            forwarded = min(L * out_rows, N * rd[0])  # rows of this node's ranks, and of its RDMA peers' sends
+            forwarded = N * rd[0]  # what the counts kernel lets the RDMA peers send this node (max_node_rows)
             per_expert_list: list = []
         else:
             rows = self._wait_counts()
             h = int(self._native.INTERNODE_HEADER_INTS)
             counts = rows[:, h:h + R].astype(np.int64)  # counts[s][r]: tokens rank s sends to rank r
             recv_per_rank = counts.sum(axis=0)
+            check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)  # (in the counts kernel's order)
             sent = rows[:, h + R + N:h + R + N + num_experts].astype(np.int64)  # every rank's: one verdict
             if em is not None:
                 em.place(sent, R, num_experts, me, dev)
@@ -398,7 +399,6 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 check_expert_capacity(torch.from_numpy(sent), capacity)
             rd_rows = rows[:, h + R:h + R + N]
             rd, max_recv = rd_rows.reshape(-1).tolist(), int(recv_per_rank.max())
-            check_worst_tokens(recv_per_rank.tolist(), num_worst_tokens)
             out_rows = int(num_worst_tokens) or int(recv_per_rank[me])
             forwarded = int(rd_rows[[n * L + self.local for n in range(N)], self.node].sum())
             expert_counts = rows[:, h + R + N + me * epr:h + R + N + (me + 1) * epr].sum(axis=0)

@@ -13,8 +13,9 @@ given a libfabric built with CUDA, docs/proxy.md); every call is issued from a s
 Per rank, DeepEP's conventions as `bench intranode` has them: cached-handle BF16 dispatch, FP8 dispatch
 (e4m3 + per-128-channel float32 scales) and BF16 combine with top-k weights, plus the fresh BF16 dispatch
 as Megatron's drop-and-pad calls it (`dispatch_fresh_bf16`: get_dispatch_layout, then dispatch with
-num_worst_tokens: no host sync, the counts stay on the GPU; inside `validation.trusted_values()`, as the
-Megatron dispatcher makes it, so that the host's value checks do not read the ids back). µs per call = median over
+num_worst_tokens and num_max_tokens_per_rank (every rank has the shape's tokens): no host sync, the counts stay
+on the GPU; inside `validation.trusted_values()`, as the Megatron dispatcher makes it, so that the host's value
+checks do not read the ids back). µs per call = median over
 `--iters` (after `--warmup`) of CUDA events around each call (timing "api": host work included; `host_us`:
 the host's time until the call returned); with the native backend on GPUs also the mean device time of the
 call's own kernels (timing "kernel", rounds started on every rank's GPU together, as `bench low-latency`).
@@ -223,7 +224,8 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(topk_idx, E)
             buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
                          is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=topk_idx,
-                         topk_weights=topk_w, num_worst_tokens=max(received), config=config)
+                         topk_weights=topk_w, num_worst_tokens=max(received), num_max_tokens_per_rank=T,
+                         config=config)
 
     proxy_stats = getattr(buf.backend, "proxy_stats", None)
     remote_ranks = [r for r in range(world) if topo.node_of(r) != topo.node_of(rank)]
