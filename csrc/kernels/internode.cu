@@ -422,19 +422,13 @@ __device__ void load_tables(const Common& c, const int* info, int64_t row_bytes,
   for (int i = threadIdx.x; i < R * N; i += blockDim.x) most = max(most, rd[i]);
   if (most > 0) atomicMax(&s_most, most);
   if (threadIdx.x < N && threadIdx.x != c.node) {  // thread n: node n's RDMA peer's layout
-    const int n = threadIdx.x, p = n * L + c.local;
-    int64_t send = 0, recv = 0, send_before = 0, recv_before = 0;
-    for (int m = 0; m < N; ++m) {
-      const int64_t sv = rd[p * N + m], rv = rd[(m * L + c.local) * N + n];
-      if (m < c.node) {
-        send_before += sv;
-        recv_before += rv;
-      }
-      send += sv;
-      recv += rv;
-    }
-    const Areas pa = areas_of(stride_bytes, R, send, recv, row_bytes, crow_bytes);
-    t.remote_in[n] = combine ? pa.crecv_off + send_before * crow_bytes : pa.recv_off + recv_before * row_bytes;
+    const int n = threadIdx.x;
+    int64_t send_row0[kMaxNodes + 1], recv_row0[kMaxNodes + 1];
+    segment_rows(rd, R, L, n * L + c.local, send_row0, recv_row0);
+    const Areas pa = areas_of(stride_bytes, R, send_row0[N], recv_row0[N], row_bytes, crow_bytes);
+    // this rank's rows land in the peer's segment for this node
+    t.remote_in[n] = combine ? pa.crecv_off + send_row0[c.node] * crow_bytes
+                             : pa.recv_off + recv_row0[c.node] * row_bytes;
   }
   if (threadIdx.x == kWarpSize) {
     segment_rows(rd, R, L, c.rank, t.send_row0, t.recv_row0);
@@ -508,6 +502,9 @@ __device__ __forceinline__ int em_word(const DispatchArgs& a, int id, int pos) {
   if (a.em_x == nullptr || id < 0) return id;
   return id < a.experts_per_rank * a.c.num_ranks ? id | ((pos + 1) << kEmIdBits) : -1;
 }
+// An id word's expert (-1 stays -1) and its position + 1 (0: none), as em_word packed them.
+__device__ __forceinline__ int em_expert(int word) { return word < 0 ? word : word & ((1 << kEmIdBits) - 1); }
+__device__ __forceinline__ int em_position1(int word) { return word < 0 ? 0 : word >> kEmIdBits; }
 
 // The whole warp: outputs row `row` of a token whose top-k id words / weights are id(k) / w(k) (em_word)
 // and which is token src_token of rank src_rank: ids become local expert ids or -1. Expert-major: lane k
@@ -520,7 +517,7 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
   if (a.recv_idx != nullptr) {
     for (int k = lane; k < a.num_topk; k += kWarpSize) {
       const int v = id(k);
-      const int e = (a.em_x != nullptr && v >= 0 ? v & ((1 << kEmIdBits) - 1) : v) - lo;
+      const int e = (a.em_x != nullptr ? em_expert(v) : v) - lo;
       const bool mine = e >= 0 && e < a.experts_per_rank;
       a.recv_idx[row * a.num_topk + k] = mine ? e : -1;
       if (a.recv_w != nullptr) a.recv_w[row * a.num_topk + k] = mine ? w(k) : 0.f;
@@ -531,8 +528,8 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
   int d = -1;  // lane k: slot k's expert-major row (num_topk <= kMaxExpertMajorTopk: a lane per slot)
   if (lane < a.num_topk) {
     const int v = id(lane);
-    const int e = v < 0 ? -1 : (v & ((1 << kEmIdBits) - 1)) - lo;
-    const int pos1 = v < 0 ? 0 : v >> kEmIdBits;
+    const int e = v < 0 ? -1 : em_expert(v) - lo;
+    const int pos1 = em_position1(v);
     if (e >= 0 && e < a.experts_per_rank && pos1 > 0) {
       d = a.em_base[src_rank * a.experts_per_rank + e] + pos1 - 1;
       if (d >= a.em_rows) d = -1;  // (the host refused blocks that overflow a capacity)

@@ -365,7 +365,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if sync_free:  # every size from bounds every rank computes alike: a grow is every rank's or none's
             rd, max_recv = sizing.internode_worst_counts(R, L, int(num_worst_tokens), epr, capacity,
                                                          int(num_max_tokens_per_rank))
-            need = self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes)
+            need = _uniform_need(R, L, rd[0], max_recv, x_bytes, scale_bytes, K, y_bytes)
             # a bound past the largest region (no num_max_tokens_per_rank, no capacity, many ranks per node):
             # every rank alike counts on the host instead
             sync_free = need[0] <= sizing.internode_max_rdma_bytes()
@@ -439,10 +439,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
     def _need(self, rd: list, max_recv: int, x_bytes: int, scale_bytes: int, num_topk: int,
               y_bytes: int) -> tuple[int, int]:
         """(RDMA, NVL) bytes a dispatch of these rows and its combine need on any rank (sizing.internode_need;
-        counts alike for every rank, as a bound's are, need one rank's layout)."""
-        ranks = [0] if len(set(rd)) <= 1 else None
-        return sizing.internode_need(rd, self.num_ranks, self.L, x_bytes, scale_bytes, num_topk, y_bytes, max_recv,
-                                     ranks=ranks)
+        counts alike for every rank, as a bound's are: _uniform_need)."""
+        if len(set(rd)) <= 1:
+            return _uniform_need(self.num_ranks, self.L, rd[0] if rd else 0, max_recv, x_bytes, scale_bytes,
+                                 num_topk, y_bytes)
+        return sizing.internode_need(rd, self.num_ranks, self.L, x_bytes, scale_bytes, num_topk, y_bytes, max_recv)
 
     def _ensure_for(self, st: InternodeState, x_bytes: int, scale_bytes: int, num_topk: int, y_bytes: int) -> None:
         """Grows the buffers (collectively) to what a dispatch of these rows and its combine need on any rank."""
@@ -529,13 +530,13 @@ class _ExpertMajor:
         if self.capacity:
             if sent is not None:
                 check_expert_capacity(torch.from_numpy(sent), self.capacity)
-            base = (np.arange(epr)[None, :] * R + np.arange(R)[:, None]) * self.capacity
+            self.em_base = _capacity_bases(R, epr, self.capacity, torch.device(device))
             self.per_expert = [R * self.capacity] * epr
-        else:
-            mine = sent[:, rank * epr:(rank + 1) * epr]
-            totals = mine.sum(axis=0)
-            base = (np.cumsum(totals) - totals)[None, :] + (np.cumsum(mine, axis=0) - mine)
-            self.per_expert = [int(t) for t in totals]
+            return
+        mine = sent[:, rank * epr:(rank + 1) * epr]
+        totals = mine.sum(axis=0)
+        base = (np.cumsum(totals) - totals)[None, :] + (np.cumsum(mine, axis=0) - mine)
+        self.per_expert = [int(t) for t in totals]
         self.em_base = to_device(base.astype(np.int32), device)
 
     def allocate(self, out_rows: int, num_topk: int, x: torch.Tensor) -> None:
@@ -545,6 +546,25 @@ class _ExpertMajor:
         self.x_em = (torch.zeros if self.capacity else torch.empty)((rows, x.size(1)), dtype=x.dtype,
                                                                     device=x.device)
         self.em_map = torch.empty((max(out_rows, 1), num_topk), dtype=torch.int32, device=x.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _uniform_need(num_ranks: int, ranks_per_node: int, per_node: int, max_recv: int, x_bytes: int,
+                  scale_bytes: int, num_topk: int, y_bytes: int) -> tuple[int, int]:
+    """sizing.internode_need of counts alike for every (source, node) pair, as a sync-free dispatch's bound is:
+    one rank's layout serves all. Cached: a sync-free dispatch asks on every call, with the same shape."""
+    rd = [per_node] * (num_ranks * (num_ranks // ranks_per_node))
+    return sizing.internode_need(rd, num_ranks, ranks_per_node, x_bytes, scale_bytes, num_topk, y_bytes, max_recv,
+                                 ranks=[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _capacity_bases(num_ranks: int, num_local_experts: int, capacity: int, device: torch.device) -> torch.Tensor:
+    """int32 [R, local experts] on `device`: block (expert e, source s) of a capacity layout starts at row
+    (e x R + s) x capacity. Read only (the kernels take it as const): one per shape and device, not a copy per
+    call."""
+    e, s = np.arange(num_local_experts)[None, :], np.arange(num_ranks)[:, None]
+    return to_device(((e * num_ranks + s) * capacity).astype(np.int32), device)
 
 
 def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
