@@ -278,6 +278,52 @@ def _run_suite(rank, world, device, L, fault_seeds):
     return report
 
 
+@pytest.mark.parametrize("world,L", [(2, 1), (8, 2), (6, 3), (32, 8)])
+def test_layout_and_send_positions_kernels_match_the_reference(world, L):
+    """The fresh dispatch's per-token tables come from two kernels (no torch op per call): the layout kernel's
+    tokens per node, and the send positions (DeepEP's send_head / send_rdma_head) of every rank and node column,
+    in tiles of a block's tokens with a carry: token counts around the tile size, none, one, columns no token
+    goes to. Checked against the reference backend's torch definitions (uccl_ep_train.handles), in one process."""
+    why = _ready()
+    if why:
+        pytest.skip(why)
+    from uccl_ep_train import _native
+    from uccl_ep_train.handles import nodes_of_tokens, send_positions
+
+    dev, N = torch.device("cuda", 0), world // L
+    experts = 4 * world
+    buf = _native.InternodeBuffer(0, 0, world, L, 1 << 20, 1 << 20, 10.0)
+    try:
+        for T in (0, 1, 511, 512, 513, 1500, 4096):
+            g = torch.Generator().manual_seed(T * 31 + world)
+            idx = torch.randint(-1, experts, (T, 3), generator=g)
+            idx[idx // 4 == 1] = -1  # rank 1 receives nothing (a node column without hits when L == 1)
+            idx = idx.to(dev)
+            counts = torch.zeros(world + N + experts, dtype=torch.int32, device=dev)
+            per_rank, per_node, per_expert = counts[:world], counts[world:world + N], counts[world + N:]
+            in_rank = torch.empty((T, world), dtype=torch.bool, device=dev)
+            stream = torch.cuda.current_stream().cuda_stream
+            buf.dispatch_layout(idx.data_ptr(), T, 3, experts, per_rank.data_ptr(), per_node.data_ptr(),
+                                per_expert.data_ptr(), in_rank.data_ptr(), stream)
+            send_pos = torch.empty((T, world), dtype=torch.int32, device=dev)
+            node_head = torch.empty((T, N), dtype=torch.int32, device=dev)
+            buf.send_positions(in_rank.data_ptr(), T, send_pos.data_ptr(), node_head.data_ptr(), stream)
+            torch.cuda.synchronize()
+            idx = idx.cpu()
+            want_in = torch.zeros((T, world), dtype=torch.bool)
+            for t, k in (idx >= 0).nonzero().tolist():
+                want_in[t, idx[t, k] // 4] = True
+            assert torch.equal(in_rank.cpu(), want_in), f"T={T}: is_token_in_rank"
+            assert per_rank.cpu().tolist() == want_in.sum(0).tolist(), f"T={T}: num_tokens_per_rank"
+            assert per_expert.cpu().tolist() == torch.bincount(idx[idx >= 0], minlength=experts).tolist()
+            nodes = nodes_of_tokens(want_in, N)
+            assert per_node.cpu().tolist() == nodes.sum(0).tolist(), f"T={T}: num_tokens_per_rdma_rank"
+            assert torch.equal(send_pos.cpu(), send_positions(want_in)), f"T={T}: send positions"
+            assert torch.equal(node_head.cpu(), send_positions(nodes)), f"T={T}: node positions"
+    finally:
+        buf.destroy()
+
+
 @pytest.mark.parametrize("world,L", [(2, 1), (4, 2), (6, 2), (4, 1)])
 def test_internode_one_gpu(mps, world, L):
     why = _ready()

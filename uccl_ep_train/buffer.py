@@ -539,12 +539,8 @@ class Buffer:
         backend = self.backend
         _check_capture("get_dispatch_layout", backend)
 
-        def run():
-            per_rank, per_expert, in_rank = backend.get_dispatch_layout(topk_idx, num_experts)
-            return per_rank, backend.tokens_per_node(in_rank), per_expert, in_rank
-
         (per_rank, per_node, per_expert, in_rank), event = self._run(
-            "get_dispatch_layout", run, (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
+            "get_dispatch_layout", lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
             checked_on_device=backend.checks_expert_ids_on_device)
         return per_rank, per_node, per_expert, in_rank, event
@@ -787,7 +783,7 @@ class Buffer:
 
         def run():
             idx = topk_idx.to(torch.int64)
-            per_rank, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
+            per_rank, _, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
             return backend.dispatch_expert_major(x, idx, topk_weights, per_rank, in_rank, per_expert, config,
                                                  num_worst_tokens, expert_capacity)
 

@@ -89,6 +89,7 @@ void register_internode(py::module_& m) {
       .def("dispatch_layout", &InternodeBuffer::dispatch_layout, py::call_guard<py::gil_scoped_release>())
       .def("notify", &InternodeBuffer::notify, py::call_guard<py::gil_scoped_release>())
       .def("wait_counts", &InternodeBuffer::wait_counts, py::call_guard<py::gil_scoped_release>())
+      .def("send_positions", &InternodeBuffer::send_positions, py::call_guard<py::gil_scoped_release>())
       .def(
           "counts",
           [](InternodeBuffer& b, int64_t num_worst_tokens, int expert_capacity, int64_t max_node_rows, int64_t info,

@@ -297,6 +297,45 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
   }
 }
 
+// ---- send positions -------------------------------------------------------------------------------------
+// DeepEP's send_head and send_rdma_head from is_token_in_rank [T, R] in one launch: block d < R scans column d
+// (send_pos[t, d]: token t's row among this rank's tokens for rank d, -1), block R + n the node column n (a
+// token goes to node n when it goes to any of its ranks; node_head[t, n] likewise). Tiles of blockDim tokens in
+// order, each an exclusive scan of warp ballots, so no torch op (cumsum, where, any) is needed per call.
+__global__ void __launch_bounds__(kThreads) send_positions_kernel(const bool* in_rank, int num_tokens, int R, int L,
+                                                                  int* send_pos, int* node_head) {
+  __shared__ int s_warp[kWarps];
+  const bool node_col = int(blockIdx.x) >= R;
+  const int col = node_col ? int(blockIdx.x) - R : int(blockIdx.x);
+  const int width = node_col ? R / L : R;
+  int* out = node_col ? node_head : send_pos;
+  const int lane = threadIdx.x % kWarpSize, warp = threadIdx.x / kWarpSize;
+  int carry = 0;  // hits in the tiles before this one
+  for (int base = 0; base < num_tokens; base += blockDim.x) {
+    const int t = base + threadIdx.x;
+    bool hit = false;
+    if (t < num_tokens) {
+      const bool* row = in_rank + int64_t(t) * R;
+      if (node_col) {
+        for (int j = 0; j < L; ++j) hit = hit || row[col * L + j];
+      } else {
+        hit = row[col];
+      }
+    }
+    const uint64_t votes = intranode::warp_ballot(hit);
+    if (lane == 0) s_warp[warp] = __popcll(votes);
+    __syncthreads();
+    int before = carry + __popcll(votes & ((1ull << lane) - 1ull)), total = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      before += w < warp ? s_warp[w] : 0;
+      total += s_warp[w];
+    }
+    if (t < num_tokens) out[int64_t(t) * width + col] = hit ? before : -1;
+    carry += total;
+    __syncthreads();  // s_warp is rewritten by the next tile
+  }
+}
+
 // ---- counts ---------------------------------------------------------------------------------------------
 // The first thing every rank finds wrong with the call, in one order on every rank (each reads every rank's
 // count row): a shape field that differs from rank 0's (first field, then first rank), a rank receiving more
@@ -941,6 +980,7 @@ void load_combine(const char* type) {
 void preload_kernels() {
   load(notify_kernel, "notify");
   load(counts_kernel, "counts");
+  load(send_positions_kernel, "send_positions");
   load(dispatch_pack_kernel, "dispatch_pack");
   load(dispatch_forward_kernel, "dispatch_forward");
   load(dispatch_copy_out_kernel, "dispatch_copy_out");
@@ -953,6 +993,13 @@ void preload_kernels() {
 void launch_notify(const NotifyArgs& a, gpuStream_t stream) {
   notify_kernel<<<1, kThreads, 0, stream>>>(a);
   check_launch("notify");
+}
+
+void launch_send_positions(const bool* in_rank, int num_tokens, int num_ranks, int ranks_per_node, int* send_pos,
+                           int* node_head, gpuStream_t stream) {
+  send_positions_kernel<<<num_ranks + num_ranks / ranks_per_node, kThreads, 0, stream>>>(
+      in_rank, num_tokens, num_ranks, ranks_per_node, send_pos, node_head);
+  check_launch("send positions");
 }
 
 void launch_counts(const CountsArgs& a, gpuStream_t stream) {

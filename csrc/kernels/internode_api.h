@@ -205,11 +205,11 @@ class InternodeBuffer {
   void abort(const std::string& op);
   std::pair<int, std::string> abort_source() const;
 
-  // get_dispatch_layout over all ranks (outputs zeroed int32 [R], int32 [E], bool [T, R]): the intranode
-  // layout kernel, which records the first expert id outside [-1, num_experts) here (error()); the fresh
-  // dispatch's wait_counts raises it, or the next call.
+  // get_dispatch_layout over all ranks (outputs zeroed int32 [R], int32 [N], int32 [E], bool [T, R]): the
+  // intranode layout kernel, which also counts the tokens per node and records the first expert id outside
+  // [-1, num_experts) here (error()); the fresh dispatch's wait_counts raises it, or the next call.
   void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int64_t out_per_rank,
-                       int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
+                       int64_t out_per_node, int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
 
   // Fresh dispatch, step 1: this rank's count row (header, per-rank / per-node / per-expert counts, device
   // int32 tensors) into every rank's notify slot through the proxies. Then wait_counts (host): waits for
@@ -217,6 +217,11 @@ class InternodeBuffer {
   void notify(const std::vector<int>& header, int64_t per_rank, int64_t per_node, int64_t per_expert,
               int num_experts, int64_t stream);
   void wait_counts(int64_t host_out);
+
+  // A fresh dispatch's per-token positions from is_token_in_rank (device bool [T, R]): send_pos (int32 [T, R],
+  // token t's row among this rank's tokens for rank r, -1) and node_head (int32 [T, N], the same per node: a
+  // token goes to a node when it goes to any of its ranks), DeepEP's send_head / send_rdma_head. One launch.
+  void send_positions(int64_t in_rank, int num_tokens, int64_t send_pos, int64_t node_head, int64_t stream);
 
   // Fresh dispatch, step 2 (on the caller's stream, after notify): the counts kernel waits on the GPU for every
   // rank's count row, checks them (CountChecks: the same verdict on every rank; a violation is recorded as

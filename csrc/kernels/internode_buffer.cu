@@ -209,14 +209,15 @@ std::pair<int, std::string> InternodeBuffer::abort_source() const {
 }
 
 void InternodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
-                                      int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank,
-                                      int64_t stream) {
+                                      int64_t out_per_rank, int64_t out_per_node, int64_t out_per_expert,
+                                      int64_t out_in_rank, int64_t stream) {
   UCCL_CHECK(nvl_ != nullptr, "get_dispatch_layout: the internode buffer was destroyed");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   if (num_tokens == 0) return;
   intranode::launch_dispatch_layout(
-      as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_, as_ptr<int>(out_per_rank),
-      as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank), as_stream(stream),
+      as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_, ranks_per_node_,
+      as_ptr<int>(out_per_rank), as_ptr<int>(out_per_node), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
+      as_stream(stream),
       intranode::LayoutReport{static_cast<ErrorRecord*>(err_dev_),
                               reinterpret_cast<int*>(static_cast<char*>(nvl_) + kClaimOffset), rank_});
 }
@@ -320,6 +321,17 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
   // counts left it out) raises here, at the sync the dispatch has anyway, before any row moves.
   const std::string e = error();
   if (!e.empty()) UCCL_THROW(e);
+}
+
+void InternodeBuffer::send_positions(int64_t in_rank, int num_tokens, int64_t send_pos, int64_t node_head,
+                                     int64_t stream) {
+  UCCL_CHECK(nvl_ != nullptr, "dispatch (send positions): the internode buffer was destroyed");
+  UCCL_CHECK(num_tokens >= 0, "dispatch (send positions): num_tokens " << num_tokens << " < 0");
+  if (num_tokens == 0) return;
+  UCCL_CHECK(in_rank != 0 && send_pos != 0 && node_head != 0, "dispatch (send positions): a null tensor");
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  launch_send_positions(as_ptr<const bool>(in_rank), num_tokens, num_ranks_, ranks_per_node_, as_ptr<int>(send_pos),
+                        as_ptr<int>(node_head), as_stream(stream));
 }
 
 void InternodeBuffer::counts(const CountChecks& checks, int64_t info, int64_t stream) {

@@ -147,6 +147,9 @@ struct CombineArgs {
 // timed out in the forward phase unless CUDA_MODULE_LOADING=EAGER.
 void preload_kernels();
 void launch_notify(const NotifyArgs& a, gpuStream_t stream);
+// send_pos [T, R] and node_head [T, N] (int32) from is_token_in_rank [T, R] (InternodeBuffer::send_positions).
+void launch_send_positions(const bool* in_rank, int num_tokens, int num_ranks, int ranks_per_node, int* send_pos,
+                           int* node_head, gpuStream_t stream);
 void launch_counts(const CountsArgs& a, gpuStream_t stream);
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream);  // pack+send, forward, copy-out
 void launch_combine(const CombineArgs& a, int num_sms, gpuStream_t stream);    // stage, forward, reduce

@@ -59,9 +59,11 @@ RowLayout make_row_layout(int64_t data_bytes, int64_t x_bytes, int64_t scale_byt
                           bool with_src);
 
 // get_dispatch_layout for `num_ranks` ranks (any number: the internode backend uses it too): outputs must
-// be zeroed int32 [R], int32 [E], and bool [N, R]; enqueued on `stream` of the current device.
+// be zeroed int32 [R], int32 [R / ranks_per_node] (0: not counted), int32 [E], and bool [T, R]; enqueued on
+// `stream` of the current device.
 void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                     int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank, int64_t stream);
+                     int ranks_per_node, int64_t out_per_rank, int64_t out_per_node, int64_t out_per_expert,
+                     int64_t out_in_rank, int64_t stream);
 
 class IntranodeBuffer {
  public:

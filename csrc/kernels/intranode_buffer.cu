@@ -153,11 +153,12 @@ void IntranodeBuffer::check_open(const char* what) const {
 }
 
 void dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                     int64_t out_per_rank, int64_t out_per_expert, int64_t out_in_rank, int64_t stream) {
+                     int ranks_per_node, int64_t out_per_rank, int64_t out_per_node, int64_t out_per_expert,
+                     int64_t out_in_rank, int64_t stream) {
   if (num_tokens == 0) return;
   launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks,
-                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
-                         as_stream(stream), LayoutReport{});
+                         ranks_per_node, as_ptr<int>(out_per_rank), as_ptr<int>(out_per_node),
+                         as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank), as_stream(stream), LayoutReport{});
 }
 
 void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_topk, int num_experts,
@@ -167,8 +168,8 @@ void IntranodeBuffer::dispatch_layout(int64_t topk_idx, int num_tokens, int num_
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   if (num_tokens == 0) return;
   // ids out of range are reported (to every rank: this rank's next notify then moves nothing)
-  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_,
-                         as_ptr<int>(out_per_rank), as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
+  launch_dispatch_layout(as_ptr<const int64_t>(topk_idx), num_tokens, num_topk, num_experts, num_ranks_, num_ranks_,
+                         as_ptr<int>(out_per_rank), nullptr, as_ptr<int>(out_per_expert), as_ptr<bool>(out_in_rank),
                          as_stream(stream), LayoutReport{static_cast<ErrorRecord*>(err_dev_), claim_ptr(), rank_});
 }
 

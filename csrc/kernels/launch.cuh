@@ -117,8 +117,10 @@ struct LayoutReport {
   int* claim = nullptr;
   int rank = 0;
 };
+// per_node (null: not counted): tokens with a destination rank on each node of ranks_per_node ranks.
 void launch_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
-                            int* per_rank, int* per_expert, bool* in_rank, gpuStream_t stream, LayoutReport report);
+                            int ranks_per_node, int* per_rank, int* per_node, int* per_expert, bool* in_rank,
+                            gpuStream_t stream, LayoutReport report);
 void launch_notify(const NotifyArgs& a, gpuStream_t stream);
 void launch_dispatch(const DispatchArgs& a, int num_blocks, gpuStream_t stream);
 void launch_combine(const CombineArgs& a, int num_blocks, gpuStream_t stream);

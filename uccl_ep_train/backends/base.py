@@ -52,8 +52,9 @@ class Backend(abc.ABC):
     # ---- high throughput -------------------------------------------------------------------------------
     @abc.abstractmethod
     def get_dispatch_layout(self, topk_idx: torch.Tensor, num_experts: int
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (num_tokens_per_rank [R] int32, num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool)."""
+                            ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor, torch.Tensor]:
+        """-> (num_tokens_per_rank [R] int32, num_tokens_per_rdma_rank (`tokens_per_node`; None on one node),
+        num_tokens_per_expert [E] int32, is_token_in_rank [T, R] bool): Buffer.get_dispatch_layout's order."""
 
     def tokens_per_node(self, is_token_in_rank: torch.Tensor) -> Optional[torch.Tensor]:
         """num_tokens_per_rdma_rank: [num_nodes] int32, tokens with at least one destination rank on node n

@@ -39,7 +39,7 @@ from .. import sizing
 from ..config import Config, env_number, timeout_s
 from ..errors import RankLocalError
 from ..events import current_raw_stream, to_device
-from ..handles import InternodeHandle, nodes_of_tokens, send_positions
+from ..handles import InternodeHandle
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from ..validation import check_expert_capacity
@@ -222,17 +222,17 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._check()
         topk_idx = topk_idx.to(torch.int64).contiguous()
         n, k = topk_idx.shape
-        counts = torch.zeros(self.num_ranks + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
-        per_rank, per_expert = counts[: self.num_ranks], counts[self.num_ranks:]
-        in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
+        R, N = self.num_ranks, self.N
+        counts = torch.zeros(R + N + num_experts, dtype=torch.int32, device=topk_idx.device)  # one fill
+        per_rank, per_node, per_expert = counts[:R], counts[R:R + N], counts[R + N:]
+        in_rank = torch.empty((n, R), dtype=torch.bool, device=topk_idx.device)
+        ptrs = (per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr())
         if self._buf is not None:  # records a bad expert id (raised at a synced dispatch's count read, or later)
-            self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(),
-                                      per_expert.data_ptr(), in_rank.data_ptr(), current_raw_stream())
+            self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, *ptrs, current_raw_stream())
         else:  # not opened yet (a low-latency Buffer's first HT call): the host checked the ids
-            self._native.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, self.num_ranks,
-                                         per_rank.data_ptr(), per_expert.data_ptr(), in_rank.data_ptr(),
+            self._native.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, R, self.L, *ptrs,
                                          current_raw_stream())
-        return per_rank, per_expert, in_rank
+        return per_rank, per_node, per_expert, in_rank
 
     @property
     def checks_expert_ids_on_device(self) -> bool:
@@ -407,8 +407,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             # before a grow: the rows live in the RDMA region a grow replaces (the host checked them already)
             self._buf.counts(0, capacity, 0, info.data_ptr(), stream)
             self._ensure(*self._need(rd, max_recv, x_bytes, scale_bytes, K, y_bytes))
-        state = InternodeState(info, rd, max_recv, send_positions(is_token_in_rank))
-        node_head = send_positions(nodes_of_tokens(is_token_in_rank, N))
+        send_pos = torch.empty((T, R), dtype=torch.int32, device=dev)  # DeepEP's send_head, send_rdma_head
+        node_head = torch.empty((T, N), dtype=torch.int32, device=dev)
+        self._buf.send_positions(is_token_in_rank.data_ptr(), T, send_pos.data_ptr(), node_head.data_ptr(), stream)
+        state = InternodeState(info, rd, max_recv, send_pos)
         recv_x = torch.empty((out_rows, hidden), dtype=x.dtype, device=dev) if em is None else None
         recv_scales = None if x_scales is None else torch.empty((out_rows, x_scales.size(1)), dtype=torch.float32,
                                                                 device=dev)

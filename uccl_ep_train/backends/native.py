@@ -376,7 +376,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         in_rank = torch.empty((n, self.num_ranks), dtype=torch.bool, device=topk_idx.device)
         self._buf.dispatch_layout(topk_idx.data_ptr(), n, k, num_experts, per_rank.data_ptr(), per_expert.data_ptr(),
                                   in_rank.data_ptr(), self._stream())
-        return per_rank, per_expert, in_rank
+        return per_rank, None, per_expert, in_rank  # (one node)
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _host_counts(self, size: int) -> torch.Tensor:

@@ -57,7 +57,7 @@ class ReferenceBackend(Backend):
         ranks = torch.arange(self.num_ranks, device=topk_idx.device)
         is_token_in_rank = (rank_idx.unsqueeze(2) == ranks.view(1, 1, -1)).any(dim=1)
         num_tokens_per_rank = is_token_in_rank.sum(dim=0, dtype=torch.int32)
-        return num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank
+        return num_tokens_per_rank, self.tokens_per_node(is_token_in_rank), num_tokens_per_expert, is_token_in_rank
 
     # ---- notify: counts and a cross-rank consistency check -----------------------------------------
     def _notify(self, header: list[int], counts: Optional[torch.Tensor], phase: str) -> Optional[torch.Tensor]:
