@@ -663,3 +663,50 @@ def test_native_out_of_range_expert_id_names_its_position(mps, monkeypatch, rank
     # 0 in vain (its deadline names rank 0), or completes (the LL kernels go on past a bad id)
     assert (not msgs[1] or "[rank 0 reported it; rank 1 stopped with it]" in msgs[1]
             or re.search(r"rank 1( \(node 1\))? timed out after 5 s .* waiting for rank 0", msgs[1])), msgs[1]
+
+
+def _native_bad_expert_id_before_a_grow(rank: int, world: int, device: str) -> str:
+    """As _native_bad_expert_id, with the host's value checks off (as the Megatron dispatcher runs) and a
+    sync-free dispatch whose num_worst_tokens makes the buffers grow: the grow replaces the buffers holding the
+    layout kernel's record, so it must raise first (fuzz seed 41 case 4 was this with a capacity error).
+    Returns this rank's message ("" where it raised none)."""
+    from uccl_ep_train import sizing, validation
+
+    group = dist.new_group(list(range(world)))
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, h, e, worst = 6, 512, 8, 1 << 16
+    assert worst * h * 2 > sizing.MIN_BYTES  # the outputs' rows alone outgrow the first buffers
+    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
+    if rank == 0:
+        idx[5, 1] = e + 3
+    buf = Buffer(group, 0, 0)
+    assert buf.backend_name == "native", buf.backend_name
+    msg = ""
+    with validation.trusted_values():
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+        try:
+            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
+                         num_worst_tokens=worst)
+            torch.cuda.synchronize()
+            buf.check_errors()
+        except RuntimeError as exc:
+            msg = str(exc)
+    buf.destroy()
+    return msg
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ranks_per_node", [None, "1"], ids=["intranode", "internode-2x1"])
+def test_a_grow_raises_the_error_recorded_before_it_on_every_rank(mps, ranks_per_node):
+    env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "5",
+           **({"UCCL_EP_RANKS_PER_NODE": ranks_per_node} if ranks_per_node else {})}
+    msgs = run_ranks(_native_bad_expert_id_before_a_grow, 2, timeout=300, device="cuda", backend="gloo",
+                     ranks_per_gpu=2, env=env)
+    assert re.search(r"topk_idx\[5, 1\] = 11 is outside \[-1, 8\) on rank 0", msgs[0]), msgs[0]
+    # rank 1 raises too, before anything is released: rank 0's record (the node's shared board, or the grow's
+    # gather of every rank's record)
+    assert ("rank 0 recorded an error before the buffers could grow: " in msgs[1]
+            or "[rank 0 reported it; rank 1 stopped with it]" in msgs[1]), msgs[1]
+    assert "topk_idx[5, 1] = 11" in msgs[1], msgs[1]

@@ -45,7 +45,7 @@ from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from ..validation import check_expert_capacity
 from .base import Backend, WithoutLowLatency
 from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _combine_row_bytes,
-                     _expected_width, _module, check_same_shape, module_serves, positions_in_expert, quiesce,
+                     _expected_width, _module, check_same_shape, module_serves, positions_in_expert,
                      recorded_errors, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
@@ -185,7 +185,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if self.rank == 0:
             log.warning("uccl_ep_train native internode: growing the RDMA region to %d and the NVL buffer to %d "
                         "bytes (pass num_rdma_bytes / num_nvl_bytes at least this large to avoid it)", rdma, nvl)
-        quiesce(self.device, self.group)  # nothing in flight: every op's chunks and READYs were awaited
+        self._quiesce_before_grow()  # nothing in flight; no error recorded in the buffers a grow drops
         self._close()
         self._open(nvl, rdma)
 

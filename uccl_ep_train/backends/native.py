@@ -233,6 +233,24 @@ class RaisesRecordedErrors:
         """Raise if a kernel or a proxy thread recorded an error; cheap (reads host memory)."""
         self._check()
 
+    def _quiesce_before_grow(self) -> None:
+        """quiesce, then one verdict on every rank about the errors recorded so far. A grow replaces the buffers
+        that hold the error record: an error an earlier kernel recorded without a host sync (a bad expert id
+        the layout kernel found with the host's value checks off, a refused capacity) would be dropped with
+        them, and the call would go on without the rows it refused. So every rank's record is gathered (a
+        grow's host exchange; grows are rare) and, if any rank has one, every rank raises before anything is
+        released: its own error, or the first rank's."""
+        quiesce(self.device, self.group)
+        mine = recorded_errors(self._buf, self._proxy)
+        per_rank: list = [mine]
+        if dist.is_initialized():  # (no rank raises before the gather: its peers would wait in it)
+            per_rank = [None] * dist.get_world_size(self.group)
+            dist.all_gather_object(per_rank, mine, group=self.group)
+        first = next(((r, m) for r, m in enumerate(per_rank) if m), None)
+        if first is not None:
+            self._failed = mine or f"rank {first[0]} recorded an error before the buffers could grow: {first[1]}"
+            raise RuntimeError(f"{self.error_prefix}: {self._failed}")
+
     def recorded_error(self) -> Optional[str]:
         return self._failed
 
@@ -327,7 +345,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         if self.rank == 0:
             log.warning("uccl_ep_train native: growing the NVLink buffer from %d to %d bytes (pass "
                         "num_nvl_bytes >= %d to avoid this)", self._nbytes, new_bytes, new_bytes)
-        quiesce(self.device, self.group)  # nobody still reads or writes the old buffers
+        self._quiesce_before_grow()  # nobody still reads or writes the old buffers; no error recorded in them
         old = self._buf
         self._buf = None
         old.destroy()
