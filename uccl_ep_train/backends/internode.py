@@ -167,6 +167,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._unopened = None
         super().destroy()
 
+    def _check_usable(self) -> None:
+        if self._unopened is None:  # an unopened backend has failed nothing yet
+            super()._check_usable()
+
     def _check(self) -> None:
         if self._unopened is None:  # an unopened backend has recorded nothing
             super()._check()
@@ -326,7 +330,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         (no num_max_tokens_per_rank, no capacity) falls back to the host read, every rank alike. Without
         num_worst_tokens the host reads the rows once (the one sync): exact output sizes, growth to the exact
         layout, and those checks raised before any row moves."""
-        self._check()
+        self._check_usable()  # (the records below, after a sync-free grow: _quiesce_before_grow)
         R, L, N, me = self.num_ranks, self.L, self.N, self.rank
         x = x.contiguous()
         T, hidden = x.shape
@@ -378,6 +382,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                           f"at {need[0]} bytes of RDMA region, past the {sizing.internode_max_rdma_bytes()} it "
                           f"can have: these dispatches read the counts on the host (one sync each); pass "
                           f"num_max_tokens_per_rank to bound them", self.rank)
+        self._check()  # every rank grew (and agreed on the records first) or none did
         stream = current_raw_stream()
         self._buf.notify(header, per_rank.data_ptr(), per_node.data_ptr(), per_expert.data_ptr(), num_experts, stream)
         info = torch.empty(self._info_offsets["ints"], dtype=torch.int32, device=dev)

@@ -219,11 +219,18 @@ class RaisesRecordedErrors:
     _proxy = None
     _failed: Optional[str] = None
 
-    def _check(self) -> None:
+    def _check_usable(self) -> None:
+        """Raises when an earlier call failed or the backend was destroyed; reads no record. A fresh dispatch
+        starts with this alone: whether a peer's record is visible here yet depends on timing, and a rank
+        that raised on it while its peers go into a collective grow would leave them waiting there; the
+        records are read once the grow's agreement ran (_quiesce_before_grow) or it was not needed."""
         if self._failed is not None:
             raise RuntimeError(f"{self.error_prefix}: unusable after an earlier error: {self._failed}")
         if self._buf is None:
             raise RuntimeError(f"{self.error_prefix}: destroyed")
+
+    def _check(self) -> None:
+        self._check_usable()
         msg = recorded_errors(self._buf, self._proxy)
         if msg:
             self._failed = msg
@@ -432,6 +439,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
                                                         shape[fields.index("FP8 scale bytes")],
                                                         shape[fields.index("num_topk")], y_bytes):
                 self._ensure(*need)
+        self._check()  # every rank grew (and agreed on the records first) or none did
         send_pos = torch.empty((n, R), dtype=torch.int32, device=dev)
         # rank prefix matrix [R*R], per-local-expert counts [epr], expert-major bases [R*epr], and the handle's
         # one-channel matrices [R] + [R] (notify writes them all: no further launches before the host sync)
@@ -486,7 +494,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
     def dispatch(self, x, x_scales, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                  num_tokens_per_expert, expert_alignment, num_worst_tokens, config, num_tokens_per_rdma_rank,
                  num_max_tokens_per_rank=0):
-        self._check()
+        self._check_usable()  # (the records: _exchange_counts, after a sync-free grow)
         x = _aligned(x)
         n = x.size(0)
         if x_scales is not None:
@@ -561,7 +569,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         base row (with expert_capacity: block (e, s) at (e * R + s) * capacity, and notify reports a source
         that overflows one). Otherwise: the receive-order dispatch, then the map and expand kernels.
         With num_worst_tokens and expert_capacity every size is known without the counts: no host sync."""
-        self._check()
+        self._check_usable()  # (the records: _exchange_counts, after a sync-free grow)
         R = self.num_ranks
         x = _aligned(x)
         n, hidden = x.shape
