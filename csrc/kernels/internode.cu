@@ -575,9 +575,17 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
     }
     a.em_map[row * a.num_topk + lane] = d;
   }
+  // the token's expert-major rows (the same list in every lane), then x read once and stored in each
+  char* dst[kMaxExpertMajorTopk];
+  int m = 0;
   for (int k = 0; k < a.num_topk; ++k) {
     const int dk = intranode::warp_shfl(d, k);
-    if (dk >= 0) warp_copy<kNc>(a.em_x + int64_t(dk) * a.x_bytes, xsrc, a.x_bytes, lane);
+    if (dk >= 0) dst[m++] = a.em_x + int64_t(dk) * a.x_bytes;
+  }
+  if (((reinterpret_cast<uintptr_t>(xsrc) | reinterpret_cast<uintptr_t>(a.em_x) | uintptr_t(a.x_bytes)) & 15u) == 0) {
+    intranode::warp_push_row<int4, 8, kNc>(xsrc, a.x_bytes, dst, m, lane);
+  } else {
+    for (int q = 0; q < m; ++q) warp_copy<kNc>(dst[q], xsrc, a.x_bytes, lane);
   }
 }
 
