@@ -38,6 +38,7 @@ PYBIND11_MODULE(_native, m) {
   codes["shape"] = int(uccl_ep::kErrShape);
   codes["expert_capacity"] = int(uccl_ep::kErrExpertCapacity);
   codes["node_rows"] = int(uccl_ep::kErrNodeRows);
+  codes["bad_row"] = int(uccl_ep::kErrBadRow);
   codes["ring_full"] = int(uccl_ep::kErrRingFull);
   codes["expert_full"] = int(uccl_ep::kErrExpertFull);
   codes["aborted"] = int(uccl_ep::kErrAborted);

@@ -481,6 +481,11 @@ _SENTENCES = [
     ("node_rows", "internode_notify", 2, (0, 3, 1, 900, 512), 0,
      [r"^dispatch: rank 3 sends 900 tokens to node 1, more than the 512 this dispatch without a host sync sized its "
       r"buffers for .*: its num_tokens_per_rdma_rank disagrees with its num_tokens_per_rank"]),
+    ("bad_row", "internode_dispatch_forward", 2, (2, 1, 1, 700, 64), 2,
+     [r"^dispatch \(forward\) on rank 2 \(node 1\): a row from rank 1 \(node 0\) that landed here names receive "
+      r"row 700 on local rank 1, outside the 64 rows that rank receives from it, and was not forwarded: either "
+      r"that rank's num_tokens_per_rank disagrees with its is_token_in_rank"]),
+    ("bad_row", "internode_dispatch_forward", 2, (2, 1, 0, -2, 64), 2, [r"names another source rank, and was not"]),
     ("ring_full", "internode_combine_forward", 2, (0, 3, 4, 2, 0), 0,
      [r"^rank 0 \(node 0\): the proxy ring of channel 4 stayed full for 2 s in 'combine \(forward\)' \(sending to "
       r"rank 3 \(node 1\)\): the proxy thread stopped draining it", r"\(need 2, have 0\)$"]),

@@ -174,6 +174,18 @@ std::string describe_error(const ErrorFields& e, const ErrorContext& ctx) {
          << "what get_dispatch_layout returned";
       numbers = false;
       break;
+    case kErrBadRow:
+      os << p.label << " on " << me << ": a row from " << rank_name(e.peer, ctx) << " that landed here "
+         << (e.need == -2 ? "names another source rank"
+                          : "names receive row " + std::to_string(e.need) + " on local rank " +
+                                std::to_string(e.block) + ", outside the " + std::to_string(e.have) +
+                                " rows that rank receives from it")
+         << ", and was not forwarded: either that rank's num_tokens_per_rank disagrees with its is_token_in_rank "
+         << "(pass what get_dispatch_layout returned; UCCL_EP_CHECK_VALUES=1 checks it on the host), or the row "
+         << "was read before its bytes landed or after they were overwritten (a transport fault or a bug in "
+         << "uccl_ep_train: please report it with UCCL_EP_TRANSPORT, the provider and `uccl-ep-train doctor`)";
+      numbers = false;
+      break;
     case kErrRingFull:
       os << me << ": the proxy ring of channel " << e.block << " stayed full for " << ctx.timeout_s << " s in '"
          << p.label << "' (sending to " << rank_name(e.peer, ctx) << "): the proxy thread stopped draining it; "

@@ -19,6 +19,10 @@ namespace uccl_ep {
 // on the GPU when no host sync checks it). kErrExpertCapacity: rank `peer` sends `need` tokens to local expert
 // `block`, more than the expert_capacity `have` of an expert-major dispatch. kErrNodeRows: rank `peer` sends
 // `need` tokens to node `block`, more than the `have` a dispatch without a host sync sized the buffers for.
+// kErrBadRow: a dispatch row that landed from rank `peer` names receive position `need` on local rank `block`,
+// outside the `have` rows that rank receives from it (or `need` = -2: it names another source rank): a row read
+// before its bytes landed or after they were overwritten, or counts that disagree with is_token_in_rank under
+// trusted values; it is not forwarded (no write lands out of range).
 enum ErrorCode : int {
   kErrNone = 0,
   kErrTimeout = 1,
@@ -29,6 +33,7 @@ enum ErrorCode : int {
   kErrShape = 6,
   kErrExpertCapacity = 7,
   kErrNodeRows = 8,
+  kErrBadRow = 9,
   kErrRingFull = 10,    // a proxy ring stayed full for the whole timeout (proxy thread dead or stuck)
   kErrExpertFull = 11,  // low latency: more than max_tokens rows for one expert from one rank (repeated ids)
   kErrAborted = 12,     // rank `rank` raised on the host inside call kAbortOps[block] (abort(), kernels/abort.h)

@@ -725,12 +725,20 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const NodeTa
   const char* p = c.rdma + tab.areas.recv_off + k * a.row_bytes;
   const int src = n * c.L + c.local;
   int dst_row = -1;
+  bool bad = false;
   if (lane < c.L) {
     const int base = row_base_of(c, a.info)[src * c.L + lane];  // issued before, not after, the position's load
+    // the rows src sends to this node's rank `lane`: a landed position is checked against them before any write
+    const int rows = a.info[info_offsets(c.num_ranks, c.L).counts + src * c.num_ranks + c.node * c.L + lane];
     const int pos = reinterpret_cast<const volatile int*>(p + f.pos)[lane];
-    dst_row = pos >= 0 ? base + pos : -1;
-    if (a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
+    const int from = lane == 0 ? reinterpret_cast<const volatile int*>(p + f.src)[1] : src;
+    bad = pos < -1 || pos >= rows || from != src;
+    if (bad) report_error(c.err, c.claim, kErrBadRow, c.rank, src, kPhaseDispatchForward, from != src ? -2 : pos, rows,
+                          lane);
+    dst_row = pos >= 0 && !bad ? base + pos : -1;
   }
+  if (intranode::warp_any(bad)) dst_row = -1;  // (a garbled row: none of its writes)
+  if (lane < c.L && a.fwd_head != nullptr) a.fwd_head[k * c.L + lane] = dst_row;
   const int own_row = intranode::warp_shfl(dst_row, c.local);
   const int m = warp_compact(s_dst, dst_row >= 0 && lane != c.local,
                              c.nvl[lane < c.L ? lane : 0] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes, lane);
