@@ -384,6 +384,45 @@ def test_a_recorded_error_makes_a_native_backend_unusable(module, cls, prefix):
         b.check_errors()
 
 
+def _grow_verdict(rank: int, world: int, device: str, recorder: int) -> list:
+    """A native backend's agreement before a grow, on CPU ranks: rank `recorder` (-1: none) holds a kernel
+    error record. Returns what this rank raised ("" when nothing) and what check_errors says after it."""
+    from uccl_ep_train.backends import native
+
+    class Kernels:
+        def error(self):
+            return "topk_idx[0, 1] = 9 is outside [-1, 8) on rank 1" if rank == recorder else ""
+
+    native.quiesce = lambda device, group: dist.barrier(group=group)  # (no GPU here: the barrier alone)
+    b = object.__new__(native.NativeBackend)
+    b._buf, b._failed, b.device = Kernels(), None, torch.device("cpu")
+    b.group = dist.new_group(list(range(world)))
+    out = []
+    for step in (b._quiesce_before_grow, b.check_errors):  # the raise, then the backend unusable
+        try:
+            step()
+            out.append("")
+        except RuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.parametrize("recorder", [-1, 1])
+def test_a_grow_needs_every_rank_without_an_error_record(recorder):
+    """A grow replaces the buffers holding the kernels' error records: before it, every rank's record is
+    gathered and every rank raises when any rank has one (its own, or the first rank's), so no rank goes on
+    into the grow's collectives alone and no recorded error is dropped (the GPU test: test_a_grow_raises_...)."""
+    got = run_ranks(_grow_verdict, 3, recorder)
+    if recorder < 0:
+        assert got == [["", ""]] * 3
+        return
+    own = "native backend: topk_idx[0, 1] = 9 is outside [-1, 8) on rank 1"
+    theirs = ("native backend: rank 1 recorded an error before the buffers could grow: topk_idx[0, 1] = 9 is "
+              "outside [-1, 8) on rank 1")
+    assert [g[0] for g in got] == [theirs, own, theirs]
+    assert all(g[1].startswith("native backend: unusable after an earlier error: ") for g in got), got
+
+
 def test_buffer_check_errors_covers_the_low_latency_calls():
     """Buffer.check_errors raises what the LL calls' backend recorded too, not only the HT backend's (a
     low-latency Buffer across nodes opens its HT backend only in its first HT dispatch)."""
