@@ -540,7 +540,8 @@ class Buffer:
         _check_capture("get_dispatch_layout", backend)
 
         (per_rank, per_node, per_expert, in_rank), event = self._run(
-            "get_dispatch_layout", lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,), previous_event, async_finish, allocate_on_comm_stream,
+            "get_dispatch_layout", lambda: backend.get_dispatch_layout(topk_idx, num_experts), (topk_idx,),
+            previous_event, async_finish, allocate_on_comm_stream,
             checks=lambda: V.check_expert_range(topk_idx, num_experts, self.rank),
             checked_on_device=backend.checks_expert_ids_on_device)
         return per_rank, per_node, per_expert, in_rank, event

@@ -37,7 +37,8 @@ void register_intranode(py::module_& m) {
       "peer buffers this process has mapped through IPC and not unmapped (intranode and internode buffers)");
   m.def("dispatch_layout", &uccl_ep::intranode::dispatch_layout, py::arg("topk_idx"), py::arg("num_tokens"),
         py::arg("num_topk"), py::arg("num_experts"), py::arg("num_ranks"), py::arg("ranks_per_node"),
-        py::arg("out_per_rank"), py::arg("out_per_node"), py::arg("out_per_expert"), py::arg("out_in_rank"), py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
+        py::arg("out_per_rank"), py::arg("out_per_node"), py::arg("out_per_expert"), py::arg("out_in_rank"),
+        py::arg("stream"), py::call_guard<py::gil_scoped_release>(),
         "get_dispatch_layout's kernel on the current device (outputs zeroed by the caller)");
   py::class_<IntranodeBuffer>(m, "IntranodeBuffer",
                               "One rank's IPC-shared NVLink buffer and the intranode kernels that use it")
