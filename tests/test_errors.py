@@ -652,17 +652,39 @@ def test_out_of_range_expert_ids_are_refused_with_their_position(world):
                        f"(no expert) or in [0, num_experts)"]
 
 
+def _routing_with_a_bad_id(rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(x [6, 512] bf16, topk_idx [6, 2], 8 experts) on this rank's GPU (512: the hidden size the LL GPU tests
+    use); rank 0 routes topk_idx[5, 1] = 11."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    n, h, e = 6, 512, 8
+    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
+    if rank == 0:
+        idx[5, 1] = e + 3
+    return x, idx, e
+
+
+def _fresh_dispatch_error(buf, x: torch.Tensor, idx: torch.Tensor, num_experts: int, **kw) -> str:
+    """What a fresh dispatch of this routing (layout, dispatch with `kw`, its kernels, check_errors) raised on
+    this rank; "" when nothing."""
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, num_experts)  # no raise: no sync
+    try:
+        buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, **kw)
+        torch.cuda.synchronize()
+        buf.check_errors()
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
 def _native_bad_expert_id(rank: int, world: int, device: str, low_latency: bool) -> str:
     """Rank 0 routes topk_idx[5, 1] = 11 (8 experts); the native kernels check ids on the GPU (no host sync in
     get_dispatch_layout / low_latency_dispatch): the error comes at the fresh dispatch's count sync, or at
     check_errors() after the LL call. Returns this rank's message ("" where it raised none)."""
     group = dist.new_group(list(range(world)))
-    dev = torch.device("cuda", torch.cuda.current_device())
-    n, h, e = 6, 512, 8  # (the hidden size the LL GPU tests use)
-    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
-    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
-    if rank == 0:
-        idx[5, 1] = e + 3
+    x, idx, e = _routing_with_a_bad_id(rank)
+    h = x.size(1)
     msg = ""
     if low_latency:
         buf = Buffer(group, 0, Buffer.get_low_latency_rdma_size_hint(16, h, world, e), low_latency_mode=True)
@@ -676,15 +698,8 @@ def _native_bad_expert_id(rank: int, world: int, device: str, low_latency: bool)
     else:
         buf = Buffer(group, int(1e6), 0)
         assert buf.backend_name == "native", buf.backend_name
-        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)  # no raise: no host sync
-        try:
-            # without topk_idx: the dispatch's own host check of the ids stays out of the way
-            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
-            torch.cuda.synchronize()
-            buf.check_errors()
-        except RuntimeError as exc:
-            msg = str(exc)
+        # without topk_idx: the dispatch's own host check of the ids stays out of the way
+        msg = _fresh_dispatch_error(buf, x, idx, e)
     buf.destroy()
     return msg
 
@@ -717,26 +732,13 @@ def _native_bad_expert_id_before_a_grow(rank: int, world: int, device: str) -> s
     from uccl_ep_train import sizing, validation
 
     group = dist.new_group(list(range(world)))
-    dev = torch.device("cuda", torch.cuda.current_device())
-    n, h, e, worst = 6, 512, 8, 1 << 16
-    assert worst * h * 2 > sizing.MIN_BYTES  # the outputs' rows alone outgrow the first buffers
-    x = torch.randn(n, h, device=dev).to(torch.bfloat16)
-    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 3) % e], 1).to(dev)
-    if rank == 0:
-        idx[5, 1] = e + 3
+    x, idx, e = _routing_with_a_bad_id(rank)
+    worst = 1 << 16
+    assert worst * x.size(1) * 2 > sizing.MIN_BYTES  # the outputs' rows alone outgrow the first buffers
     buf = Buffer(group, 0, 0)
     assert buf.backend_name == "native", buf.backend_name
-    msg = ""
     with validation.trusted_values():
-        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
-        try:
-            buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
-                         is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, topk_idx=idx,
-                         num_worst_tokens=worst)
-            torch.cuda.synchronize()
-            buf.check_errors()
-        except RuntimeError as exc:
-            msg = str(exc)
+        msg = _fresh_dispatch_error(buf, x, idx, e, topk_idx=idx, num_worst_tokens=worst)
     buf.destroy()
     return msg
 
