@@ -241,15 +241,24 @@ __device__ __forceinline__ int segment_of(const int64_t* row0, int N, int64_t k)
   return n;
 }
 
-// One warp copies `bytes` from src to dst: several 16-byte vectors in flight per lane when both ends are
-// 16-byte aligned and bytes a multiple of 16, else byte by byte. kNc: nobody writes src during the kernel.
+// One warp copies `bytes` from src to each of the n destinations (src read once): several 16-byte vectors in
+// flight per lane when src and every destination are 16-byte aligned and bytes a multiple of 16, else byte by
+// byte. kNc: nobody writes src during the kernel.
+template <bool kNc>
+__device__ __forceinline__ void warp_copy_to(char* const* dsts, int n, const char* src, int64_t bytes, int lane) {
+  uintptr_t bits = reinterpret_cast<uintptr_t>(src) | uintptr_t(bytes);
+  for (int q = 0; q < n; ++q) bits |= reinterpret_cast<uintptr_t>(dsts[q]);
+  if ((bits & 15u) == 0) {
+    intranode::warp_push_row<int4, 8, kNc>(src, bytes, dsts, n, lane);
+  } else {
+    for (int q = 0; q < n; ++q)
+      for (int64_t i = lane; i < bytes; i += kWarpSize) dsts[q][i] = src[i];
+  }
+}
+
 template <bool kNc>
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
-  if (((reinterpret_cast<uintptr_t>(dst) | reinterpret_cast<uintptr_t>(src) | uintptr_t(bytes)) & 15u) == 0) {
-    intranode::warp_push_row<int4, 8, kNc>(src, bytes, &dst, 1, lane);
-  } else {
-    for (int64_t i = lane; i < bytes; i += kWarpSize) dst[i] = src[i];
-  }
+  warp_copy_to<kNc>(&dst, 1, src, bytes, lane);
 }
 
 // The lanes with ok set publish their value into out[] in lane order (the whole warp calls it; it syncs
@@ -582,11 +591,7 @@ __device__ __forceinline__ void emit_meta(const DispatchArgs& a, int64_t row, Id
     const int dk = intranode::warp_shfl(d, k);
     if (dk >= 0) dst[m++] = a.em_x + int64_t(dk) * a.x_bytes;
   }
-  if (((reinterpret_cast<uintptr_t>(xsrc) | reinterpret_cast<uintptr_t>(a.em_x) | uintptr_t(a.x_bytes)) & 15u) == 0) {
-    intranode::warp_push_row<int4, 8, kNc>(xsrc, a.x_bytes, dst, m, lane);
-  } else {
-    for (int q = 0; q < m; ++q) warp_copy<kNc>(dst[q], xsrc, a.x_bytes, lane);
-  }
+  warp_copy_to<kNc>(dst, m, xsrc, a.x_bytes, lane);
 }
 
 // The whole warp: outputs row `row` from a token in row format at p (landed here or in the NVL buffer).
@@ -627,9 +632,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   // the token's row-format rows (other nodes' send rows, then node peers' NVL rows), then its own output row
   __shared__ char* s_dst[kWarps][kMaxNodes + kMaxLocal];
   __shared__ int s_node[kWarps][kMaxNodes + kMaxLocal];  // destination node of a send row, -1 for an NVL row
-  // rows of send segments and NVL buffers are 16-byte multiples; x and recv_x are the caller's
-  const bool x_vec =
-      ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x) | uintptr_t(a.x_bytes)) & 15u) == 0;
   const int R = c.num_ranks, K = a.num_topk;
   const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
   // this rank's rows on the node's ranks
@@ -678,11 +680,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     if (own_x && lane == 0) s_dst[warp][m] = a.recv_x + int64_t(own_row) * a.x_bytes;
     intranode::warp_sync();
     const char* x = a.x + t * a.x_bytes;
-    if (x_vec) {
-      intranode::warp_push_row<int4, 8, true>(x, a.x_bytes, s_dst[warp], m + own_x, lane);
-    } else {
-      for (int q = 0; q < m + own_x; ++q) warp_copy<true>(s_dst[warp][q], x, a.x_bytes, lane);
-    }
+    warp_copy_to<true>(s_dst[warp], m + own_x, x, a.x_bytes, lane);
     const char* scales = a.scales + t * a.scale_bytes;
     for (int q = 0; q < m; ++q) {
       char* p = s_dst[warp][q];
