@@ -784,9 +784,9 @@ class Buffer:
 
         def run():
             idx = topk_idx.to(torch.int64)
-            per_rank, _, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
+            per_rank, per_node, per_expert, in_rank = backend.get_dispatch_layout(idx, num_experts)
             return backend.dispatch_expert_major(x, idx, topk_weights, per_rank, in_rank, per_expert, config,
-                                                 num_worst_tokens, expert_capacity)
+                                                 num_worst_tokens, expert_capacity, per_node)
 
         (x_em, recv_idx, recv_w, counts, em_map, handle), event = self._run(
             "dispatch_expert_major", run, (x, topk_idx, topk_weights), previous_event, async_finish,

@@ -95,7 +95,7 @@ class Backend(abc.ABC):
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                               num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
                               num_tokens_per_expert: torch.Tensor, config: Config, num_worst_tokens: int = 0,
-                              expert_capacity: int = 0
+                              expert_capacity: int = 0, num_tokens_per_rdma_rank: Optional[torch.Tensor] = None
                               ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor], list[int], torch.Tensor,
                                          HTHandle]:
         """Fresh dispatch straight into expert-major order -> (x_em [M, H], recv_topk_idx [n, K] int64 local
@@ -109,10 +109,13 @@ class Backend(abc.ABC):
         `permute.expert_major_map(recv_topk_idx, tokens_per_expert)`; with it, every (local expert, source
         rank) block has expert_capacity rows (`permute.expert_major_map_capacity`), tokens_per_expert is
         num_ranks * expert_capacity each, and the rows no token fills are zeros.
+        num_tokens_per_rdma_rank: the layout's (`get_dispatch_layout`), else `tokens_per_node` computes it.
         Default: `dispatch` (expert_alignment=1), the map, a non-autograd expand."""
+        if num_tokens_per_rdma_rank is None:
+            num_tokens_per_rdma_rank = self.tokens_per_node(is_token_in_rank)
         recv_x, _, recv_idx, recv_w, counts, handle = self.dispatch(
             x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
-            num_worst_tokens, config, self.tokens_per_node(is_token_in_rank))
+            num_worst_tokens, config, num_tokens_per_rdma_rank)
         return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
                               expert_capacity, capacity_checked=False)
 

@@ -271,7 +271,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                            num_tokens_per_rdma_rank, num_max_tokens_per_rank=num_max_tokens_per_rank)[:6]
 
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0):
+                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0,
+                              num_tokens_per_rdma_rank=None):
         """Expert-major rows written by the dispatch kernels themselves when the rule allows
         (`lands_expert_major`): each received row is stored at its expert-major rows by whichever kernel
         outputs it (the pack for this rank's own tokens, the forward for rows it forwards to itself, the
@@ -284,7 +285,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         if not self.lands_expert_major(topk_idx.size(1), num_tokens_per_expert.numel(), config):
             recv_x, _, recv_idx, recv_w, counts, handle, _ = self._fresh(
                 x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
-                num_worst_tokens, config, None, capacity=expert_capacity)
+                num_worst_tokens, config, num_tokens_per_rdma_rank, capacity=expert_capacity)
             return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
                                   expert_capacity, capacity_checked=True)
         if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
@@ -296,7 +297,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                           expert_capacity)
         _, _, recv_idx, recv_w, _, handle, em = self._fresh(
             x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
-            num_worst_tokens, config, None, em)
+            num_worst_tokens, config, num_tokens_per_rdma_rank, em)
         out_rows = handle.num_recv_tokens  # (both made with a row at least: the kernels tell the mode by pointers)
         return em.x_em[:sum(em.per_expert)], recv_idx, recv_w, em.per_expert, em.em_map[:out_rows], handle
 

@@ -561,7 +561,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
 
     # ---- expert-major: the expansion inside the dispatch copy-out, the fold-back inside combine's push ----
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0):
+                              num_tokens_per_expert, config, num_worst_tokens=0, expert_capacity=0,
+                              num_tokens_per_rdma_rank=None):  # (one node: None)
         """Fused (see _fuse): each received row is read once from the buffer and stored at its expert-major
         rows (one per local expert); this rank's own tokens go there straight from x. With expand blocks
         (_expand_plan) those stores come from blocks beside the kernel's num_sms. The sender ships each

@@ -136,7 +136,7 @@ class ReferenceBackend(Backend):
 
     def dispatch_expert_major(self, x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
                               num_tokens_per_expert, config: Config, num_worst_tokens: int = 0,
-                              expert_capacity: int = 0):
+                              expert_capacity: int = 0, num_tokens_per_rdma_rank=None):
         """The composed default (base.Backend), after a capacity check every rank makes alike: with
         `expert_capacity`, one all-gather of (capacity, per-expert counts) before the data moves, and a source
         that sends one expert more tokens than its rank's capacity raises the same ValueError on every rank,
@@ -146,7 +146,8 @@ class ReferenceBackend(Backend):
             gathered = self.comm.all_gather(counts.to(torch.int64), "dispatch_expert_major: capacity check")
             check_expert_capacity(gathered[:, 1:], gathered[:, 0])  # [source, expert], [R]
         return super().dispatch_expert_major(x, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank,
-                                             num_tokens_per_expert, config, num_worst_tokens, expert_capacity)
+                                             num_tokens_per_expert, config, num_worst_tokens, expert_capacity,
+                                             num_tokens_per_rdma_rank)
 
     def _same_index_routing(self, is_token_in_rank: torch.Tensor, max_tokens: int) -> torch.Tensor:
         """[num_nodes, max_tokens, R] bool: is_token_in_rank of the rank with this rank's local index on each
