@@ -19,8 +19,8 @@ Three paths, chosen from Megatron's settings and logged once:
   reads them (one sync per dispatch), because the experts need `tokens_per_expert` on the host anyway;
 - drop-and-pad (`moe_pad_expert_input_to_capacity` with `moe_expert_capacity_factor`): every expert gets
   exactly `capacity` rows from each EP rank, as Megatron's alltoall dispatcher pads them, so every size is
-  known on the host before the dispatch: no host sync at all (across nodes too), and the layer can be captured
-  in a CUDA graph (one node).
+  known on the host before the dispatch: no host sync at all, and the layer can be captured in a CUDA graph
+  (one node and across nodes).
   The router's padding selections (probability 0) are not sent; their rows are zeros instead of the padding
   tokens' activations, which changes nothing the experts return (the probability multiplies them by 0).
 - receive budget (`moe_expert_rank_capacity_factor`, Megatron-LM main; megatron_patch.budget): the same

@@ -38,3 +38,29 @@ def build_moe_layer(dispatcher: str, grouped: bool = False, **overrides):
     torch.manual_seed(42)
     layer = MoELayer(config, spec.submodules.mlp.keywords["submodules"])
     return layer
+
+
+def replay_forward_exactly(layer, rank: int, shape: tuple, replays: int) -> None:
+    """A MoE layer's forward (no grad) on `shape` inputs, warmed up on a side stream (the first dispatch may
+    bootstrap or grow buffers: not in a capture), captured once in a CUDA graph and replayed `replays` times
+    with new inputs: each replay must equal the same forward run eagerly right after it, bit for bit."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator().manual_seed(rank)
+    static_x = torch.randn(*shape, generator=gen).to(dev)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(side):
+        for _ in range(3):
+            layer(static_x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad(), torch.cuda.graph(graph):
+        static_out, _ = layer(static_x)
+    for i in range(replays):
+        static_x.copy_(torch.randn(*shape, generator=gen).to(dev))
+        graph.replay()
+        with torch.no_grad():
+            eager, _ = layer(static_x)
+        if not torch.equal(static_out, eager):
+            raise AssertionError(f"rank {rank}, replay {i}: differs from eager by "
+                                 f"{(static_out - eager).abs().max().item()}")

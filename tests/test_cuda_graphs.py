@@ -1,10 +1,12 @@
-"""CUDA graphs on the native backend (one node): a whole MoE layer -- router, dispatch with num_worst_tokens,
-experts, combine, and the backward through the autograd pair -- captured once and replayed 100 times with
-new inputs, each replay exactly equal to the same step run eagerly right after it (so graph replays and eager
-calls also alternate on the same buffers and stay in step with the peer). Before the kernels read their
-signal base from the buffer, the second replay reused the first one's base and waited on stale signals.
-The layer runs twice: with the receive-order dispatch, and with the expert-major dispatch in a capacity
-layout (num_worst_tokens + expert_capacity: the Megatron dispatcher's drop-and-pad path).
+"""CUDA graphs on the native backends: a whole MoE layer -- router, dispatch with num_worst_tokens, experts,
+combine, and the backward through the autograd pair -- captured once and replayed 100 times with new inputs,
+each replay exactly equal to the same step run eagerly right after it (so graph replays and eager calls also
+alternate on the same buffers and stay in step with the peers). Before the kernels read their signal base
+(one node) or their op counters (across nodes) from GPU memory, the second replay reused the first one's
+numbers and waited on stale signals. The layer runs with the receive-order dispatch and with the expert-major
+dispatch in a capacity layout (num_worst_tokens + expert_capacity: the Megatron dispatcher's drop-and-pad
+path), on one node of 2 ranks and on 2 emulated nodes x 2 ranks (UCCL_EP_RANKS_PER_NODE; the bytes between
+nodes go through the CPU proxies).
 
 Also: the GPU's own value checks (the host's are opt-in with UCCL_EP_CHECK_VALUES=1) end in a clear error on
 every rank. Several ranks on one GPU under MPS (the `mps` fixture) when there are fewer GPUs than ranks."""
@@ -72,6 +74,7 @@ class MoELayer:
 def _replays(rank: int, world: int, device: str, expert_major: bool) -> int:
     dev = torch.device("cuda", torch.cuda.current_device())
     buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=64 << 20)
+    assert buf.backend_name == "native"
     layer = MoELayer(buf, rank, world, dev, expert_major)
     gen = torch.Generator(device="cpu").manual_seed(rank)
     static_x = torch.randn(N, H, generator=gen).to(dev, torch.bfloat16)
@@ -100,10 +103,16 @@ def _replays(rank: int, world: int, device: str, expert_major: bool) -> int:
     return 1
 
 
+@pytest.mark.parametrize("nodes", [1, 2], ids=["1x2", "2x2"])
 @pytest.mark.parametrize("expert_major", [False, True], ids=["receive-order", "expert-major-capacity"])
-def test_moe_layer_forward_and_backward_replay_exactly(mps, expert_major):
-    assert run_ranks(_replays, 2, expert_major, timeout=600, env={"UCCL_EP_BACKEND": "native"},
-                     **gpu_ranks(2)) == [1, 1]
+def test_moe_layer_forward_and_backward_replay_exactly(mps, expert_major, nodes):
+    if nodes > 1:
+        from uccl_ep_train.backends.internode import internode_available
+        if not internode_available():
+            pytest.skip("native module without the internode kernels / proxies")
+    world = 2 * nodes
+    env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_RANKS_PER_NODE": "2"}
+    assert run_ranks(_replays, world, expert_major, timeout=600, env=env, **gpu_ranks(world)) == [1] * world
 
 
 def _device_value_checks(rank: int, world: int, device: str) -> list[str]:
@@ -159,3 +168,45 @@ def test_gpu_value_checks_raise_on_every_rank(mps, monkeypatch):
                          env={"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "20"}, **gpu_ranks(2))
     # rank 1 did nothing wrong in the first case: it raises rank 0's error, saying whose it is
     assert "[rank 0 reported it; rank 1 stopped with it]" in per_rank[1][0]
+
+
+def _internode_capture_refusals(rank: int, world: int, device: str) -> int:
+    """A warmed-up internode Buffer: a captured call that would grow the buffers (collective) is refused on every
+    rank before any kernel is captured, naming the sizes; the same call then runs outside capture."""
+    dev = torch.device("cuda", torch.cuda.current_device())
+    buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=0, num_rdma_bytes=0)
+    assert type(buf.backend).__name__ == "NativeInternodeBackend"
+
+    def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:  # made outside capture (copies from the host)
+        gen = torch.Generator(device="cpu").manual_seed(rank + tokens)
+        x = torch.randn(tokens, H, generator=gen).to(dev, torch.bfloat16)
+        return x, torch.randint(0, E, (tokens, K), generator=gen).to(dev)
+
+    def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, E)
+        return buf.dispatch(x, topk_idx=idx, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node,
+                            is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                            num_worst_tokens=world * x.size(0))[0]
+
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        small, big = inputs(8), inputs(4096)
+        step(*small)
+        torch.cuda.synchronize()
+        with pytest.raises(RuntimeError, match=r"must grow to \d+ and \d+ bytes for this call, which cannot happen "
+                                               r"inside CUDA-graph capture"):
+            with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=side):
+                step(*big)
+        assert step(*big).size(0) == world * 4096  # outside capture it grows and runs
+        torch.cuda.synchronize()
+    buf.check_errors()
+    buf.destroy()
+    return 1
+
+
+def test_internode_capture_refuses_a_grow_on_every_rank(mps):
+    from uccl_ep_train.backends.internode import internode_available
+    if not internode_available():
+        pytest.skip("native module without the internode kernels / proxies")
+    assert run_ranks(_internode_capture_refusals, 2, timeout=300,
+                     env={"UCCL_EP_BACKEND": "native", "UCCL_EP_RANKS_PER_NODE": "1"}, **gpu_ranks(2)) == [1, 1]

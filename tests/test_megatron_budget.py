@@ -253,32 +253,14 @@ def test_flex_uccl_backend_on_megatron_lm_main():
 def _budget_graph(rank: int, world: int, device: str) -> int:
     """The static receive budget through Megatron's MoELayer (forward), captured once in a CUDA graph and
     replayed with new inputs: each replay equals the same step run eagerly; no overflow at a budget that fits."""
-    from megatron_utils import build_moe_layer, init_parallel
+    from megatron_utils import build_moe_layer, init_parallel, replay_forward_exactly
     init_parallel(world)
     dev = torch.device("cuda", torch.cuda.current_device())
     layer = build_moe_layer("uccl", moe_expert_rank_capacity_factor=4.0, moe_router_load_balancing_type="none",
                             moe_aux_loss_coeff=0.0, moe_shared_expert_intermediate_size=None).to(dev)
-    gen = torch.Generator().manual_seed(rank)
-    static_x = torch.randn(16, 2, 64, generator=gen).to(dev)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.no_grad(), torch.cuda.stream(side):
-        for _ in range(3):  # the first dispatch bootstraps the budget (one all-reduce): before the capture
-            layer(static_x)
-    torch.cuda.current_stream().wait_stream(side)
+    replay_forward_exactly(layer, rank, (16, 2, 64), 20)  # (the warm-up's first dispatch bootstraps the budget)
     d = layer.token_dispatcher
     assert d._comm_manager.static
-    graph = torch.cuda.CUDAGraph()
-    with torch.no_grad(), torch.cuda.graph(graph):
-        static_out, _ = layer(static_x)
-    for i in range(20):
-        static_x.copy_(torch.randn(16, 2, 64, generator=gen).to(dev))
-        graph.replay()
-        with torch.no_grad():
-            eager, _ = layer(static_x)
-        if not torch.equal(static_out, eager):
-            raise AssertionError(f"rank {rank}, replay {i}: differs from eager by "
-                                 f"{(static_out - eager).abs().max().item()}")
     assert not bool(d.check_over_budget()), "a 4.0 budget fits this routing"
     from megatron_patch.dispatcher import destroy_buffers
     destroy_buffers()

@@ -235,3 +235,35 @@ def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps, kind):
         assert gr.keys() == egr.keys() and len(gr) > 5
         for name in gr:
             close(gr[name], egr[name], f"rank {rank} {name}")
+
+
+def _drop_and_pad_graph(rank: int, world: int, device: str) -> int:
+    """Megatron's MoELayer with the uccl dispatcher's drop-and-pad path (the expert-major pair in a capacity
+    layout: no host sync) captured once in a CUDA graph and replayed 100 times, each replay bit-equal to eager."""
+    from megatron_utils import replay_forward_exactly
+    init_parallel(world)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    layer = build_moe_layer("uccl", moe_expert_capacity_factor=1.5, moe_pad_expert_input_to_capacity=True,
+                            moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                            moe_shared_expert_intermediate_size=None).to(dev)
+    replay_forward_exactly(layer, rank, (8, 2, 64), 100)
+    from megatron_patch.dispatcher import _buffers, destroy_buffers
+    backends = sorted({type(b.backend).__name__ for b in _buffers.values()})
+    destroy_buffers()
+    return backends
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nodes", [1, 2], ids=["1x2", "2x2"])
+def test_drop_and_pad_layer_replays_a_cuda_graph_exactly(mps, nodes):
+    """On one node (native intranode backend) and on 2 emulated nodes x 2 ranks (native internode backend:
+    its op counters live on the GPU, so replays and eager calls stay in step across nodes)."""
+    from dist_utils import gpu_ranks
+    from uccl_ep_train.backends.internode import internode_available
+    if nodes > 1 and not internode_available():
+        pytest.skip("native module without the internode path")
+    world = 2 * nodes
+    got = run_ranks(_drop_and_pad_graph, world, env={"UCCL_EP_RANKS_PER_NODE": "2", "UCCL_EP_BACKEND": "native"},
+                    timeout=400, **gpu_ranks(world))
+    want = "NativeInternodeBackend" if nodes > 1 else "NativeBackend"
+    assert got == [[want]] * world, got

@@ -63,17 +63,27 @@ __device__ bool barrier_wait(const Common& c, uint64_t b, int phase) {
   return ok != 0;
 }
 
-// One thread of the last block to finish (of this launch) returns true, after all blocks' writes.
+// One thread of the last block to finish (of this launch) returns true, after all blocks' writes. That block
+// sets the counter back to zero for the next launch (every other block counted already; the next kernel on
+// the stream starts after this one ends), so it holds nothing a graph replay could find stale.
 __device__ bool last_block(const Common& c) {
   __shared__ int last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence_system();
     const unsigned long long old = atomicAdd(reinterpret_cast<unsigned long long*>(c.done), 1ULL);
-    last = old == c.done_base + gridDim.x - 1;
+    last = old == gridDim.x - 1;
+    if (last) *c.done = 0;
   }
   __syncthreads();
   return last && threadIdx.x == 0;
+}
+
+// The last kernel of an op, its last block (last_block): the op is finished on this rank; the next op's
+// kernels (after this one on the stream) read its number and barriers from the counters.
+__device__ void finish_op(const Common& c, uint64_t op, uint64_t barrier) {
+  c.counters->ops = op;
+  c.counters->barriers = barrier + 1;  // the op arrived at barrier and barrier + 1
 }
 
 // Pushes n commands on `channel`'s ring; a ring that stays full for the timeout is an error (the proxy
@@ -87,15 +97,15 @@ __device__ bool push(const Common& c, int channel, const uccl::Command* cmds, in
 // Every block, before it writes any outgoing area: every RDMA peer sent READY for this op. A peer's READY
 // means it finished every earlier op, so it received all this rank's earlier chunks (whose copies may still
 // have been reading these areas) and no longer reads the areas this op writes into at its side.
-__device__ bool wait_peers_ready(const Common& c, int phase) {
+__device__ bool wait_peers_ready(const Common& c, uint64_t op, int phase) {
   __shared__ int ok;
   if (threadIdx.x == 0) {
     ok = 1;
     for (int n = 0; n < c.N && ok; ++n) {
       if (n == c.node) continue;
       const int peer = n * c.L + c.local;
-      if (!wait_geq(c.flags + ready_flag(c.num_ranks, peer), c.ops, c.timeout_cycles, c.err, c.claim, c.rank, peer,
-                    phase, 0))
+      if (!wait_geq(c.flags + ready_flag(c.num_ranks, peer), op, c.timeout_cycles, c.err, c.claim, c.rank, peer, phase,
+                    0))
         ok = 0;
     }
   }
@@ -129,7 +139,8 @@ __device__ void send_chunk(const Common& c, int n, int j, int64_t local_off, int
 
 // Starts an op (block 0, thread 0): clears the arrival flags of this op's chunks (this rank's host flag
 // words, before READY lets anyone set them), READY to every RDMA peer, arrival at the node barrier.
-__device__ void start_op(const Common& c, int64_t first_flag_of_node0, const int* nchunks, int phase) {
+__device__ void start_op(const Common& c, uint64_t barrier, int64_t first_flag_of_node0, const int* nchunks,
+                         int phase) {
   for (int n = 0; n < c.N; ++n)
     for (int j = 0; j < nchunks[n]; ++j) c.flags[first_flag_of_node0 + int64_t(n) * kMaxChunks + j] = 0;
   __threadfence_system();
@@ -144,7 +155,7 @@ __device__ void start_op(const Common& c, int64_t first_flag_of_node0, const int
     cmd.remote_off = uint32_t(ready_flag(c.num_ranks, c.rank) * 8);
     if (!push(c, 0, &cmd, 1, n * c.L + c.local, phase)) return;
   }
-  barrier_arrive(c, c.barrier);
+  barrier_arrive(c, barrier);
 }
 
 // Counts one finished row of chunk (n, j); true for the lane-0 call that completed the chunk.
@@ -194,14 +205,15 @@ __device__ void arrivals_init(Arrivals& s) {
 }
 
 // The watcher (call with the whole block; only thread 0 works): flag_of(n, j) is the flag word of chunk j
-// from node n, nchunks[n] the chunks coming from node n, `kind` 0 for dispatch chunks, 1 for combine chunks.
+// from node n, nchunks[n] the chunks coming from node n, `kind` 0 for dispatch chunks, 1 for combine chunks,
+// op the op's number (NodeTables::op).
 // The flags are host memory (the proxies raise them): block 0's watcher alone polls them over PCIe and
 // mirrors each landing into this rank's NVL header as the op number; the other blocks' watchers poll the
 // mirror in GPU memory (every block polling host memory slowed the transfers they waited for), with twice
 // the deadline, so that a lost chunk is reported by block 0, naming its flag.
 template <typename FlagOf>
-__device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks, FlagOf flag_of, int kind,
-                               int phase) {
+__device__ void watch_arrivals(const Common& c, uint64_t op, Arrivals& s, const int* nchunks, FlagOf flag_of,
+                               int kind, int phase) {
   if (threadIdx.x != 0) return;
   uint64_t* mirror = reinterpret_cast<uint64_t*>(c.nvl[c.local] + kArrivalMirrorOffset) +
                      int64_t(kind) * kMaxNodes * kMaxChunks;
@@ -214,14 +226,14 @@ __device__ void watch_arrivals(const Common& c, Arrivals& s, const int* nchunks,
       uint64_t* mine = mirror + int64_t(n) * kMaxChunks + j;
       const bool ok = blockIdx.x == 0 ? wait_geq(c.flags + flag_of(n, j), 1, c.timeout_cycles, c.err, c.claim,
                                                  c.rank, n * c.L + c.local, phase, 1 + j % c.data_channels)
-                                      : wait_geq(mine, c.ops, intranode::mirror_timeout(c.timeout_cycles), c.err,
+                                      : wait_geq(mine, op, intranode::mirror_timeout(c.timeout_cycles), c.err,
                                                  c.claim, c.rank, n * c.L + c.local, phase, 1 + j % c.data_channels);
       if (!ok) {
         *reinterpret_cast<volatile int*>(&s.failed) = 1;
         return;
       }
       __threadfence_system();  // acquire side of the proxy's write-then-flag (or of block 0's mirror)
-      if (blockIdx.x == 0) intranode::st_release_sys_u64(mine, c.ops);
+      if (blockIdx.x == 0) intranode::st_release_sys_u64(mine, op);
       *reinterpret_cast<volatile int*>(&s.ready[n]) = j + 1;
     }
 }
@@ -272,10 +284,14 @@ __device__ __forceinline__ int warp_compact(P* out, bool ok, P value, int lane) 
 }
 
 // ---- notify ---------------------------------------------------------------------------------------------
+// The count rows land in the slots of the notifies counter's parity (the counts kernel reads them after this
+// kernel advanced it; the next notify writes the other parity's).
 __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
   const Common& c = a.c;
+  const uint64_t notifies = c.counters->notifies;  // (advanced below, after every thread read it)
+  const int64_t in_off = count_slots_off(a.stride, c.num_ranks, notifies);
   int* out = reinterpret_cast<int*>(c.rdma + a.out_off);
-  int* own = reinterpret_cast<int*>(c.rdma + a.in_off) + int64_t(c.rank) * a.stride;
+  int* own = reinterpret_cast<int*>(c.rdma + in_off) + int64_t(c.rank) * a.stride;
   const int R = c.num_ranks, N = c.N;
   for (int i = threadIdx.x; i < a.row_ints; i += blockDim.x) {
     int v;
@@ -288,6 +304,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
   }
   __syncthreads();
   if (threadIdx.x != 0) return;
+  c.counters->notifies = notifies + 1;
   uccl::ring_release_data();
   for (int s = 1; s < R; ++s) {
     const int dst = (c.rank + s) % R;  // staggered: ranks do not all start with rank 0
@@ -296,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
     cmds[0].dst_rank = uint8_t(dst);
     cmds[0].length = uint32_t(a.row_ints * 4);
     cmds[0].local_off = uint32_t(a.out_off);
-    cmds[0].remote_off = uint32_t(a.in_off + int64_t(c.rank) * a.stride * 4);
+    cmds[0].remote_off = uint32_t(in_off + int64_t(c.rank) * a.stride * 4);
     cmds[1].op = uccl::OP_ATOMIC_ADD;
     cmds[1].dst_rank = uint8_t(dst);
     cmds[1].region = 1;
@@ -364,13 +381,14 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
   const Common& c = a.c;
   const int R = c.num_ranks, N = c.N, L = c.L;
   const InfoOffsets o = info_offsets(R, L);
+  const uint64_t notifies = c.counters->notifies;  // the notify kernel before this one advanced it
   __shared__ int s_ok;
   __shared__ unsigned long long s_first;
   if (threadIdx.x == 0) {
     s_ok = 1;
     s_first = kNoViolation;
     for (int s = 0; s < R && s_ok; ++s)
-      if (s != c.rank && !wait_geq(c.flags + notify_flag(s), a.notifies, c.timeout_cycles, c.err, c.claim, c.rank, s,
+      if (s != c.rank && !wait_geq(c.flags + notify_flag(s), notifies, c.timeout_cycles, c.err, c.claim, c.rank, s,
                                    kPhaseNotify, 0))
         s_ok = 0;
     __threadfence_system();  // acquire side of the proxies' write-then-flag
@@ -378,7 +396,7 @@ __global__ void __launch_bounds__(kThreads) counts_kernel(CountsArgs a) {
   __syncthreads();
   for (int64_t i = threadIdx.x; i < o.ints; i += blockDim.x) a.info[i] = 0;
   if (!s_ok) return;  // the wait recorded why
-  const int* rows = reinterpret_cast<const int*>(c.rdma + a.in_off);
+  const int* rows = reinterpret_cast<const int*>(c.rdma + count_slots_off(a.stride, R, notifies - 1));
   auto row = [&](int s) { return rows + int64_t(s) * a.stride; };
   auto count = [&](int s, int r) { return row(s)[kHeaderInts + r]; };
   unsigned long long first = kNoViolation;
@@ -483,6 +501,8 @@ __device__ void load_tables(const Common& c, const int* info, int64_t row_bytes,
     t.areas = areas_of(stride_bytes, R, t.send_row0[N], t.recv_row0[N], row_bytes, crow_bytes);
     t.num_recv = info[o.num_recv];
     t.valid = info[o.valid];
+    t.op = c.counters->ops + 1;  // (the op's last kernel advances them once every block of it read them)
+    t.barrier = c.counters->barriers + 1;
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -619,10 +639,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   __shared__ NodeTables tab;
   load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    start_op(c, dispatch_flag(c.num_ranks, 0, 0), tab.nchunks_recv, kPhaseDispatchSend);
-  if (!wait_peers_ready(c, kPhaseDispatchSend)) return;
+    start_op(c, tab.barrier, dispatch_flag(c.num_ranks, 0, 0), tab.nchunks_recv, kPhaseDispatchSend);
+  if (!wait_peers_ready(c, tab.op, kPhaseDispatchSend)) return;
   // node peers no longer read their NVL buffers of the previous op
-  if (c.L > 1 && !barrier_wait(c, c.barrier, kPhaseDispatchSend)) return;
+  if (c.L > 1 && !barrier_wait(c, tab.barrier, kPhaseDispatchSend)) return;
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
@@ -751,7 +771,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   const Common& c = a.c;
   __shared__ NodeTables tab;
   load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
-  if (!barrier_wait(c, c.barrier, kPhaseDispatchForward)) return;
+  if (!barrier_wait(c, tab.barrier, kPhaseDispatchForward)) return;
   __shared__ Arrivals s;
   arrivals_init(s);
   const RowFormat f(a.x_bytes, a.scale_bytes, a.num_topk);
@@ -759,8 +779,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
   const int warp = threadIdx.x / kWarpSize;
   __shared__ char* s_dst[kWarps][kMaxLocal];
   if (warp == 0) {
-    watch_arrivals(c, s, tab.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); }, 0,
-                   kPhaseDispatchForward);
+    watch_arrivals(c, tab.op, s, tab.nchunks_recv, [&](int n, int j) { return dispatch_flag(c.num_ranks, n, j); },
+                   0, kPhaseDispatchForward);
   } else {
     int64_t total = 0;  // remote rows (the pack kernel placed this node's own)
     for (int n = 0; n < c.N; ++n)
@@ -781,7 +801,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_forward_kernel(DispatchArgs
       forward_row(a, c, tab, f, n, i, lane, s_dst[warp]);
     }
   }
-  if (last_block(c)) barrier_arrive(c, c.barrier + 1);
+  if (last_block(c)) barrier_arrive(c, tab.barrier + 1);
 }
 
 // Moves the rows node peers wrote into this rank's NVL buffer (none with one rank per node) into the
@@ -790,7 +810,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArg
   const Common& c = a.c;
   __shared__ NodeTables tab;
   load_tables(c, a.info, a.row_bytes, 0, a.requested_chunk_rows, false, tab);
-  if (!barrier_wait(c, c.barrier + 1, kPhaseDispatchCopyOut)) return;
+  if (!barrier_wait(c, tab.barrier + 1, kPhaseDispatchCopyOut)) return;
   clear_chunk_counts(c, tab.nchunks_send);  // the pack kernel's
   __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
   load_bases(c, row_base_of(c, a.info), tab.num_recv, s_base);
@@ -815,6 +835,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_copy_out_kernel(DispatchArg
     if (a.recv_src != nullptr && lane < 2) a.recv_src[i * 2 + lane] = -1;
     if (a.em_map != nullptr && lane < a.num_topk) a.em_map[i * a.num_topk + lane] = -1;
   }
+  if (last_block(c)) finish_op(c, tab.op, tab.barrier);
 }
 
 // ---- combine --------------------------------------------------------------------------------------------
@@ -825,8 +846,8 @@ __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, 
   __shared__ NodeTables tab;
   load_tables(c, a.info, 0, a.crow_bytes, a.requested_chunk_rows, true, tab);
   if (blockIdx.x == 0 && threadIdx.x == 0)
-    start_op(c, combine_flag(c.num_ranks, c.N, 0, 0), tab.nchunks_send, kPhaseCombineStage);
-  if (!barrier_wait(c, c.barrier, kPhaseCombineStage)) return;  // peers no longer read the staging rows
+    start_op(c, tab.barrier, combine_flag(c.num_ranks, c.N, 0, 0), tab.nchunks_send, kPhaseCombineStage);
+  if (!barrier_wait(c, tab.barrier, kPhaseCombineStage)) return;  // peers no longer read the staging rows
   __shared__ int s_base[kMaxNodes * kMaxLocal + 1];
   load_bases(c, row_base_of(c, a.info), tab.num_recv, s_base);
   const int lane = threadIdx.x % kWarpSize;
@@ -841,7 +862,7 @@ __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, 
     for (int k = lane; k < a.num_topk; k += kWarpSize)
       reinterpret_cast<float*>(p + y_bytes)[k] = a.topk_w[i * a.num_topk + k];
   }
-  if (last_block(c)) barrier_arrive(c, c.barrier + 1);
+  if (last_block(c)) barrier_arrive(c, tab.barrier + 1);
 }
 
 // The whole warp: out = the float32 sum of the m rows src[0..m) in order, rounded once (CombineRow; kVec:
@@ -867,7 +888,8 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   const Common& c = a.c;
   __shared__ NodeTables tab;
   load_tables(c, a.info, 0, a.crow_bytes, a.requested_chunk_rows, true, tab);
-  if (!barrier_wait(c, c.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, kPhaseCombineForward)) return;
+  if (!barrier_wait(c, tab.barrier + 1, kPhaseCombineForward) || !wait_peers_ready(c, tab.op, kPhaseCombineForward))
+    return;
   __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's inputs, in local rank order
   __shared__ const float* s_w[kWarps][kMaxLocal];
   const int lane = threadIdx.x % kWarpSize;
@@ -904,6 +926,36 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   }
 }
 
+// A worker warp's tokens of the reduce (combine_reduce_kernel): s_src / s_w its scratch rows.
+template <typename T, int kVec>
+__device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeTables& tab, const Arrivals& s,
+                              int warp, const T** s_src, const float** s_w) {
+  const int lane = threadIdx.x % kWarpSize;
+  const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
+  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
+  const char* crecv = c.rdma + tab.areas.crecv_off;
+  const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused dispatch's chunks never come
+  for (int64_t t = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; t < num_tokens; t += nw) {
+    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const bool ok = !(head >= 0 && lane != c.node) || arrived(s, lane, head / tab.chunk_rows);
+    const bool failed = intranode::warp_any(!ok);
+    intranode::warp_sync();  // the waiting lanes' acquires order every lane's loads
+    if (failed) break;
+    const char* row = crecv + (tab.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
+    warp_compact(s_w, head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
+    const int m = warp_compact(s_src, head >= 0, reinterpret_cast<const T*>(row), lane);
+    int nb = m;
+    if (a.bias0 != nullptr && lane == 0) s_src[nb] = reinterpret_cast<const T*>(a.bias0 + t * y_bytes);
+    nb += a.bias0 != nullptr;
+    if (a.bias1 != nullptr && lane == 0) s_src[nb] = reinterpret_cast<const T*>(a.bias1 + t * y_bytes);
+    nb += a.bias1 != nullptr;
+    intranode::warp_sync();
+    sum_rows<T, kVec>(s_src, nb, s_w, m, reinterpret_cast<T*>(a.out + t * y_bytes),
+                      a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane);
+    intranode::warp_sync();
+  }
+}
+
 // Each token is the sum of its nodes' partial rows in node order (+ biases). A worker warp (all but the
 // watcher warp 0) takes a token as soon as the chunks holding its remote partials landed (Arrivals): the
 // reduce overlaps the last chunks' transfers.
@@ -917,36 +969,14 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   clear_chunk_counts(c, tab.nchunks_recv);  // the forward kernel's (it finished: it ran before on this stream)
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   __shared__ const float* s_w[kWarps][kMaxNodes];
-  const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   if (warp == 0) {
-    watch_arrivals(c, s, tab.nchunks_send,
+    watch_arrivals(c, tab.op, s, tab.nchunks_send,
                    [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, 1, kPhaseCombineReduce);
-    return;
+  } else {
+    reduce_tokens<T, kVec>(a, c, tab, s, warp, s_src[warp], s_w[warp]);
   }
-  const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
-  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
-  const char* crecv = c.rdma + tab.areas.crecv_off;
-  const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused dispatch's chunks never come
-  for (int64_t t = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1; t < num_tokens; t += nw) {
-    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
-    const bool ok = !(head >= 0 && lane != c.node) || arrived(s, lane, head / tab.chunk_rows);
-    const bool failed = intranode::warp_any(!ok);
-    intranode::warp_sync();  // the waiting lanes' acquires order every lane's loads
-    if (failed) break;
-    const char* row = crecv + (tab.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
-    warp_compact(s_w[warp], head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
-    const int m = warp_compact(s_src[warp], head >= 0, reinterpret_cast<const T*>(row), lane);
-    int nb = m;
-    if (a.bias0 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias0 + t * y_bytes);
-    nb += a.bias0 != nullptr;
-    if (a.bias1 != nullptr && lane == 0) s_src[warp][nb] = reinterpret_cast<const T*>(a.bias1 + t * y_bytes);
-    nb += a.bias1 != nullptr;
-    intranode::warp_sync();
-    sum_rows<T, kVec>(s_src[warp], nb, s_w[warp], m, reinterpret_cast<T*>(a.out + t * y_bytes),
-                      a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane);
-    intranode::warp_sync();
-  }
+  if (last_block(c)) finish_op(c, tab.op, tab.barrier);
 }
 
 void check_launch(const char* what) {

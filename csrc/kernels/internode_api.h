@@ -54,13 +54,23 @@ using intranode::kMaxExpertMajorTopk;
 
 // NVL buffer header (byte offsets; local words except bar, which node peers write).
 constexpr int64_t kBarOffset = 0;            // uint64 [kMaxLocal]: latest barrier each node peer arrived at
-constexpr int64_t kDoneOffset = 256;         // uint64: blocks of this rank that finished a last-block kernel
+constexpr int64_t kDoneOffset = 256;         // uint64: blocks of the running last-block kernel that finished
 constexpr int64_t kClaimOffset = 512;        // int: the first error claims the report
+// OpCounters (uint64 x 3): what every rank advances identically, on the GPU, so that graph replays and eager
+// calls stay in step (the kernels read them at their start; nothing of them comes from the host)
+constexpr int64_t kOpCountersOffset = 2048;
 constexpr int64_t kChunkCountOffset = 4096;  // int [kMaxNodes * kMaxChunks]: rows done per chunk (per kernel)
 // uint64 [2][kMaxNodes * kMaxChunks]: dispatch / combine chunk j from node n landed in op `value` (block 0's
 // watcher mirrors the host flags here for the other blocks; op numbers only grow, so nothing is reset)
 constexpr int64_t kArrivalMirrorOffset = kChunkCountOffset + int64_t(kMaxNodes) * kMaxChunks * 4;
 constexpr int64_t kNvlHeaderBytes = kArrivalMirrorOffset + 2 * int64_t(kMaxNodes) * kMaxChunks * 8;
+
+// This rank's op counters (kOpCountersOffset): ops and node barriers of the finished ops (an op's last kernel
+// advances them: op `ops + 1` is the next; it arrives at barriers `barriers + 1` and `+ 2`), notifies issued
+// (the notify kernel advances it: its parity picks the count rows' slots).
+struct OpCounters {
+  uint64_t ops, barriers, notifies;
+};
 
 // The row and layout arithmetic below is host code in every build (layouts.cpp), so that Python sizes buffers
 // from it without GPU kernels.
@@ -284,12 +294,8 @@ class InternodeBuffer {
   std::vector<uccl::RingDesc> rings_;
   int64_t timeout_cycles_ = 0;
   double timeout_s_ = 0;
-  // Counters every rank advances identically (host side; the kernels take their current values).
-  uint64_t ops_ = 0;          // ops started (each sends one READY to every RDMA peer)
-  uint64_t notifies_ = 0;     // fresh dispatches (one count row from every rank each)
-  int num_experts_ = 0;       // the last notify's (its count rows' per-expert counts)
-  uint64_t barriers_ = 0;     // node barriers passed
-  uint64_t done_ = 0;         // blocks that finished a kernel with a last-block step (local counter)
+  bool notify_issued_ = false;  // a notify was launched (counts / wait_counts need one before them)
+  int num_experts_ = 0;         // the last notify's (its count rows' per-expert counts)
 };
 
 }  // namespace uccl_ep::internode

@@ -243,10 +243,8 @@ Common InternodeBuffer::common() const {
   for (int j = 0; j < ranks_per_node_; ++j) c.nvl[j] = static_cast<char*>(peers_[j]);
   c.rdma = static_cast<char*>(rdma_);
   c.done = reinterpret_cast<uint64_t*>(static_cast<char*>(nvl_) + kDoneOffset);
-  c.done_base = done_;
   c.chunk_count = reinterpret_cast<int*>(static_cast<char*>(nvl_) + kChunkCountOffset);
-  c.ops = ops_;
-  c.barrier = barriers_ + 1;
+  c.counters = reinterpret_cast<OpCounters*>(static_cast<char*>(nvl_) + kOpCountersOffset);
   return c;
 }
 
@@ -274,22 +272,31 @@ void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, i
   a.per_expert = as_ptr<const int>(per_expert);
   a.out_off = 0;
   a.stride = (int)stride;
-  a.in_off = 4 * stride * (1 + (int64_t)(notifies_ % 2) * num_ranks_);
   launch_notify(a, as_stream(stream));
   UCCL_CHECK_GPU(gpuEventRecord(static_cast<gpuEvent_t>(notified_), as_stream(stream)));
-  notifies_ += 1;
+  notify_issued_ = true;
 }
 
 void InternodeBuffer::wait_counts(int64_t host_out) {
   check_ready("dispatch (notify)");
-  UCCL_CHECK(notifies_ > 0, "wait_counts: no notify was issued");
+  UCCL_CHECK(notify_issued_, "wait_counts: no notify was issued");
   const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
+  UCCL_CHECK_GPU(gpuSetDevice(device_));
+  // The notify kernel is done (it wrote this rank's own row; its pushes are on the rings): its count of notifies
+  // (on the GPU, where graph replays advance it too) is the value every rank's flag reaches.
+  UCCL_CHECK_GPU(gpuEventSynchronize(static_cast<gpuEvent_t>(notified_)));
+  gpuStream_t copy = static_cast<gpuStream_t>(copy_stream_);
+  OpCounters now{};
+  UCCL_CHECK_GPU(gpuMemcpyAsync(&now, static_cast<char*>(nvl_) + kOpCountersOffset, sizeof(now),
+                                gpuMemcpyDeviceToHost, copy));
+  UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
+  const uint64_t notifies = now.notifies;
   const volatile int64_t* flags = static_cast<const volatile int64_t*>(flags_host_);
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
   for (int s = 0; s < num_ranks_; ++s) {
     if (s == rank_) continue;
     uint32_t spins = 0;
-    while ((uint64_t)flags[notify_flag(s)] < notifies_) {
+    while ((uint64_t)flags[notify_flag(s)] < notifies) {
       const std::string e = adopt_proxy_failure();
       if (!e.empty()) UCCL_THROW(e);
       if ((++spins & 1023u) == 0) {
@@ -299,7 +306,7 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
           f.rank = rank_;
           f.peer = s;
           f.phase = kPhaseNotify;
-          f.need = (int)notifies_;
+          f.need = (int)notifies;
           f.have = (int)flags[notify_flag(s)];
           UCCL_THROW(describe_error(f, ErrorContext{rank_, ranks_per_node_, timeout_s_}));
         }
@@ -308,12 +315,9 @@ void InternodeBuffer::wait_counts(int64_t host_out) {
     }
   }
   __atomic_thread_fence(__ATOMIC_ACQUIRE);
-  UCCL_CHECK_GPU(gpuSetDevice(device_));
-  const int64_t in_off = 4 * stride * (1 + (int64_t)((notifies_ - 1) % 2) * num_ranks_);
-  // own row: written by the notify kernel; the copy runs on a stream of its own, so that the caller's stream
-  // holds only kernels behind those that wait for the proxies
-  UCCL_CHECK_GPU(gpuEventSynchronize(static_cast<gpuEvent_t>(notified_)));
-  gpuStream_t copy = static_cast<gpuStream_t>(copy_stream_);
+  const int64_t in_off = count_slots_off(stride, num_ranks_, notifies - 1);
+  // the copy runs on a stream of its own, so that the caller's stream holds only kernels behind those that wait
+  // for the proxies
   UCCL_CHECK_GPU(gpuMemcpyAsync(as_ptr<void>(host_out), static_cast<char*>(rdma_) + in_off,
                                 (size_t)(4 * stride * num_ranks_), gpuMemcpyDeviceToHost, copy));
   UCCL_CHECK_GPU(gpuStreamSynchronize(copy));
@@ -336,7 +340,7 @@ void InternodeBuffer::send_positions(int64_t in_rank, int num_tokens, int64_t se
 
 void InternodeBuffer::counts(const CountChecks& checks, int64_t info, int64_t stream) {
   check_ready("dispatch (counts)");
-  UCCL_CHECK(notifies_ > 0, "counts: no notify was issued");
+  UCCL_CHECK(notify_issued_, "counts: no notify was issued");
   UCCL_CHECK(info != 0, "counts: no call info tensor");
   UCCL_CHECK(checks.num_worst_tokens >= 0 && checks.expert_capacity >= 0 && checks.max_node_rows >= 0,
              "counts: num_worst_tokens " << checks.num_worst_tokens << ", expert_capacity " << checks.expert_capacity
@@ -345,10 +349,8 @@ void InternodeBuffer::counts(const CountChecks& checks, int64_t info, int64_t st
   const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
   CountsArgs a{};
   a.c = common();
-  a.in_off = 4 * stride * (1 + (int64_t)((notifies_ - 1) % 2) * num_ranks_);
   a.stride = (int)stride;
   a.num_experts = num_experts_;
-  a.notifies = notifies_;
   a.checks = checks;
   a.info = as_ptr<int>(info);
   launch_counts(a, as_stream(stream));
@@ -375,7 +377,6 @@ void InternodeBuffer::dispatch(int64_t info, int num_tokens, int64_t x, int64_t 
                  << kMaxEmPosition + 1 << " tokens (got " << num_tokens << ")");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   DispatchArgs a{};
-  ops_ += 1;
   a.c = common();
   a.info = as_ptr<const int>(info);
   a.row_bytes = dispatch_row_bytes(x_bytes, scale_bytes, num_topk, ranks_per_node_);
@@ -405,8 +406,6 @@ void InternodeBuffer::dispatch(int64_t info, int num_tokens, int64_t x, int64_t 
   a.em_map = as_ptr<int>(em_map);
   a.em_rows = em_rows;
   launch_dispatch(a, num_sms, as_stream(stream));
-  done_ += (uint64_t)num_sms;  // the forward kernel counts its blocks
-  barriers_ += 2;              // arrived at the op's start and after the forward
 }
 
 void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
@@ -424,7 +423,6 @@ void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype
              "combine: topk_weights has " << num_topk << " columns but no data for the " << x_rows << " rows of x");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
   CombineArgs a{};
-  ops_ += 1;
   a.c = common();
   a.info = as_ptr<const int>(info);
   a.crow_bytes = combine_row_bytes(int64_t(hidden) * (dtype == 2 ? 4 : 2), num_topk);
@@ -443,8 +441,6 @@ void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype
   a.out = as_ptr<char>(out);
   a.out_w = as_ptr<float>(out_w);
   launch_combine(a, num_sms, as_stream(stream));
-  done_ += (uint64_t)num_sms;  // the stage kernel counts its blocks
-  barriers_ += 2;
 }
 
 }  // namespace uccl_ep::internode

@@ -15,7 +15,9 @@ using intranode::ErrorRecord;
 constexpr int kThreads = 512;  // 16 warps (8 wavefronts on AMD)
 
 // NVL buffer header: internode_api.h (kBarOffset ... kNvlHeaderBytes)
-static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kChunkCountOffset, "the error words fit after the claim word");
+static_assert(kClaimOffset + intranode::kErrorWordsBytes <= kOpCountersOffset &&
+                  kOpCountersOffset + int64_t(sizeof(OpCounters)) <= kChunkCountOffset,
+              "the error words fit after the claim word, the op counters after them");
 static_assert(kMaxLocal <= intranode::kMaxBoard, "a node's ranks fit its claim table and error board");
 static_assert(kMaxExperts <= (1 << kEmIdBits), "an expert id fits the low bits of an expert-major id word");
 static_assert(kHeaderInts == intranode::kShapeInts, "a count row's header is the call's shape (the counts kernel "
@@ -53,12 +55,16 @@ struct Common {
   int data_channels;  // chunk j of a stream goes on channel 1 + j % data_channels; channel 0: control
   char* nvl[kMaxLocal];  // node peers' NVL buffers (own at [local])
   char* rdma;            // this rank's RDMA region
-  uint64_t* done;        // local block-completion counter
-  uint64_t done_base;    // its value before this launch
+  uint64_t* done;        // local block-completion counter (last_block: zero between kernels)
   int* chunk_count;      // local [kMaxNodes * kMaxChunks]: zero when an op starts (clear_chunk_counts)
-  uint64_t ops;          // ops started so far, this one included (READY target)
-  uint64_t barrier;      // node barrier this kernel arrives at / waits for
+  OpCounters* counters;  // local (kOpCountersOffset)
 };
+
+// The count rows of notify `parity` (the notifies counter's parity before it): byte offset of their receive
+// slots [R] in the RDMA region (after the outgoing row; areas_of's notify area).
+UCCL_HOST_DEVICE inline int64_t count_slots_off(int64_t stride_ints, int num_ranks, uint64_t parity) {
+  return 4 * stride_ints * (1 + int64_t(parity % 2) * num_ranks);
+}
 
 struct NotifyArgs {
   Common c;
@@ -67,16 +73,14 @@ struct NotifyArgs {
   const int* per_rank;
   const int* per_node;
   const int* per_expert;
-  int64_t out_off, in_off;  // this rank's outgoing row; the receive slots [R] of this parity
+  int64_t out_off;  // this rank's outgoing row
 };
 
 // What the counts kernel needs (InternodeBuffer::counts).
 struct CountsArgs {
   Common c;
-  int64_t in_off;     // the receive slots [R] of this notify's parity
   int stride;         // ints between count rows
   int num_experts;
-  uint64_t notifies;  // every rank's notify flag reaches this value
   CountChecks checks;
   int* info;          // out: the call info (InfoOffsets)
 };
@@ -93,6 +97,8 @@ struct NodeTables {
   Areas areas;                         // this rank's RDMA areas
   int64_t num_recv;                    // rows this rank receives
   int valid;                           // the counts passed their checks (else no row of the caller's moves)
+  uint64_t op;       // this op's number (OpCounters): the READY target, the arrival mirror's value
+  uint64_t barrier;  // the node barrier the op's first kernel arrives at (its middle kernel at barrier + 1)
   int chunk_rows;  // rows per RDMA chunk: the requested count, grown until no stream has more than kMaxChunks
 };
 

@@ -20,8 +20,11 @@ reference backend; combine reduces inside the node first (float32 in local rank 
 for the trip back), then over nodes (float32 in node order): within reduction tolerance of the reference.
 
 Buffers grow on demand, collectively (every rank derives the same sizes from the global counts, or from bounds
-every rank shares: sizing.internode_worst_counts). CUDA graphs: not capturable (the kernels take host-side op
-counters); capture raises.
+every rank shares: sizing.internode_worst_counts). CUDA graphs: a fresh dispatch with num_worst_tokens, the
+cached dispatch and the combine can be captured and replayed: what changes per call (the op numbers, the node
+barriers, the count rows' parity) lives in GPU counters the kernels advance (internode_api.h, OpCounters), and
+the proxies act on the commands the kernels push, whoever launched them. Inside capture the host refuses what
+it cannot capture: a grow, opening the buffers, the host read of the counts.
 """
 from __future__ import annotations
 
@@ -38,7 +41,7 @@ import torch.distributed as dist
 from .. import sizing
 from ..config import Config, env_number, timeout_s
 from ..errors import RankLocalError
-from ..events import current_raw_stream, to_device
+from ..events import capturing, current_raw_stream, to_device
 from ..handles import InternodeHandle
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
@@ -81,8 +84,7 @@ class InternodeState:
 class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLatency, Backend):
     name = "native"
     error_prefix = "native internode backend"
-    capture_refusal = ("its kernels take per-call op numbers from the host and its proxies are driven call by call "
-                       "(capture-safe calls: the native backend on one node)")
+    capture_refusal = ""  # the per-call numbers live on the GPU (OpCounters); _refuse_in_capture names the rest
     _unopened: Optional[tuple[int, int]] = None  # (nvl, rdma) bytes of the open the first dispatch still owes
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology,
@@ -180,6 +182,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         need past the largest RDMA region raises before anything is released (every rank alike)."""
         if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
             return
+        _refuse_in_capture(f"the RDMA region ({self._buf.rdma_bytes()} bytes) and NVL buffer "
+                           f"({self._buf.nvl_bytes()} bytes) must grow to {rdma_need} and {nvl_need} bytes for this "
+                           "call, which cannot happen inside CUDA-graph capture (it is collective); make the Buffer "
+                           "with num_rdma_bytes / num_nvl_bytes at least that large, or run the call once before "
+                           "capturing")
         most = sizing.internode_max_rdma_bytes()
         if rdma_need > most:
             raise ValueError(f"this call needs an RDMA region of {rdma_need} bytes; the internode backend addresses "
@@ -358,6 +365,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                               expert_major_ids=em is not None)
         y_bytes = _combine_row_bytes(x)  # the combine's rows, sized for now too
         if self._unopened is not None:  # collective: every rank is in this dispatch
+            _refuse_in_capture("the first dispatch of this Buffer opens its buffers and proxies, which cannot happen "
+                               "inside CUDA-graph capture; run one dispatch before capturing")
             sizes, self._unopened = self._unopened, None
             try:
                 self._open(*sizes)
@@ -379,6 +388,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 if em is not None:  # a capacity layout's blocks need no counts: placed before notify's kernels
                     em.place(None, R, num_experts, me, dev)
             else:
+                _refuse_in_capture(f"num_worst_tokens={num_worst_tokens} bounds the buffers at {need[0]} bytes of "
+                                   f"RDMA region, past the {sizing.internode_max_rdma_bytes()} it can have, so this "
+                                   "dispatch reads the counts on the host, which cannot be captured in a CUDA graph; "
+                                   "pass num_max_tokens_per_rank (or an expert_capacity) to bound them")
                 _say_once(f"uccl_ep_train native internode: num_worst_tokens={num_worst_tokens} bounds the buffers "
                           f"at {need[0]} bytes of RDMA region, past the {sizing.internode_max_rdma_bytes()} it "
                           f"can have: these dispatches read the counts on the host (one sync each); pass "
@@ -586,6 +599,13 @@ def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
     if recv_per_rank[busiest] > num_worst_tokens:
         raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
                            f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
+
+
+def _refuse_in_capture(why: str) -> None:
+    """Raises inside CUDA-graph capture: `why` names what the call would do on the host (before any kernel of the
+    call was captured: the Buffer stays usable)."""
+    if capturing():
+        raise RuntimeError(f"native internode backend: {why}")
 
 
 _said: set = set()
