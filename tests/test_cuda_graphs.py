@@ -177,9 +177,9 @@ def _internode_capture_refusals(rank: int, world: int, device: str) -> int:
     buf = Buffer(dist.new_group(list(range(world))), num_nvl_bytes=0, num_rdma_bytes=0)
     assert type(buf.backend).__name__ == "NativeInternodeBackend"
 
-    def inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor]:  # made outside capture (copies from the host)
+    def inputs(tokens: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:  # made outside capture (host copies)
         gen = torch.Generator(device="cpu").manual_seed(rank + tokens)
-        x = torch.randn(tokens, H, generator=gen).to(dev, torch.bfloat16)
+        x = torch.randn(tokens, hidden, generator=gen).to(dev, torch.bfloat16)
         return x, torch.randint(0, E, (tokens, K), generator=gen).to(dev)
 
     def step(x: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -190,7 +190,7 @@ def _internode_capture_refusals(rank: int, world: int, device: str) -> int:
 
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
-        small, big = inputs(8), inputs(4096)
+        small, big = inputs(8, H), inputs(4096, 7168)  # big: past the first 32 MiB RDMA region
         step(*small)
         torch.cuda.synchronize()
         with pytest.raises(RuntimeError, match=r"must grow to \d+ and \d+ bytes for this call, which cannot happen "
