@@ -262,14 +262,15 @@ __device__ __forceinline__ int4 ld_nc_v4(const int4* p) {
 }
 
 // 16-byte load of data another GPU may have written during this kernel (after an acquire of its flag):
-// the coherent global path, skipping L1 allocation (read once). Not `.nc`: the read-only path is only
-// defined for data that stays unchanged for the kernel's lifetime.
+// the coherent global path, skipping L1 allocation (read once), with ld_nc_v4's 256-byte L2 fetch hint (a
+// warp's 16-byte loads cover 512 contiguous bytes). Not `.nc`: the read-only path is only defined for data
+// that stays unchanged for the kernel's lifetime.
 __device__ __forceinline__ int4 ld_global_v4(const int4* p) {
 #if defined(UCCL_EP_WITH_HIP)
   return *p;
 #else
   int4 v;
-  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+  asm volatile("ld.global.L1::no_allocate.L2::256B.v4.s32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                : "l"(p));
   return v;
