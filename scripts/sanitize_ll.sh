@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# The low-latency checks (scripts/ll_checks.py: every LL mode against the oracle, 2 ranks, one per GPU, no MPS)
+# under NVIDIA compute-sanitizer, which follows the spawned ranks (--target-processes all):
+#
+#   bash scripts/sanitize_ll.sh [memcheck|racecheck|synccheck|initcheck] [RANKS_PER_NODE] [RUNS]
+#
+# RANKS_PER_NODE 2 (default): one node, the NVLink kernels; 1: two emulated nodes, the bytes between them
+# through the CPU proxies. Needs 2 GPUs (one rank each: not tried with ranks sharing a GPU under MPS) and the
+# native module built for them; PYTHON picks the interpreter (scripts/gpu_env.sh).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+. scripts/gpu_env.sh  # $py and the NVLink multicast ban
+tool=${1:-memcheck} per_node=${2:-2} runs=${3:-1}
+sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+export GLOO_SOCKET_IFNAME=${GLOO_SOCKET_IFNAME:-lo} PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec "$sanitizer" --tool "$tool" --target-processes all --print-limit 20 "$py" scripts/ll_checks.py "$per_node" "$runs"
