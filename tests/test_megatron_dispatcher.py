@@ -237,7 +237,7 @@ def test_moe_layer_on_two_emulated_nodes_matches_the_reference(mps, kind):
             close(gr[name], egr[name], f"rank {rank} {name}")
 
 
-def _drop_and_pad_graph(rank: int, world: int, device: str) -> int:
+def _drop_and_pad_graph(rank: int, world: int, device: str) -> list:
     """Megatron's MoELayer with the uccl dispatcher's drop-and-pad path (the expert-major pair in a capacity
     layout: no host sync) captured once in a CUDA graph and replayed 100 times, each replay bit-equal to eager."""
     from megatron_utils import replay_forward_exactly
