@@ -62,6 +62,35 @@ def _environment(rank: int, world: int) -> dict:
     return {"rank": rank, "world": world, **{k: os.environ.get(k) for k in TORCHRUN_VARS}}
 
 
+def _prints(rank: int, world: int, marker: str) -> int:
+    print(f"{marker} from rank {rank}", flush=True)
+    return rank
+
+
+def test_ranks_take_the_launchers_stdout_and_environment_as_they_are(capfd, tmp_path, monkeypatch):
+    """The ranks fork from a server that may have started while descriptor 1 and the environment were others
+    (an earlier call, here one made with stdout pointing at a file): they still write where the launcher's
+    stdout points now and see its environment as it is now, as spawned interpreters would."""
+    saved = os.dup(1)
+    monkeypatch.setenv("LAUNCH_TEST_VALUE", "early")
+    try:
+        with open(tmp_path / "elsewhere", "w") as f:
+            os.dup2(f.fileno(), 1)
+            launch.spawn(_prints, 1, "early", timeout=120)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+    monkeypatch.setenv("LAUNCH_TEST_VALUE", "late")
+    assert launch.spawn(_prints, 2, os.environ["LAUNCH_TEST_VALUE"], timeout=120) == [0, 1]
+    assert launch.spawn(_environment_value, 1, timeout=120) == ["late"]
+    out = capfd.readouterr().out
+    assert "late from rank 0" in out and "late from rank 1" in out and "early" not in out
+
+
+def _environment_value(rank: int, world: int) -> str:
+    return os.environ.get("LAUNCH_TEST_VALUE", "")
+
+
 def test_spawned_ranks_get_torchrun_environment_on_loopback():
     out = launch.spawn(_environment, 3, env={"EXTRA": "x"}, timeout=120)
     port = out[0]["MASTER_PORT"]

@@ -148,7 +148,7 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Mapping[
         for rank in range(world):
             rank_env = {**os.environ, **torchrun_env(rank, world, port), **(env or {})}
             procs.append(ctx.Process(target=_rank_process, name=f"rank {rank}",
-                                     args=(fn, rank, world, args, rank_env, q, exit_at_once)))
+                                     args=(fn, rank, world, args, rank_env, q, exit_at_once, _LauncherStdio())))
             procs[-1].start()
         results = _collect(q, procs, timeout)
     except BaseException:
@@ -158,11 +158,33 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Mapping[
     return [results[rank] for rank in range(world)]
 
 
+class _LauncherStdio:
+    """Pickled into a rank's arguments: the launching process's stdout and stderr (descriptors 1 and 2) as
+    they are when the rank starts, which the rank takes over while it is unpickled (_adopt_stdio). A rank
+    forked from the fork server would otherwise write where the server's pointed when it started, and a
+    caller may have redirected its own since (pytest's capture does, per test)."""
+
+    def __reduce__(self):
+        from multiprocessing import reduction
+
+        return _adopt_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _adopt_stdio(out: Any, err: Any) -> None:
+    """In the rank, while its arguments are unpickled: descriptors 1 and 2 become the launcher's."""
+    for wrapper, target in ((out, 1), (err, 2)):
+        fd = wrapper.detach()
+        if fd != target:
+            os.dup2(fd, target)
+            os.close(fd)
+
+
 def _rank_process(fn: Callable[..., Any], rank: int, world: int, args: tuple, env: dict[str, str], q: Any,
-                  exit_at_once: bool) -> None:
+                  exit_at_once: bool, stdio: None) -> None:
     """A spawned rank: its environment replaced by `env` (the launching process's, as spawn() saw it, and the
     rank's own), fn's result (pickled here, so that an unpicklable one is this rank's error and not a silent
-    loss in the queue's feeder thread) or its traceback onto q, then the group's teardown."""
+    loss in the queue's feeder thread) or its traceback onto q, then the group's teardown. (stdio: what
+    _LauncherStdio leaves once it redirected descriptors 1 and 2.)"""
     os.environ.clear()
     os.environ.update(env)
     try:
