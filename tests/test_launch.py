@@ -91,6 +91,29 @@ def _environment_value(rank: int, world: int) -> str:
     return os.environ.get("LAUNCH_TEST_VALUE", "")
 
 
+MAIN_SCRIPT = """
+from uccl_ep_train.apps.launch import spawn
+
+def square(rank, world, base):
+    return base + rank * rank
+
+if __name__ == "__main__":
+    print(spawn(square, 3, 10, timeout=120))
+"""
+
+
+def test_a_function_of_the_main_script_runs_on_the_ranks(tmp_path):
+    """A program whose rank function lives in its own main module (scripts/ll_checks.py, tests/fuzz_runner.py
+    run as scripts): the ranks forked from the fork server import that module as spawned interpreters do."""
+    script = tmp_path / "main_script.py"
+    script.write_text(MAIN_SCRIPT)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "[10, 11, 14]"
+
+
 def test_spawned_ranks_get_torchrun_environment_on_loopback():
     out = launch.spawn(_environment, 3, env={"EXTRA": "x"}, timeout=120)
     port = out[0]["MASTER_PORT"]

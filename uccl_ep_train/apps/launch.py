@@ -136,9 +136,10 @@ def spawn(fn: Callable[..., Any], world: int, *args: Any, env: Optional[Mapping[
 
     # Each rank forks from a server process that imported torch once, instead of being a fresh interpreter
     # that imports it again (~5 s of CPU per rank on a 2-core host); the server never touches CUDA, so a rank
-    # starts its own context as a spawned one does. The server runs the program's main module as spawn does
-    # (functions defined there resolve), and a rank gets this process's whole environment as it is now
-    # (_rank_process), not the server's.
+    # starts its own context as a spawned one does. A rank imports the program's main module as spawn's do
+    # (functions defined there resolve); the server imports it once beforehand, so the ranks find it there.
+    # A rank gets this process's whole environment and stdout / stderr as they are now (_rank_process,
+    # _LauncherStdio), not the server's.
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["__main__", "torch", "torch.distributed"])
     q = ctx.Queue()
