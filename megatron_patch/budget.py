@@ -12,7 +12,7 @@ moe_expert_rank_capacity_factor` (None for the replay, the config's value after 
 
 How the budget maps onto our Buffer: the static mode is the capacity layout of
 `Buffer.dispatch_expert_major` (docs/api.md), the one drop-and-pad uses, so it needs no new kernel and is
-sync-free and capturable on the native one-node backend. The budget of R rows per rank becomes
+sync-free and capturable on the native backends (one node and across nodes). The budget of R rows per rank becomes
 `capacity = ceil(R / (num_local_experts * ep_size))` rows per (local expert, source rank) block, and the
 receive is exactly `num_local_experts * ep_size * capacity` rows (uccl_ep_train.sizing.budget_capacity);
 the receive-order rows before the expansion, the dispatch's num_worst_tokens, are at most
