@@ -156,11 +156,8 @@ class NativeBuildExt(build_ext):
 
     def _parallel_compile(self):
         """Compile host sources on all cores (setuptools compiles one file at a time)."""
-        import concurrent.futures
-
         compiler = self.compiler
         orig = compiler.compile
-        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
 
         def compile_parallel(sources, output_dir=None, macros=None, include_dirs=None, debug=0,
                              extra_preargs=None, extra_postargs=None, depends=None):
@@ -172,11 +169,10 @@ class NativeBuildExt(build_ext):
                 src, ext = build[obj]
                 compiler._compile(obj, src, ext, cc_args, extra_postargs, pp_opts)
 
-            with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-                list(pool.map(one, objects))
+            _run_on_jobs(one, objects)
             return objects
 
-        if jobs > 1 and hasattr(compiler, "_setup_compile"):
+        if _jobs() > 1 and hasattr(compiler, "_setup_compile"):
             compiler.compile = compile_parallel
         else:
             compiler.compile = orig
@@ -222,15 +218,24 @@ class NativeBuildExt(build_ext):
             with open(obj + ".flags", "w") as f:
                 f.write(stamp)
 
-        # On all cores (MAX_JOBS), the largest source first: one kernel file takes most of the time (intranode.cu,
-        # ~2 of the ~4 minutes on one core), so the others compile beside it.
-        import concurrent.futures
-
+        # The largest source first: one kernel file takes most of the time (intranode.cu, ~2 of the ~4 minutes on
+        # one core), so the others compile beside it.
         stale.sort(key=lambda item: -os.path.getsize(item[0]))
-        jobs = int(os.environ.get("MAX_JOBS", os.cpu_count() or 1))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-            list(pool.map(one, stale))  # (the first failure raises here)
+        _run_on_jobs(one, stale)
         return objects
+
+
+def _jobs() -> int:
+    """Compile workers: MAX_JOBS (the variable torch's and most native builds read), else all cores."""
+    return max(1, int(os.environ.get("MAX_JOBS", os.cpu_count() or 1)))
+
+
+def _run_on_jobs(fn, items) -> None:
+    """Runs fn on every item on _jobs() threads (the compilers are separate processes); the first failure raises."""
+    import concurrent.futures
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=_jobs()) as pool:
+        list(pool.map(fn, items))
 
 
 def native_build_kwargs() -> dict:

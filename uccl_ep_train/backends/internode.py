@@ -41,7 +41,7 @@ import torch.distributed as dist
 from .. import sizing
 from ..config import Config, env_number, timeout_s
 from ..errors import RankLocalError
-from ..events import capturing, current_raw_stream, to_device
+from ..events import current_raw_stream, to_device
 from ..handles import InternodeHandle
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
@@ -49,7 +49,7 @@ from ..validation import check_expert_capacity
 from .base import Backend, WithoutLowLatency
 from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _combine_row_bytes,
                      _expected_width, _module, check_same_shape, module_serves, positions_in_expert,
-                     recorded_errors, shape_header)
+                     recorded_errors, refuse_grow_in_capture, refuse_in_capture, shape_header)
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -84,7 +84,7 @@ class InternodeState:
 class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLatency, Backend):
     name = "native"
     error_prefix = "native internode backend"
-    capture_refusal = ""  # the per-call numbers live on the GPU (OpCounters); _refuse_in_capture names the rest
+    capture_refusal = ""  # the per-call numbers live on the GPU (OpCounters); refuse_in_capture names the rest
     _unopened: Optional[tuple[int, int]] = None  # (nvl, rdma) bytes of the open the first dispatch still owes
 
     def __init__(self, group, rank, num_ranks, owner, num_nvl_bytes, num_rdma_bytes, device, topology: Topology,
@@ -182,11 +182,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         need past the largest RDMA region raises before anything is released (every rank alike)."""
         if rdma_need <= self._buf.rdma_bytes() and nvl_need <= self._buf.nvl_bytes():
             return
-        _refuse_in_capture(f"the RDMA region ({self._buf.rdma_bytes()} bytes) and NVL buffer "
-                           f"({self._buf.nvl_bytes()} bytes) must grow to {rdma_need} and {nvl_need} bytes for this "
-                           "call, which cannot happen inside CUDA-graph capture (it is collective); make the Buffer "
-                           "with num_rdma_bytes / num_nvl_bytes at least that large, or run the call once before "
-                           "capturing")
+        refuse_grow_in_capture(self.error_prefix, f"the RDMA region ({self._buf.rdma_bytes()} bytes) and NVL "
+                               f"buffer ({self._buf.nvl_bytes()} bytes) must grow to {rdma_need} and {nvl_need} "
+                               "bytes", "num_rdma_bytes / num_nvl_bytes")
         most = sizing.internode_max_rdma_bytes()
         if rdma_need > most:
             raise ValueError(f"this call needs an RDMA region of {rdma_need} bytes; the internode backend addresses "
@@ -365,8 +363,8 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                               expert_major_ids=em is not None)
         y_bytes = _combine_row_bytes(x)  # the combine's rows, sized for now too
         if self._unopened is not None:  # collective: every rank is in this dispatch
-            _refuse_in_capture("the first dispatch of this Buffer opens its buffers and proxies, which cannot happen "
-                               "inside CUDA-graph capture; run one dispatch before capturing")
+            refuse_in_capture(self.error_prefix, "the first dispatch of this Buffer opens its buffers and proxies, "
+                              "which cannot happen inside CUDA-graph capture; run one dispatch before capturing")
             sizes, self._unopened = self._unopened, None
             try:
                 self._open(*sizes)
@@ -388,10 +386,11 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 if em is not None:  # a capacity layout's blocks need no counts: placed before notify's kernels
                     em.place(None, R, num_experts, me, dev)
             else:
-                _refuse_in_capture(f"num_worst_tokens={num_worst_tokens} bounds the buffers at {need[0]} bytes of "
-                                   f"RDMA region, past the {sizing.internode_max_rdma_bytes()} it can have, so this "
-                                   "dispatch reads the counts on the host, which cannot be captured in a CUDA graph; "
-                                   "pass num_max_tokens_per_rank (or an expert_capacity) to bound them")
+                most = sizing.internode_max_rdma_bytes()
+                refuse_in_capture(self.error_prefix, f"num_worst_tokens={num_worst_tokens} bounds the buffers at "
+                                  f"{need[0]} bytes of RDMA region, past the {most} it can have, so this dispatch "
+                                  "reads the counts on the host, which cannot be captured in a CUDA graph; pass "
+                                  "num_max_tokens_per_rank (or an expert_capacity) to bound them")
                 _say_once(f"uccl_ep_train native internode: num_worst_tokens={num_worst_tokens} bounds the buffers "
                           f"at {need[0]} bytes of RDMA region, past the {sizing.internode_max_rdma_bytes()} it "
                           f"can have: these dispatches read the counts on the host (one sync each); pass "
@@ -599,13 +598,6 @@ def check_worst_tokens(recv_per_rank: list[int], num_worst_tokens: int) -> None:
     if recv_per_rank[busiest] > num_worst_tokens:
         raise RuntimeError(f"dispatch: rank {busiest} receives {recv_per_rank[busiest]} tokens, more than "
                            f"num_worst_tokens={num_worst_tokens} (pass at least that many on every rank)")
-
-
-def _refuse_in_capture(why: str) -> None:
-    """Raises inside CUDA-graph capture: `why` names what the call would do on the host (before any kernel of the
-    call was captured: the Buffer stays usable)."""
-    if capturing():
-        raise RuntimeError(f"native internode backend: {why}")
 
 
 _said: set = set()

@@ -289,6 +289,21 @@ def _align_up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
+def refuse_in_capture(backend: str, why: str) -> None:
+    """Raises inside CUDA-graph capture: `why` names what the call would do on the host (checked before any
+    kernel of the call was captured: the Buffer stays usable)."""
+    if capturing():
+        raise RuntimeError(f"{backend}: {why}")
+
+
+def refuse_grow_in_capture(backend: str, what: str, size_args: str) -> None:
+    """A buffer grow is collective and host-side: inside capture the call raises, naming the Buffer arguments
+    that make it unnecessary."""
+    refuse_in_capture(backend, f"{what} for this call, which cannot happen inside CUDA-graph capture (it is "
+                      f"collective); make the Buffer with {size_args} at least that large, or run the call once "
+                      "before capturing")
+
+
 @dataclass
 class NativeHandleState:
     """Backend-private part of an IntranodeHandle (the device-side layout lives in the handle's tensors:
@@ -361,11 +376,8 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
     def _ensure(self, rows: int, x_bytes: int, scale_bytes: int, num_topk: int, with_src: bool) -> None:
         new_bytes = sizing.intranode_grow_to(self._nbytes, rows, x_bytes, scale_bytes, num_topk, with_src)
         if new_bytes is not None:
-            if capturing():
-                raise RuntimeError(f"native backend: the NVLink buffer ({self._nbytes} bytes) must grow to "
-                                   f"{new_bytes} bytes for this call, which cannot happen inside CUDA-graph capture "
-                                   "(it is collective); make the Buffer with num_nvl_bytes >= that, or run the "
-                                   "call once before capturing")
+            refuse_grow_in_capture(self.error_prefix, f"the NVLink buffer ({self._nbytes} bytes) must grow to "
+                                   f"{new_bytes} bytes", "num_nvl_bytes")
             self._grow(new_bytes)
 
     def release(self) -> None:
