@@ -195,7 +195,8 @@ def test_a_rocm_torch_picks_hipcc(monkeypatch):
 @pytest.mark.parametrize("copies_through_cuda", [True, False])
 def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(copies_through_cuda):
     """On fabric over shm or tcp the likeliest cause of a timeout is a pageable host copy issued while the
-    call's kernels ran (it holds the proxies' CUDA copies back): the error says so, and only there."""
+    call's kernels ran (it holds the proxies' CUDA copies back): the error says so, and only there. Every
+    unexplained timeout quotes the proxies' state line (where the missing operation stopped)."""
     from uccl_ep_train.backends.native import PAGEABLE_COPY_HINT, recorded_errors
 
     class Proxy:
@@ -206,11 +207,15 @@ def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(
             if self.error:
                 raise RuntimeError(self.error)
 
+        def state_line(self):
+            return "this rank's proxies: 1 held for an earlier one"
+
     timed_out = "rank 0 (node 0) timed out after 20 s in 'combine (reduce)' waiting for rank 1 (node 1)"
     recorded = types.SimpleNamespace(error=lambda: timed_out)
     silent = types.SimpleNamespace(error=lambda: "")
     assert (PAGEABLE_COPY_HINT in recorded_errors(recorded, Proxy())) == copies_through_cuda
     assert (PAGEABLE_COPY_HINT in recorded_errors(silent, Proxy(), raised=timed_out)) == copies_through_cuda
+    assert "1 held for an earlier one" in recorded_errors(recorded, Proxy())
     assert recorded_errors(silent, Proxy()) == ""  # nothing recorded, nothing raised: no hint either
     assert recorded_errors(recorded, None) == timed_out  # no proxies (one node): the kernels' text alone
     dead = Proxy()

@@ -154,6 +154,7 @@ def test_fault_injection_in_a_live_proxy_keeps_counters_exact(seed):
         g.check()
         st = g.stats()
         assert st["fault_held"] > 0 and st["out_of_order"] > 0, st
+        assert st["held"] == 0 and st["undelivered"] == 0, st  # gauges: everything arrived was applied
         assert g.imm_count(0, 0) == 150
     expect = np.zeros(8, np.int64)
     for k in range(300):

@@ -426,8 +426,19 @@ class ProxyGroup:
           arrived ahead of their turn and waited in the ordering window.
         - `fault_held`: completions held back by fault injection (UCCL_EP_FAULT).
         - `idle_sleeps`: adaptive-sleep naps taken (UCCL_RDMA_ADAPTIVE_SLEEP); 0 when spinning.
+        - `held`, `undelivered` (now, not cumulative): arrivals the ordering window holds for an earlier one,
+          and arrivals the transport read but holds back (the fabric transport's copy fence, until the
+          provider's GPU copies ran). A timeout's message quotes them (`state_line`).
         """
         return self._native.stats()
+
+    def state_line(self) -> str:
+        """This rank's proxies in one line, for a timeout's message: with the peers' lines, where an
+        operation stopped (never posted, posted but not arrived, arrived but held)."""
+        s = self.stats()
+        return (f"this rank's proxies: {s['commands']} commands taken, {s['writes']} writes posted, "
+                f"{s['local_completions']} completed, {s['arrivals']} arrivals, {s['held']} held for an earlier "
+                f"one, {s['undelivered']} held by the copy fence")
 
     def config(self) -> dict:
         return self._native.config()

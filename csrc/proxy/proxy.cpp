@@ -220,6 +220,8 @@ ProxyStats ProxyThread::stats() const {
   s.out_of_order = out_of_order_;
   s.fault_held = fault_held_;
   s.idle_sleeps = idle_sleeps_;
+  s.held = held_;
+  s.undelivered = undelivered_;
   for (const auto& b : bytes_to_) s.bytes_to.push_back(b.load(std::memory_order_relaxed));
   for (const auto& c : commands_to_) s.commands_to.push_back(c.load(std::memory_order_relaxed));
   return s;
@@ -455,7 +457,11 @@ bool ProxyThread::step() {
     work = n > 0;
     out_of_order_.store(emu_->out_of_order(), std::memory_order_relaxed);
     fault_held_.store(fault_.held_total(), std::memory_order_relaxed);
+    held_.store(emu_->waiting(), std::memory_order_relaxed);
   }
+  const uint64_t undelivered = transport_->undelivered_arrivals();  // changes without a completion returned
+  if (undelivered != undelivered_.load(std::memory_order_relaxed))
+    undelivered_.store(undelivered, std::memory_order_relaxed);
   Command cmds[kBatch];
   const uint32_t got = consumer_.peek(cmds, kBatch);
   uint32_t used = 0;
@@ -800,6 +806,8 @@ ProxyStats Proxy::stats() const {
     s.out_of_order += x.out_of_order;
     s.fault_held += x.fault_held;
     s.idle_sleeps += x.idle_sleeps;
+    s.held += x.held;
+    s.undelivered += x.undelivered;
     for (size_t d = 0; d < s.bytes_to.size(); ++d) {
       s.bytes_to[d] += x.bytes_to[d];
       s.commands_to[d] += x.commands_to[d];

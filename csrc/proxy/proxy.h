@@ -89,6 +89,9 @@ struct ProxyStats {
   uint64_t commands = 0, writes = 0, atomics = 0, flushes = 0, nops = 0, rejected = 0;
   uint64_t bytes = 0, local_completions = 0, arrivals = 0, out_of_order = 0, fault_held = 0;
   uint64_t idle_sleeps = 0;
+  // Gauges (now, not cumulative): arrivals the ordering emulator holds for an earlier one, and arrivals the
+  // transport read but holds back (the fabric copy fence). Nonzero in a timeout report says where a row is.
+  uint64_t held = 0, undelivered = 0;
   // Per destination rank (size world), counted when an operation is posted to the transport: payload bytes
   // of OP_WRITE / OP_WRITE_IMM, and operations (writes, atomic adds, barrier markers; not NOP / FLUSH,
   // which go nowhere, nor rejected commands). What a test needs to check the bytes that left for each peer.
@@ -168,7 +171,7 @@ class ProxyThread {
     a.store(a.load(std::memory_order_relaxed) + n, std::memory_order_relaxed);
   }
   std::atomic<uint64_t> commands_{0}, writes_{0}, atomics_{0}, flushes_{0}, nops_{0}, rejected_{0}, bytes_{0},
-      local_{0}, arrivals_{0}, idle_sleeps_{0}, out_of_order_{0}, fault_held_{0};
+      local_{0}, arrivals_{0}, idle_sleeps_{0}, out_of_order_{0}, fault_held_{0}, held_{0}, undelivered_{0};
   std::vector<std::atomic<uint64_t>> bytes_to_, commands_to_;  // per destination rank, sized world
 };
 

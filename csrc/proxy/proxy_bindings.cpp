@@ -46,6 +46,8 @@ py::dict stats_dict(const ProxyStats& s) {
   d["out_of_order"] = s.out_of_order;
   d["fault_held"] = s.fault_held;
   d["idle_sleeps"] = s.idle_sleeps;
+  d["held"] = s.held;
+  d["undelivered"] = s.undelivered;
   d["bytes_to"] = s.bytes_to;        // list, index = destination rank
   d["commands_to"] = s.commands_to;
   return d;

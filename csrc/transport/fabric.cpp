@@ -428,6 +428,8 @@ class FabricTransport final : public Transport {
     send_ctrl(peer, Completion::kFailure, 0, kNoRegion, 0, value, kUntrackedWr);
   }
 
+  size_t undelivered_arrivals() const override { return fenced_.size(); }
+
   int poll(Completion* out, int max) override {
     int n = 0;
     while (n < max && !backlog_.empty()) {

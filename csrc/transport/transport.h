@@ -103,6 +103,9 @@ class Transport {
   // kernels that wait for those arrivals must then run on other streams, and the default stream must not
   // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
   virtual bool waits_for_default_stream() const { return false; }
+  // Arrivals the transport has read but not yet delivered by poll() (the fabric transport's copy fence holds
+  // them until the provider's GPU copies ran): a gauge for the proxies' state in timeout reports.
+  virtual size_t undelivered_arrivals() const { return 0; }
   // What this endpoint opened, as the transport resolved it (a setting may name a provider by an alias, or
   // none, leaving the choice to the library): the libfabric provider ("" where there is none: verbs, ipc) and
   // the NIC (verbs device, libfabric domain; "" for ipc). `doctor --peers` reports these, not the settings.

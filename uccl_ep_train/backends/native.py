@@ -128,8 +128,10 @@ def recorded_errors(buf, proxy, raised: str = "") -> str:
             proxy.check()
         except RuntimeError as exc:  # a rejected command or a dead transport, often the cause of a timeout
             msgs.append(f"proxy: {exc}")
-        if len(msgs) == 1 and "timed out" in msgs[0] and proxy.waits_for_default_stream:  # no cause recorded
-            msgs.append(PAGEABLE_COPY_HINT)
+        if len(msgs) == 1 and "timed out" in msgs[0]:  # no cause recorded
+            msgs.append(proxy.state_line())
+            if proxy.waits_for_default_stream:
+                msgs.append(PAGEABLE_COPY_HINT)
     return "; ".join(m for m in msgs if m)
 
 
