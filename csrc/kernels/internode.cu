@@ -261,7 +261,7 @@ __device__ __forceinline__ void warp_copy_to(char* const* dsts, int n, const cha
   uintptr_t bits = reinterpret_cast<uintptr_t>(src) | uintptr_t(bytes);
   for (int q = 0; q < n; ++q) bits |= reinterpret_cast<uintptr_t>(dsts[q]);
   if ((bits & 15u) == 0) {
-    intranode::warp_push_row<int4, intranode::kRowVecs, kNc>(src, bytes, dsts, n, lane);
+    intranode::warp_push_row<int4, 8, kNc>(src, bytes, dsts, n, lane);
   } else {
     for (int q = 0; q < n; ++q)
       for (int64_t i = lane; i < bytes; i += kWarpSize) dsts[q][i] = src[i];
@@ -760,7 +760,7 @@ __device__ void forward_row(const DispatchArgs& a, const Common& c, const NodeTa
   const int own_row = intranode::warp_shfl(dst_row, c.local);
   const int m = warp_compact(s_dst, dst_row >= 0 && lane != c.local,
                              c.nvl[lane < c.L ? lane : 0] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes, lane);
-  if (m > 0) intranode::warp_push_row<int4, intranode::kRowVecs, false>(p, a.row_bytes, s_dst, m, lane);
+  if (m > 0) intranode::warp_push_row<int4, 8, false>(p, a.row_bytes, s_dst, m, lane);
   if (own_row >= 0) emit_row(a, f, p, own_row, lane);
   intranode::warp_sync();  // s_dst is rewritten for the next row
 }

@@ -10,12 +10,6 @@
 
 namespace uccl_ep::intranode {
 
-// 16-byte vectors a lane keeps in flight when it moves one row alone (a copy, or a "sum" of one input). Each
-// round of loads costs a memory latency under load (~2 us), so a row costs ceil(vectors per lane / U) rounds
-// plus the tail's: 14 moves a 7168-byte row (FP8 at DeepSeek's hidden size) in one round and a 14336-byte row
-// (BF16) in two, where 8 or 12 took three or four (the tail goes 4 or 2 at a time). 56 registers of loads.
-constexpr int kRowVecs = 14;
-
 template <typename V>
 __device__ __forceinline__ V load_stream(const V* p) {
   return *p;
@@ -198,7 +192,7 @@ struct CombineRow {
           reinterpret_cast<Vec*>(out_row)[i] = o;
         }
         break;
-      case 1: fixed<1, kRowVecs, 2>(s_src, out_row, nv, lane); break;
+      case 1: fixed<1, 12, 2>(s_src, out_row, nv, lane); break;
       case 2: fixed<2, 7, 1>(s_src, out_row, nv, lane); break;
       case 3: fixed<3, 4, 1>(s_src, out_row, nv, lane); break;
       case 4: fixed<4, 3, 1>(s_src, out_row, nv, lane); break;
