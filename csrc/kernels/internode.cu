@@ -22,8 +22,8 @@
 // Combine (three launches): stage (the rows node peers reduce into this rank's NVL staging area, node
 // barrier), forward (each forwarded row is the float32 sum of its node ranks' rows, in local order, this
 // rank's own read from x; one write + flag per chunk back to the source node's RDMA peer, or straight into
-// this rank's crecv for its own node), reduce (each token sums its nodes' rows in node order, + biases,
-// rounded once).
+// this rank's crecv for its own node; with one rank per node the reduce reads the own node's rows from x
+// instead), reduce (each token sums its nodes' rows in node order, + biases, rounded once).
 //
 // Inter-node bytes move only through proxy commands. Every wait has a deadline and reports rank, peer,
 // channel and phase into the error record (internode_buffer.cu formats it).
@@ -882,7 +882,8 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
 
 // Each row this rank forwarded in the dispatch is the sum of its node ranks' rows, in local order: this
 // rank's own from x, the others' from their staging areas. The sum goes into the csend row for a remote
-// node (sent per chunk) or straight into crecv for this node.
+// node (sent per chunk) or straight into crecv for this node. With one rank per node the own node's rows
+// are skipped: each is x's row alone, which the reduce reads where it is (own_partial).
 template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
@@ -897,8 +898,12 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
-  const int64_t total = tab.recv_row0[c.N];
-  for (int64_t k = gwarp; k < total; k += nwarps) {
+  // The rows forwarded: every node's segment, less the own node's with one rank per node.
+  const int64_t own_lo = tab.recv_row0[c.node];
+  const int64_t own_rows = c.L == 1 ? tab.recv_row0[c.node + 1] - own_lo : 0;
+  const int64_t total = tab.recv_row0[c.N] - own_rows;
+  for (int64_t j = gwarp; j < total; j += nwarps) {
+    const int64_t k = j < own_lo ? j : j + own_rows;
     const int n = segment_of(tab.recv_row0, c.N, k);
     const int64_t i = k - tab.recv_row0[n];
     const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
@@ -926,6 +931,20 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   }
 }
 
+// The own node's partial row of a token whose own-node head is `head`, with one rank per node: the forward
+// skipped it, it is x's row dst_row (and its weights), bit-equal to the float32 sum of that one row the
+// forward would have written into crecv. False when the token's row had no source here (dst_row -1: the
+// forward's row would be zeros, which add nothing).
+template <typename T>
+__device__ __forceinline__ bool own_partial(const CombineArgs& a, const NodeTables& tab, int head, const T** row,
+                                            const float** w) {
+  const int dst_row = a.fwd_head[tab.recv_row0[a.c.node] + head];
+  if (dst_row < 0) return false;
+  *row = reinterpret_cast<const T*>(a.x + int64_t(dst_row) * a.hidden * int64_t(sizeof(T)));
+  *w = a.topk_w + int64_t(dst_row) * a.num_topk;
+  return true;
+}
+
 // A worker warp's tokens of the reduce (combine_reduce_kernel): s_src / s_w its scratch rows.
 template <typename T, int kVec>
 __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeTables& tab, const Arrivals& s,
@@ -942,8 +961,11 @@ __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeT
     intranode::warp_sync();  // the waiting lanes' acquires order every lane's loads
     if (failed) break;
     const char* row = crecv + (tab.send_row0[lane < c.N ? lane : 0] + head) * a.crow_bytes;
-    warp_compact(s_w, head >= 0, reinterpret_cast<const float*>(row + y_bytes), lane);
-    const int m = warp_compact(s_src, head >= 0, reinterpret_cast<const T*>(row), lane);
+    const T* src = reinterpret_cast<const T*>(row);
+    const float* w = reinterpret_cast<const float*>(row + y_bytes);
+    const bool has = head >= 0 && (c.L != 1 || lane != c.node || own_partial<T>(a, tab, head, &src, &w));
+    warp_compact(s_w, has, w, lane);
+    const int m = warp_compact(s_src, has, src, lane);
     int nb = m;
     if (a.bias0 != nullptr && lane == 0) s_src[nb] = reinterpret_cast<const T*>(a.bias0 + t * y_bytes);
     nb += a.bias0 != nullptr;
