@@ -155,6 +155,21 @@ def test_a_failing_rank_is_named_with_its_traceback():
     assert not multiprocessing.active_children()
 
 
+def _rank_1_fails_rank_0_later(rank: int, world: int) -> int:
+    if rank == 1:
+        raise ValueError("rank one's own error")
+    time.sleep(launch._MORE_ERRORS_S + 5)
+    return rank
+
+
+def test_a_failure_names_the_ranks_that_had_not_reported_yet():
+    """The others' errors are awaited a few seconds after the first (often the cause); a rank still silent
+    then is named, so the reader knows the report is partial."""
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 failed:\nranks \[0\] had not reported 5 s after "):
+        launch.spawn(_rank_1_fails_rank_0_later, 2, timeout=120)
+    assert not multiprocessing.active_children()
+
+
 def _rank_1_dies(rank: int, world: int) -> int:
     if rank == 1:
         os._exit(3)

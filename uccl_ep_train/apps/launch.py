@@ -244,7 +244,10 @@ def _collect(q: Any, procs: list, timeout: Optional[float]) -> dict[int, Any]:
             deadline = more if deadline is None else min(deadline, more)
         errors[rank] = payload
     if errors:
-        raise RuntimeError(f"ranks {sorted(errors)} of {world} failed:\n" +
+        silent = sorted(set(range(world)) - set(results) - set(errors))
+        late = (f"ranks {silent} had not reported {_MORE_ERRORS_S:.0f} s after the first failure (their errors, "
+                "if any, are not shown)\n") if silent else ""
+        raise RuntimeError(f"ranks {sorted(errors)} of {world} failed:\n{late}" +
                            "".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)))
     return results
 
