@@ -155,6 +155,7 @@ def test_fault_injection_in_a_live_proxy_keeps_counters_exact(seed):
         st = g.stats()
         assert st["fault_held"] > 0 and st["out_of_order"] > 0, st
         assert st["held"] == 0 and st["undelivered"] == 0, st  # gauges: everything arrived was applied
+        assert g.state_line().endswith("0 held for an earlier one, 0 held by the copy fence"), g.state_line()
         assert g.imm_count(0, 0) == 150
     expect = np.zeros(8, np.int64)
     for k in range(300):
