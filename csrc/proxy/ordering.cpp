@@ -15,12 +15,6 @@ OrderingEmulator::OrderingEmulator(int world, SignalBlock signals, AtomicFn appl
   max_held_ = std::min(kMaxHeld, size_t(1) << (seq_bits - 1));
 }
 
-size_t OrderingEmulator::waiting() const {
-  size_t n = 0;
-  for (const auto& m : pending_) n += m.size();
-  return n;
-}
-
 void OrderingEmulator::apply(int src, uint32_t ch, const Completion& c) {
   const size_t idx = size_t(src) * kMaxChannels + ch;
   if (c.kind == Completion::kAtomic && c.region != kNoRegion) apply_atomic_(c.region, c.offset, c.value, src);
@@ -50,6 +44,7 @@ void OrderingEmulator::on_arrival(const Completion& c) {
     if (!pend.emplace(exp + dist, c).second)
       UCCL_THROW("ordering: duplicate arrival from peer " << c.peer << " channel " << ch << " seq " << seq);
     ++out_of_order_;
+    ++held_;
     return;
   }
   apply(c.peer, ch, c);
@@ -57,6 +52,7 @@ void OrderingEmulator::on_arrival(const Completion& c) {
   while (!pend.empty() && pend.begin()->first == exp) {
     Completion next = pend.begin()->second;
     pend.erase(pend.begin());
+    --held_;
     apply(c.peer, ch, next);
     ++exp;
   }

@@ -48,7 +48,7 @@ class OrderingEmulator {
 
   uint64_t applied() const { return applied_; }
   uint64_t out_of_order() const { return out_of_order_; }  // arrivals that had to wait
-  size_t waiting() const;                                  // arrivals held right now
+  size_t waiting() const { return held_; }               // arrivals held right now (read every proxy step)
 
  private:
   void apply(int src, uint32_t ch, const Completion& c);
@@ -61,6 +61,7 @@ class OrderingEmulator {
   std::vector<std::map<uint64_t, Completion>> pending_;  // held arrivals keyed by unwrapped sequence
   uint64_t applied_ = 0;
   uint64_t out_of_order_ = 0;
+  size_t held_ = 0;  // the pending_ maps' sizes summed, kept as they change
 };
 
 }  // namespace uccl
