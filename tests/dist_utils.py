@@ -49,41 +49,17 @@ def run_ranks(fn: Callable, world: int, *args: Any, device: str = "cpu", timeout
     refuses that) with CUDA tensors in the ranks (UCCL_EP_DEVICE=cuda is set for them), which must then
     run under MPS (the `mps` fixture).
     hard_exit: ranks leave without destroying the process group (for tests that break it)."""
-    backend = _backend(device, backend)
-    return spawn(_rank, world, device, backend, ranks_per_gpu, fn, args, env=_rank_env(device, backend, env),
-                 timeout=timeout, exit_at_once=hard_exit)
-
-
-def run_this_rank(fn: Callable, *args: Any, device: str = "cpu", env: dict | None = None,
-                  backend: str | None = None) -> Any:
-    """fn(rank, world, device, *args) in this process, as rank RANK of WORLD_SIZE (torchrun's variables, which
-    whoever started the ranks set: scripts/sanitize_ll.sh starts each under a sanitizer of its own), with the
-    environment run_ranks gives its ranks; this process's result. The group is torn down after fn."""
-    backend = _backend(device, backend)
-    os.environ.update(_rank_env(device, backend, env))
-    try:
-        return _rank(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, backend, None, fn, args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _backend(device: str, backend: str | None) -> str:
     backend = backend or ("nccl" if device == "cuda" else "gloo")
     if backend not in ("gloo", "nccl") or (backend == "nccl" and device != "cuda"):
         raise ValueError(f"run_ranks: backend {backend!r} with device {device!r}")
-    return backend
-
-
-def _rank_env(device: str, backend: str, env: dict | None) -> dict:
-    """The variables a test rank runs with: loopback only, no NVLink multicast, one OMP thread, and `env`."""
     base_env = {"GLOO_SOCKET_IFNAME": "lo", "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1",
                 "OMP_NUM_THREADS": "1"}
     if device == "cuda" and backend == "gloo":  # Buffers keep CUDA tensors over the gloo group; ranks that
         base_env["UCCL_EP_DEVICE"] = "cuda"     # share a GPU load modules eagerly (gpu_sharing.sharing_verdict)
         base_env["CUDA_MODULE_LOADING"] = "EAGER"
     base_env.update(env or {})
-    return base_env
+    return spawn(_rank, world, device, backend, ranks_per_gpu, fn, args, env=base_env, timeout=timeout,
+                 exit_at_once=hard_exit)
 
 
 def gpu_ranks(world: int) -> dict:

@@ -6,7 +6,6 @@ Every call is compared with the reference backend run on CPU copies of the same 
 (dispatch: bit-exact outputs and handle items; combine: reduction tolerance), and the proxies' per-destination
 byte counters are checked against the bytes the layout says must cross each node boundary.
 """
-import dataclasses
 import os
 
 import pytest
@@ -145,7 +144,7 @@ def _check_handle(h, hr, tag):
 def _run_suite(rank, world, device, L, fault_seeds):
     import torch.distributed as dist
 
-    from uccl_ep_train import Buffer, _native
+    from uccl_ep_train import _native
     from uccl_ep_train.fp8 import per_token_cast_to_fp8
 
     dev = torch.device("cuda", torch.cuda.current_device())
@@ -194,13 +193,6 @@ def _run_suite(rank, world, device, L, fault_seeds):
         eout, eout_w, _ = ref.combine(y.cpu(), eh, topk_weights=ew, bias=bias)
         torch.testing.assert_close(out.cpu().float(), eout.float(), rtol=2e-2, atol=2e-2, msg=f"{tag}: combine")
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=f"{tag}: combined weights")
-        # both combine variants (registers, shared-memory staging) sum in the same order: the default's bits
-        for ck in (1, 2):
-            config = dataclasses.replace(Buffer.get_combine_config(world), combine_kernel=ck)
-            vout, vout_w, _ = native.combine(y, h, topk_weights=rw, bias=bias.to(dev), config=config)
-            _settle(native, f"{tag}: combine variant {ck}")
-            _same(vout, out, f"{tag}: combine variant {ck}")
-            _same(vout_w, out_w, f"{tag}: combined weights, variant {ck}")
         report[f"case{case}"] = int(rx.size(0))
     report["transport"] = native.backend.proxy_transport
 

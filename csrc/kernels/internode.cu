@@ -865,28 +865,13 @@ __global__ void __launch_bounds__(kThreads) combine_stage_kernel(CombineArgs a, 
   if (last_block(c)) barrier_arrive(c, tab.barrier + 1);
 }
 
-// The combine's variants (Config.combine_kernel): kMode 1 sums rows through registers; kMode 2 copies them
-// with cp.async into the lane's own shared-memory slots first (kStageSlots 16-byte vectors per lane, twice
-// the bytes in flight of the register loop without holding registers; dynamic shared memory of
-// kStageBytes; CUDA only). The order of the sum is the same, so are the results, bit for bit.
-constexpr int kStageBytes = kThreads * intranode::kStageSlots * 16;  // 192 KiB
-
 // The whole warp: out = the float32 sum of the m rows src[0..m) in order, rounded once (CombineRow; kVec:
 // elements per 16-byte vector, or 1 when a row or pointer is not a 16-byte multiple), and, when out_w is
 // set, out_w = the sum of the m_w weight rows w[0..m_w) (float32 x num_topk; biases carry none).
-// stage: the warp's slots (kMode 2).
-template <typename T, int kVec, int kMode>
+template <typename T, int kVec>
 __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float* const* w, int m_w, T* out,
-                                         float* out_w, const CombineArgs& a, int lane, int4* stage) {
-  using Row = intranode::CombineRow<T, kVec>;
-  if constexpr (kMode == 2) {
-    if (m > 0 && m <= intranode::kStageSlots)
-      Row::staged(src, m, out, a.hidden / kVec, lane, stage);
-    else
-      Row::sum_rows(src, m, out, a.hidden / kVec, lane);
-  } else {
-    Row::sum_rows(src, m, out, a.hidden / kVec, lane);
-  }
+                                         float* out_w, const CombineArgs& a, int lane) {
+  intranode::CombineRow<T, kVec>::sum_rows(src, m, out, a.hidden / kVec, lane);
   if (out_w == nullptr) return;
   for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
     float s = 0.f;
@@ -899,7 +884,7 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
 // rank's own from x, the others' from their staging areas. The sum goes into the csend row for a remote
 // node (sent per chunk) or straight into crecv for this node. With one rank per node the own node's rows
 // are skipped: each is x's row alone, which the reduce reads where it is (own_partial).
-template <typename T, int kVec, int kMode>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
   __shared__ NodeTables tab;
@@ -908,7 +893,6 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
     return;
   __shared__ const T* s_src[kWarps][kMaxLocal];  // the row's inputs, in local rank order
   __shared__ const float* s_w[kWarps][kMaxLocal];
-  extern __shared__ int4 s_stage[];  // kMode 2: kStageSlots vectors per lane, lane-interleaved per warp
   const int lane = threadIdx.x % kWarpSize;
   const int warp = threadIdx.x / kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
@@ -937,9 +921,8 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
     const int m = warp_compact(s_src[warp], dst_row >= 0, src, lane);
     char* out = n == c.node ? c.rdma + tab.areas.crecv_off + (tab.send_row0[n] + i) * a.crow_bytes
                             : c.rdma + tab.areas.csend_off + k * a.crow_bytes;
-    sum_rows<T, kVec, kMode>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out),
-                             reinterpret_cast<float*>(out + y_bytes), a, lane,
-                             s_stage + int64_t(warp) * intranode::kStageSlots * kWarpSize);
+    sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes),
+                      a, lane);
     intranode::warp_sync();  // s_src[warp] is rewritten for the next row
     if (lane == 0 && n != c.node)
       row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
@@ -963,9 +946,9 @@ __device__ __forceinline__ bool own_partial(const CombineArgs& a, const NodeTabl
 }
 
 // A worker warp's tokens of the reduce (combine_reduce_kernel): s_src / s_w its scratch rows.
-template <typename T, int kVec, int kMode>
+template <typename T, int kVec>
 __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeTables& tab, const Arrivals& s,
-                              int warp, const T** s_src, const float** s_w, int4* stage) {
+                              int warp, const T** s_src, const float** s_w) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t nw = int64_t(gridDim.x) * (kWarps - 1);
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
@@ -989,8 +972,8 @@ __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeT
     if (a.bias1 != nullptr && lane == 0) s_src[nb] = reinterpret_cast<const T*>(a.bias1 + t * y_bytes);
     nb += a.bias1 != nullptr;
     intranode::warp_sync();
-    sum_rows<T, kVec, kMode>(s_src, nb, s_w, m, reinterpret_cast<T*>(a.out + t * y_bytes),
-                             a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane, stage);
+    sum_rows<T, kVec>(s_src, nb, s_w, m, reinterpret_cast<T*>(a.out + t * y_bytes),
+                      a.out_w != nullptr ? a.out_w + t * a.num_topk : nullptr, a, lane);
     intranode::warp_sync();
   }
 }
@@ -998,7 +981,7 @@ __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeT
 // Each token is the sum of its nodes' partial rows in node order (+ biases). A worker warp (all but the
 // watcher warp 0) takes a token as soon as the chunks holding its remote partials landed (Arrivals): the
 // reduce overlaps the last chunks' transfers.
-template <typename T, int kVec, int kMode>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   const Common& c = a.c;
   __shared__ NodeTables tab;
@@ -1008,14 +991,12 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   clear_chunk_counts(c, tab.nchunks_recv);  // the forward kernel's (it finished: it ran before on this stream)
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   __shared__ const float* s_w[kWarps][kMaxNodes];
-  extern __shared__ int4 s_stage[];  // kMode 2: as the forward's
   const int warp = threadIdx.x / kWarpSize;
   if (warp == 0) {
     watch_arrivals(c, tab.op, s, tab.nchunks_send,
                    [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, 1, kPhaseCombineReduce);
   } else {
-    reduce_tokens<T, kVec, kMode>(a, c, tab, s, warp, s_src[warp], s_w[warp],
-                                  s_stage + int64_t(warp) * intranode::kStageSlots * kWarpSize);
+    reduce_tokens<T, kVec>(a, c, tab, s, warp, s_src[warp], s_w[warp]);
   }
   if (last_block(c)) finish_op(c, tab.op, tab.barrier);
 }
@@ -1033,24 +1014,15 @@ void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream)
   const bool full = a.hidden % kFull == 0 &&
                     ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.out) |
                       reinterpret_cast<uintptr_t>(a.bias0) | reinterpret_cast<uintptr_t>(a.bias1)) & 15u) == 0;
-  if (!full) {
-    combine_forward_kernel<T, 1, 1><<<num_sms, kThreads, 0, stream>>>(a);
+  if (full) {
+    combine_forward_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
     check_launch("combine (forward)");
-    combine_reduce_kernel<T, 1, 1><<<num_sms, kThreads, 0, stream>>>(a);
-    return;
-  }
-#if !defined(UCCL_EP_WITH_HIP)
-  if (a.variant == 2 && opt_in_stage(combine_forward_kernel<T, kFull, 2>, kStageBytes) &&
-      opt_in_stage(combine_reduce_kernel<T, kFull, 2>, kStageBytes)) {
-    combine_forward_kernel<T, kFull, 2><<<num_sms, kThreads, kStageBytes, stream>>>(a);
+    combine_reduce_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
+  } else {
+    combine_forward_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
     check_launch("combine (forward)");
-    combine_reduce_kernel<T, kFull, 2><<<num_sms, kThreads, kStageBytes, stream>>>(a);
-    return;
+    combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
   }
-#endif
-  combine_forward_kernel<T, kFull, 1><<<num_sms, kThreads, 0, stream>>>(a);  // HIP runs variant 1 for 2 too
-  check_launch("combine (forward)");
-  combine_reduce_kernel<T, kFull, 1><<<num_sms, kThreads, 0, stream>>>(a);
 }
 
 template <typename K>
@@ -1063,14 +1035,10 @@ void load(K kernel, const char* name) {
 template <typename T>
 void load_combine(const char* type) {
   constexpr int kFull = 16 / sizeof(T);
-  load(combine_forward_kernel<T, kFull, 1>, type);
-  load(combine_forward_kernel<T, 1, 1>, type);
-  load(combine_reduce_kernel<T, kFull, 1>, type);
-  load(combine_reduce_kernel<T, 1, 1>, type);
-#if !defined(UCCL_EP_WITH_HIP)
-  load(combine_forward_kernel<T, kFull, 2>, type);
-  load(combine_reduce_kernel<T, kFull, 2>, type);
-#endif
+  load(combine_forward_kernel<T, kFull>, type);
+  load(combine_forward_kernel<T, 1>, type);
+  load(combine_reduce_kernel<T, kFull>, type);
+  load(combine_reduce_kernel<T, 1>, type);
 }
 
 }  // namespace

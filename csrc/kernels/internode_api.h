@@ -262,11 +262,10 @@ class InternodeBuffer {
   // dispatch's padded outputs) in dispatch's receive order is staged, each forwarded row is reduced over the
   // node's ranks (float32, local order) and sent back to its source node's RDMA peer (one write per chunk),
   // and each token sums its nodes' rows (float32, node order) + bias0 + bias1. info / fwd_head / node_head
-  // from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K]. variant: Config.combine_kernel (0 when
-  // None: the default, 1).
+  // from the dispatch. out [num_tokens, hidden], out_w [num_tokens, K].
   void combine(int64_t info, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w, int num_topk,
                int64_t x_rows, int64_t node_head, int64_t fwd_head, int64_t bias0, int64_t bias1, int64_t out,
-               int64_t out_w, int num_sms, int chunk_rows, int variant, int64_t stream);
+               int64_t out_w, int num_sms, int chunk_rows, int64_t stream);
 
   int rank() const { return rank_; }
 

@@ -410,14 +410,12 @@ void InternodeBuffer::dispatch(int64_t info, int num_tokens, int64_t x, int64_t 
 
 void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype, int hidden, int64_t topk_w,
                               int num_topk, int64_t x_rows, int64_t node_head, int64_t fwd_head, int64_t bias0,
-                              int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows, int variant,
-                              int64_t stream) {
+                              int64_t bias1, int64_t out, int64_t out_w, int num_sms, int chunk_rows, int64_t stream) {
   check_ready("combine");
   UCCL_CHECK(info != 0, "combine: no call info (the handle's)");
   UCCL_CHECK(num_sms >= 1 && num_sms <= num_device_sms_, "combine: num_sms " << num_sms << " outside [1, "
                                                                               << num_device_sms_ << "]");
   UCCL_CHECK(dtype >= 0 && dtype <= 2, "combine: dtype code " << dtype << " (0 bf16, 1 fp16, 2 fp32)");
-  UCCL_CHECK(variant >= 0 && variant <= 2, "combine: variant " << variant << " (Config.combine_kernel: 1 or 2)");
   // Presence is num_topk (the weights' columns, the same on every rank: it sizes every rank's combine rows),
   // never the pointer: a rank that received no rows passes a [0, num_topk] tensor, whose data pointer is 0.
   // The pointer is needed only for rows this rank reads (Buffer.combine checked their count beforehand).
@@ -434,7 +432,6 @@ void InternodeBuffer::combine(int64_t info, int num_tokens, int64_t x, int dtype
   a.num_topk = num_topk;
   a.hidden = hidden;
   a.dtype = dtype;
-  a.variant = variant > 0 ? variant : 1;
   a.x = as_ptr<const char>(x);
   a.topk_w = as_ptr<const float>(topk_w);
   a.node_head = as_ptr<const int>(node_head);

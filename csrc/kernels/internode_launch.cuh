@@ -137,7 +137,6 @@ struct CombineArgs {
   int64_t crow_bytes, nvl_stage_off;
   int requested_chunk_rows;
   int num_tokens, num_topk, hidden, dtype;
-  int variant;  // Config.combine_kernel: 1 = sums through registers, 2 = staged through shared memory
   const char* x;
   const float* topk_w;
   const int* node_head;  // [T, N]

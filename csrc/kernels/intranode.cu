@@ -905,9 +905,18 @@ static void launch_combine_typed(const CombineArgs& a, int num_blocks, gpuStream
     return;
   }
 #if !defined(UCCL_EP_WITH_HIP)
-  if (a.variant == 2 && opt_in_stage(combine_kernel<T, kFull, 2>, kCombineStageBytes)) {
-    combine_kernel<T, kFull, 2><<<num_blocks, kCombineThreads, kCombineStageBytes, stream>>>(a);
-    return;
+  if (a.variant == 2) {
+    // Per launch (cheap): the attribute belongs to the current device, and devices differ in opt-in
+    // shared memory (sm_90: 227 KiB; sm_80: 163 KiB, too small: run variant 1 there).
+    int dev = 0, optin = 0;
+    UCCL_CHECK_GPU(gpuGetDevice(&dev));
+    UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    if (optin >= kCombineStageBytes) {
+      UCCL_CHECK_GPU(cudaFuncSetAttribute(combine_kernel<T, kFull, 2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          kCombineStageBytes));
+      combine_kernel<T, kFull, 2><<<num_blocks, kCombineThreads, kCombineStageBytes, stream>>>(a);
+      return;
+    }
   }
 #endif
   combine_kernel<T, kFull, 1><<<num_blocks, kCombineThreads, 0, stream>>>(a);  // variant 1 (default); HIP runs it for 2 too

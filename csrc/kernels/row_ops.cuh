@@ -6,7 +6,6 @@
 
 #include <cstring>
 
-#include "common/check.h"
 #include "kernels/device_utils.cuh"
 
 namespace uccl_ep::intranode {
@@ -79,21 +78,6 @@ struct alignas(sizeof(T) * N) ElemVec {
 };
 
 constexpr int kStageSlots = 24;  // 16-byte vectors per lane staged in shared memory by the kMode 2 reduce
-
-#if !defined(UCCL_EP_WITH_HIP)
-// Lets `kernel` take `bytes` of dynamic shared memory (the staged reduce's slots) on the current device, if
-// the device allows a block that much (sm_90: 227 KiB; sm_80: 163 KiB, too small for 192 KiB of slots: the
-// caller then runs the register variant). Per launch (cheap): the attribute belongs to the current device.
-template <typename K>
-bool opt_in_stage(K kernel, int bytes) {
-  int dev = 0, optin = 0;
-  UCCL_CHECK_GPU(gpuGetDevice(&dev));
-  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  if (optin < bytes) return false;
-  UCCL_CHECK_GPU(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-  return true;
-}
-#endif
 
 // The sum of m rows of T (kVec elements per vector: 16 bytes, or 1 element when rows are not 16-byte
 // multiples): every source's loads of a round are issued together (12-14 vectors per lane for 1-4 sources;

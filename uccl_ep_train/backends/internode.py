@@ -525,7 +525,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
         self._buf.combine(st.info.data_ptr(), T, x.data_ptr(), _DTYPE_CODES[x.dtype], hidden, _ptr(topk_weights), K,
                           x.size(0), handle.send_rdma_head.data_ptr(), handle.send_nvl_head.data_ptr(),
                           _ptr(biases[0]), _ptr(biases[1]), out.data_ptr(), _ptr(out_w), self._num_sms(config),
-                          self._chunk_rows(crow), config.combine_kernel or 0, current_raw_stream())
+                          self._chunk_rows(crow), current_raw_stream())
         return out, out_w
 
 

@@ -30,10 +30,9 @@ call's own kernels (timing "kernel", rounds started on every rank's GPU together
   / time.
 NCCL all_to_all_single of the same bytes is the yardstick (op "alltoall"; skipped on a gloo group with
 CUDA tensors). Without GPUs it runs gloo ranks on CPU (reference backend) at a small default shape.
-`--combine-kernel 1,2` times the combine once per variant (Config.combine_kernel; the record's
-"combine_kernel", None: the backend's default). `--json PATH` writes one record per (op, SMs, variant),
-averaged over ranks, with the run's command, date, commit, device and GPU count, and "sms_occupied":
-Buffer.occupied_sms of the timed call's Config (None for the reference backend and all_to_all_single).
+`--json PATH` writes one record per (op, SMs), averaged over ranks, with the run's command, date, commit,
+device and GPU count, and "sms_occupied": Buffer.occupied_sms of the timed call's Config (None for the
+reference backend and all_to_all_single).
 """
 from __future__ import annotations
 
@@ -66,9 +65,6 @@ def build_parser() -> argparse.ArgumentParser:
     add_layer_shape_args(p)
     p.set_defaults(**{k: None for k in LAYER_SHAPE})  # resolved per device: DeepSeek-V3 on GPUs, small on CPU
     p.add_argument("--sms", type=int_list, default="24", help="comma-separated SM counts (Config.num_sms) to sweep")
-    p.add_argument("--combine-kernel", type=int_list, default=None,
-                   help="comma-separated combine variants to sweep (Config.combine_kernel: 1, 2; default: the "
-                        "backend's)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--backend", default="auto", choices=("auto", "native", "reference"), help="UCCL_EP_BACKEND")
@@ -253,10 +249,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
                 ("dispatch_fresh_bf16", dcfg, lambda: fresh_dispatch(dcfg))]
         if not args.no_fp8:
             runs.append(("dispatch_fp8", dcfg, lambda: buf.dispatch(x_fp8, handle=handle, config=dcfg)))
-        for ck in args.combine_kernel or [None]:
-            kcfg = dataclasses.replace(ccfg, combine_kernel=ck)
-            runs.append(("combine", kcfg, lambda kcfg=kcfg: buf.combine(recv_x, handle, topk_weights=recv_w,
-                                                                        config=kcfg)))
+        runs.append(("combine", ccfg, lambda: buf.combine(recv_x, handle, topk_weights=recv_w, config=ccfg)))
         for op, cfg, fn in runs:
             us, host, delta = _time_calls(fn, args.iters, args.warmup, group, cuda,
                                           proxy_totals if proxy_stats else None)
@@ -270,7 +263,6 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
             for timing, med in timed.items():
                 api = timing == "api"
                 records.append({**common, "op": op, "rank": rank, "sms": sms, "timing": timing,
-                                "combine_kernel": cfg.combine_kernel if op == "combine" else None,
                                 "sms_occupied": buf.occupied_sms(cfg), "us": med, "backend": buf.backend_name,
                                 "host_us": statistics.median(host) if api else None,
                                 "kernel_us": None if api else split, "rdma_bytes": rb,
@@ -298,7 +290,7 @@ def _rank_main(rank: int, world: int, args, shape: dict, device: torch.device, g
                                       args.warmup, group, cuda)
             med = statistics.median(us)
             records.append({**common, "op": "alltoall", "rank": rank, "sms": 0, "timing": "api",
-                            "combine_kernel": None, "sms_occupied": None, "us": med, "host_us": statistics.median(host), "kernel_us": None,
+                            "sms_occupied": None, "us": med, "host_us": statistics.median(host), "kernel_us": None,
                             "backend": str(dist.get_backend(group)), "rdma_bytes": remote, "nvl_bytes": nbytes,
                             "gbps": remote / med / 1e3, "nvl_gbps": nbytes / med / 1e3, "proxy_bytes": None,
                             "proxy_commands_per_s": None})
@@ -314,15 +306,14 @@ def _rank(rank: int, world: int, args, shape: dict) -> list[dict]:
 
 
 def summarise(records: list[dict]) -> list[dict]:
-    """One record per (op, SMs, combine variant, timing): means over ranks, the slowest rank's GB/s, the per-rank
-    RDMA bytes."""
+    """One record per (op, SMs, timing): means over ranks, the slowest rank's GB/s, the per-rank RDMA bytes."""
     groups: dict = {}
     for r in records:
-        groups.setdefault((r["op"], r["sms"], r.get("combine_kernel"), r["timing"]), []).append(r)
+        groups.setdefault((r["op"], r["sms"], r["timing"]), []).append(r)
     order = {"dispatch_bf16": 0, "dispatch_fresh_bf16": 1, "dispatch_fp8": 2, "combine": 3, "alltoall": 4}
     out = []
-    for (op, sms, ck, timing), rs in sorted(groups.items(), key=lambda kv: (
-            kv[0][0] == "alltoall", kv[0][1], order.get(kv[0][0], 9), kv[0][2] or 0, kv[0][3])):
+    for (op, sms, timing), rs in sorted(groups.items(), key=lambda kv: (kv[0][0] == "alltoall", kv[0][1],
+                                                                         order.get(kv[0][0], 9), kv[0][2])):
         rs = sorted(rs, key=lambda r: r["rank"])
         n = len(rs)
         mean = lambda key: sum(r[key] for r in rs) / n  # noqa: E731
@@ -350,12 +341,11 @@ def _print(summary: list[dict]) -> None:
     print(f"{'op':<15}{'SMs':>5}{'timing':>8}{'µs':>11}{'host µs':>9}{'RDMA GB/s':>17}{'NVL GB/s':>17}"
           f"{'proxy MB/call':>15}{'proxy Mcmd/s':>14}  kernel µs by step")
     for r in summary:
-        op = r["op"] + (f"/{r['combine_kernel']}" if r.get("combine_kernel") else "")
         pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
         pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
         host = f"{r['host_us']:.1f}" if r["host_us"] is not None else "-"
         steps = " ".join(f"{k} {v:.0f}" for k, v in (r.get("kernel_us") or {}).items())
-        print(f"{op:<15}{r['sms']:>5}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
+        print(f"{r['op']:<15}{r['sms']:>5}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
               f"({r['gbps_min']:>5.4g}){r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}  {steps}",
               flush=True)
 
@@ -371,8 +361,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     sms = args.sms
     if not sms or any(s <= 0 or s % 2 for s in sms):
         parser.error(f"--sms: positive even SM counts, got {args.sms!r}")
-    if any(k not in (1, 2) for k in args.combine_kernel or []):
-        parser.error(f"--combine-kernel: variants 1 or 2, got {args.combine_kernel!r}")
     launched = launched_world()
     world = launched or args.ranks or (max(torch.cuda.device_count(), 2) if cuda else 4)
     if world < 2:
