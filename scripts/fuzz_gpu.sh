@@ -3,8 +3,9 @@
 # compared with the reference backend (tests/fuzz_runner.py). Ranks beyond the GPUs share them under NVIDIA
 # MPS: a daemon that answers is used, else one is started for the run and stopped after it.
 #
-#   bash scripts/fuzz_gpu.sh --seeds N [--first S] [--minutes M] [--cases C]    a run: prints every seed's
-#                                                    result, then the failures with their repro lines
+#   bash scripts/fuzz_gpu.sh --seeds N [--first S] [--minutes M] [--cases C] [--gpus G]    a run: prints
+#                                                    every seed's result, then the failures with their repro
+#                                                    lines; --gpus G runs G seeds at once, one per GPU
 #   bash scripts/fuzz_gpu.sh --seed S [--case K]      one seed (or one case of it): a failure's repro
 #
 # PYTHON picks the interpreter (default: .venv/bin/python when present, else python3). Needs the native

@@ -18,15 +18,17 @@ fault-injection or capacity "error" case runs on Buffers of its own, the shared 
 failure that does not reproduce alone reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
-    python tests/fuzz_runner.py --seeds N [--first S] [--minutes M] [--cases C]
+    python tests/fuzz_runner.py --seeds N [--first S] [--minutes M] [--cases C] [--gpus G]
     python tests/fuzz_runner.py --seed S [--case K]
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import re
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional
@@ -456,10 +458,12 @@ def each_rank_tail(text: str, per_rank: int = 2000) -> str:
     return "".join(cut)
 
 
-def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600) -> list[list[int]]:
+def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600,
+              gpu: Optional[int] = None) -> list[list[int]]:
     """Spawn the cases' layout (all cases share it) and run them; per rank, per case the rows received.
-    sut "native": ranks on the GPU(s) (several per GPU: under MPS, which the caller provides); "reference":
-    CPU ranks, the reference backend under test."""
+    sut "native": ranks on the GPU(s) (several per GPU: under MPS, which the caller provides), or all on GPU
+    `gpu` (an index among the visible ones) when given; "reference": CPU ranks, the reference backend under
+    test."""
     layouts = {c.layout for c in cases}
     if len(layouts) != 1:
         raise ValueError(f"run_cases: one layout per spawn, got {sorted(layouts)}")
@@ -468,6 +472,10 @@ def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600) 
     env = {"UCCL_EP_RANKS_PER_NODE": str(per_node), "UCCL_EP_TIMEOUT_S": TIMEOUT_S}
     if sut == "native":
         gpus = torch.cuda.device_count()
+        if gpu is not None:  # the ranks see that one GPU only
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+            gpus = 1
         return run_ranks(_ranks_main, world, cases, sut, device="cuda", backend="gloo",
                          ranks_per_gpu=-(-world // gpus), timeout=timeout, env=env)
     if sut != "reference":
@@ -484,6 +492,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     p.add_argument("--first", type=int, default=0, help="first seed of --seeds (default 0)")
     p.add_argument("--minutes", type=float, default=0, help="stop starting seeds after this many minutes")
     p.add_argument("--cases", type=int, default=CASES_PER_SEED, help=f"cases per seed (default {CASES_PER_SEED})")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="seeds run at once, each on a GPU of its own that its ranks share (default 1: one seed at a "
+                        "time, its ranks spread over the GPUs)")
     p.add_argument("--cpu", action="store_true", help="CPU ranks, the reference backend under test (no GPU)")
     a = p.parse_args(argv)
     if a.case is not None and a.seed is None:
@@ -495,28 +506,55 @@ def main(argv: Optional[list[str]] = None) -> int:
     sut = "reference" if a.cpu else "native"
     if sut == "native" and not torch.cuda.is_available():
         p.error("no CUDA GPU here: run with --cpu to exercise the reference backend on CPU ranks")
+    if a.gpus < 1 or (a.gpus > 1 and (sut != "native" or a.gpus > torch.cuda.device_count())):
+        p.error(f"--gpus must be between 1 and the GPUs here ({torch.cuda.device_count()}), got {a.gpus}")
     seeds = [a.seed] if a.seed is not None else list(range(a.first, a.first + a.seeds))
     start, failures, ran = time.monotonic(), [], []
-    for seed in seeds:
-        if a.minutes and time.monotonic() - start > a.minutes * 60:
-            break
+    todo, lock, stop = iter(seeds), threading.Lock(), threading.Event()
+
+    def run_seed(seed: int, gpu: Optional[int]) -> None:
         cases = [case(seed, a.case)] if a.case is not None else generate(seed, a.cases)
         t0 = time.monotonic()
+        failure = None
         try:
-            run_cases(cases, sut)
-            status = "ok"
-        except KeyboardInterrupt:  # the ranks are stopped (spawn); what ran so far is still reported
-            print(f"seed {seed}: interrupted", flush=True)
-            break
+            run_cases(cases, sut, gpu=gpu)
         except Exception as exc:  # noqa: BLE001 (a failing seed is reported, the run goes on)
             found = [line[line.index("scripts/fuzz_gpu.sh"):].split(" failed")[0]
                      for line in str(exc).splitlines() if "scripts/fuzz_gpu.sh" in line]
-            failures.append((seed, found[0] if found else f"scripts/fuzz_gpu.sh --seed {seed}", str(exc)))
-            status = "FAILED"
-        ran.append(seed)
+            failure = (seed, found[0] if found else f"scripts/fuzz_gpu.sh --seed {seed}", str(exc))
         n, per_node = cases[0].layout
-        print(f"seed {seed} ({n}x{per_node}, {len(cases)} cases): {status} in {time.monotonic() - t0:.1f} s",
-              flush=True)
+        on = "" if gpu is None else f" on GPU {gpu}"
+        with lock:
+            ran.append(seed)
+            failures.extend([failure] if failure else [])
+            print(f"seed {seed} ({n}x{per_node}, {len(cases)} cases){on}: {'FAILED' if failure else 'ok'} in "
+                  f"{time.monotonic() - t0:.1f} s", flush=True)
+
+    def worker(gpu: Optional[int]) -> None:
+        """Takes the next seed until none is left, the minutes are up or the run is interrupted."""
+        while not stop.is_set() and not (a.minutes and time.monotonic() - start > a.minutes * 60):
+            with lock:
+                seed = next(todo, None)
+            if seed is None:
+                return
+            run_seed(seed, gpu)
+
+    try:
+        if a.gpus == 1:
+            worker(None)  # (the ranks spread over the GPUs: the layout's own placement)
+        else:
+            threads = [threading.Thread(target=worker, args=(g,), daemon=True) for g in range(a.gpus)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+    except KeyboardInterrupt:  # a single run's ranks are stopped (spawn); parallel seeds finish first
+        stop.set()
+        print("interrupted", flush=True)
+        for t in threads if a.gpus > 1 else []:
+            t.join()
+    ran.sort()
+    failures.sort()
     print(f"\nfuzz: {len(ran)} seeds run ({ran[0] if ran else '-'}..{ran[-1] if ran else '-'}), "
           f"{len(failures)} failed, {time.monotonic() - start:.0f} s")
     for seed, repro, text in failures:

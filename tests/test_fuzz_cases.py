@@ -127,10 +127,21 @@ def test_a_failing_case_names_its_repro_line():
 
 def test_the_command_line_refuses_bad_arguments(capsys):
     for argv, why in ((["--case", "1"], "--case needs --seed"), ([], "give --seed S"),
-                      (["--seed", "1", "--seeds", "2"], "give --seed S"), (["--seed", "1", "--cases", "0"], "--cases")):
+                      (["--seed", "1", "--seeds", "2"], "give --seed S"), (["--seed", "1", "--cases", "0"], "--cases"),
+                      (["--seeds", "2", "--gpus", "2"], "--gpus must be between 1 and the GPUs here")):
         with pytest.raises(SystemExit) as exc:
             fuzz_main(argv + ["--cpu"])
         assert exc.value.code == 2 and why in capsys.readouterr().err, argv
+
+
+def test_a_run_reports_each_seed_and_a_summary(capsys):
+    """The command line's run loop on CPU ranks: one line per seed, then the summary; exit status 0."""
+    seed = F.seeds_with(1, 2, first=3000)[0]
+    assert fuzz_main(["--seeds", "1", "--first", str(seed), "--cases", "1", "--cpu"]) == 0
+    out = capsys.readouterr().out
+    n, per_node = F.layout_of(seed)
+    assert f"seed {seed} ({n}x{per_node}, 1 cases): ok in " in out
+    assert f"fuzz: 1 seeds run ({seed}..{seed}), 0 failed, " in out
 
 
 def test_low_latency_repeated_ids_weigh_each_slot_once():

@@ -29,6 +29,20 @@ def test_free_port_is_bindable_and_below_the_ephemeral_range():
             s.bind(("127.0.0.1", port))
 
 
+def test_a_handed_port_is_not_handed_again_while_its_group_may_still_be_starting(monkeypatch):
+    """Threads spawning groups at once (the GPU fuzz suite on several GPUs) each get a port of their own, though
+    none is bound yet: two candidates, two calls, two different ports, then only the OS's pick is left."""
+    low = 20000  # below Linux's ephemeral range, from which the OS's own pick comes
+    monkeypatch.setattr(launch, "_LOWEST_PORT", low - 2)
+    monkeypatch.setattr(launch, "_ephemeral_low", lambda: low)
+    monkeypatch.setattr(launch, "_handed", {})
+    first, second = launch.free_loopback_port(), launch.free_loopback_port()
+    assert {first, second} == {low - 2, low - 1}
+    assert launch.free_loopback_port() not in (first, second)
+    monkeypatch.setattr(launch, "_HANDED_S", 0.0)  # once long enough ago, a port is a candidate again
+    assert launch.free_loopback_port() in (first, second)
+
+
 def test_busy_candidates_are_skipped(monkeypatch):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

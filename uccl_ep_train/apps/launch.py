@@ -22,6 +22,7 @@ import queue
 import random
 import socket
 import sys
+import threading
 import time
 import traceback
 from typing import Any, Callable, Mapping, Optional
@@ -32,6 +33,9 @@ _FALLBACK_EPHEMERAL_LOW = 32768  # Linux's default ip_local_port_range starts he
 _LOWEST_PORT = 10000  # candidates start here (well above the well-known and registered services we might meet)
 _MORE_ERRORS_S = 5.0  # after a rank fails, how long the others may take to report theirs (often the cause)
 _TEARDOWN_S = 30.0  # after every rank reported, how long they may take to leave before they are killed
+_HANDED_S = 120.0  # a port free_loopback_port handed out is not handed out again for this long
+_handed: dict[int, float] = {}  # port -> when it was handed out (time.monotonic)
+_handed_lock = threading.Lock()
 
 
 def _ephemeral_low() -> int:
@@ -45,12 +49,18 @@ def _ephemeral_low() -> int:
 def free_loopback_port() -> int:
     """A TCP port free on 127.0.0.1 right now. Preferably below the ephemeral range: between this check and
     rank 0's listen, the OS may hand an ephemeral port to some outgoing connection (EADDRINUSE), never one of
-    these. Falls back to a port the OS picks."""
+    these; nor does this process hand it out again meanwhile (threads spawning groups at once: the GPU fuzz
+    suite's seeds on several GPUs). Falls back to a port the OS picks."""
     low = _ephemeral_low()
     candidates = range(_LOWEST_PORT, low)
-    for port in random.SystemRandom().sample(candidates, min(32, len(candidates))):
-        if _unbound(port):
-            return port
+    with _handed_lock:
+        now = time.monotonic()
+        for port in [p for p, t in _handed.items() if now - t >= _HANDED_S]:
+            del _handed[port]
+        for port in random.SystemRandom().sample(candidates, min(32, len(candidates))):
+            if port not in _handed and _unbound(port):
+                _handed[port] = now
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
