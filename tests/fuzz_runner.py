@@ -436,8 +436,12 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
                              f"  case: {c.describe()}") from exc
 
 
-def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: str) -> list[int]:
-    """A spawned rank: every case in order; per case the rows it received."""
+def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: str,
+                cpus: Optional[set] = None) -> list[int]:
+    """A spawned rank: every case in order; per case the rows it received. cpus: the cores it keeps to (its
+    proxy threads and copy agents with it: they size themselves by this process's affinity)."""
+    if cpus:
+        os.sched_setaffinity(0, cpus)
     r = Ranks(rank, world, sut)
     rows = [run_case(c, r) for c in cases]
     r.close()  # only after success: see destroyed_after
@@ -458,12 +462,12 @@ def each_rank_tail(text: str, per_rank: int = 2000) -> str:
     return "".join(cut)
 
 
-def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600,
-              gpu: Optional[int] = None) -> list[list[int]]:
+def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600, gpu: Optional[int] = None,
+              cpus: Optional[set] = None) -> list[list[int]]:
     """Spawn the cases' layout (all cases share it) and run them; per rank, per case the rows received.
     sut "native": ranks on the GPU(s) (several per GPU: under MPS, which the caller provides), or all on GPU
     `gpu` (an index among the visible ones) when given; "reference": CPU ranks, the reference backend under
-    test."""
+    test. cpus: the cores the ranks keep to (seeds run side by side get disjoint ones)."""
     layouts = {c.layout for c in cases}
     if len(layouts) != 1:
         raise ValueError(f"run_cases: one layout per spawn, got {sorted(layouts)}")
@@ -476,11 +480,20 @@ def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600,
             visible = os.environ.get("CUDA_VISIBLE_DEVICES")
             env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
             gpus = 1
-        return run_ranks(_ranks_main, world, cases, sut, device="cuda", backend="gloo",
+        return run_ranks(_ranks_main, world, cases, sut, cpus, device="cuda", backend="gloo",
                          ranks_per_gpu=-(-world // gpus), timeout=timeout, env=env)
     if sut != "reference":
         raise ValueError(f"run_cases: sut must be native or reference, got {sut!r}")
-    return run_ranks(_ranks_main, world, cases, sut, timeout=timeout, env=env)
+    return run_ranks(_ranks_main, world, cases, sut, cpus, timeout=timeout, env=env)
+
+
+def cpu_slices(cpus: set, n: int) -> list[set]:
+    """`cpus` cut into n disjoint slices of consecutive ids, as even as they come (n <= len(cpus)). Seeds run
+    side by side each get one: every rank sizes its spinning proxy threads and copy agents by the cores it may
+    use, so ranks of different seeds sharing all cores would oversubscribe them n times (four seeds at once on
+    4 H200, all sharing the 64 cores, took 5-7 times as long each as a seed alone)."""
+    ids = sorted(cpus)
+    return [set(ids[len(ids) * i // n:len(ids) * (i + 1) // n]) for i in range(n)]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -508,6 +521,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         p.error("no CUDA GPU here: run with --cpu to exercise the reference backend on CPU ranks")
     if a.gpus < 1 or (a.gpus > 1 and (sut != "native" or a.gpus > torch.cuda.device_count())):
         p.error(f"--gpus must be between 1 and the GPUs here ({torch.cuda.device_count()}), got {a.gpus}")
+    if a.gpus > len(os.sched_getaffinity(0)):
+        p.error(f"--gpus {a.gpus}: more seeds at once than the {len(os.sched_getaffinity(0))} cores here")
+    slices = cpu_slices(os.sched_getaffinity(0), a.gpus)
     seeds = [a.seed] if a.seed is not None else list(range(a.first, a.first + a.seeds))
     start, failures, ran = time.monotonic(), [], []
     todo, lock, stop = iter(seeds), threading.Lock(), threading.Event()
@@ -517,7 +533,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.monotonic()
         failure = None
         try:
-            run_cases(cases, sut, gpu=gpu)
+            run_cases(cases, sut, gpu=gpu, cpus=None if gpu is None else slices[gpu])
         except Exception as exc:  # noqa: BLE001 (a failing seed is reported, the run goes on)
             found = [line[line.index("scripts/fuzz_gpu.sh"):].split(" failed")[0]
                      for line in str(exc).splitlines() if "scripts/fuzz_gpu.sh" in line]

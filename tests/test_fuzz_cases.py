@@ -4,6 +4,8 @@ ranks with the reference backend under test (checked against the reference and t
 GPU fuzz suite's machinery is covered without a GPU."""
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -142,6 +144,25 @@ def test_a_run_reports_each_seed_and_a_summary(capsys):
     n, per_node = F.layout_of(seed)
     assert f"seed {seed} ({n}x{per_node}, 1 cases): ok in " in out
     assert f"fuzz: 1 seeds run ({seed}..{seed}), 0 failed, " in out
+
+
+def test_seeds_side_by_side_get_disjoint_cores():
+    from fuzz_runner import cpu_slices
+
+    slices = cpu_slices({3, 5, 6, 9, 10, 11, 12}, 3)
+    assert slices == [{3, 5}, {6, 9}, {10, 11, 12}]
+    assert cpu_slices({0, 1}, 1) == [{0, 1}]
+
+
+def test_ranks_keep_to_the_cores_they_are_given():
+    """A seed's ranks run on the one core given (CPU ranks; the same argument reaches GPU ranks), and a core
+    that does not exist fails them in sched_setaffinity: the argument does reach it."""
+    seed = F.seeds_with(1, 2, first=3000)[0]
+    cases = F.generate(seed, 1)
+    got = run_cases(cases, sut="reference", timeout=120, cpus={min(os.sched_getaffinity(0))})
+    assert len(got) == cases[0].world
+    with pytest.raises(RuntimeError, match=r"sched_setaffinity\(0, cpus\)"):
+        run_cases(cases, sut="reference", timeout=120, cpus={1 << 20})
 
 
 def test_low_latency_repeated_ids_weigh_each_slot_once():
