@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -179,8 +180,21 @@ def _rank_1_fails_rank_0_later(rank: int, world: int) -> int:
 def test_a_failure_names_the_ranks_that_had_not_reported_yet():
     """The others' errors are awaited a few seconds after the first (often the cause); a rank still silent
     then is named, so the reader knows the report is partial."""
-    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 failed:\nranks \[0\] had not reported 5 s after "):
+    with pytest.raises(RuntimeError, match=r"ranks \[1\] of 2 failed:\nranks \[0\] had not reported [56] s after "):
         launch.spawn(_rank_1_fails_rank_0_later, 2, timeout=120)
+    assert not multiprocessing.active_children()
+
+
+def _rank_of(rank: int, world: int) -> int:
+    return rank
+
+
+def test_the_silent_ranks_wait_is_the_one_made_when_the_overall_timeout_ends_it_sooner():
+    assert launch.spawn(_rank_of, 2, timeout=120) == [0, 1]  # the fork server is up: rank 1 fails at once
+    with pytest.raises(RuntimeError, match=r"ranks \[0\] had not reported (\d+) s after ") as exc:
+        launch.spawn(_rank_1_fails_rank_0_later, 2, timeout=4)
+    waited = int(re.search(r"had not reported (\d+) s", str(exc.value)).group(1))
+    assert waited < launch._MORE_ERRORS_S
     assert not multiprocessing.active_children()
 
 

@@ -227,6 +227,7 @@ def _collect(q: Any, procs: list, timeout: Optional[float]) -> dict[int, Any]:
     deadline = None if timeout is None else time.monotonic() + timeout
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
+    first_failure: Optional[float] = None  # when the first error came
     while len(results) + len(errors) < world:
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
@@ -245,17 +246,20 @@ def _collect(q: Any, procs: list, timeout: Optional[float]) -> dict[int, Any]:
                 rank, status, payload = q.get(timeout=1.0)
             except queue.Empty:
                 errors.update({r: f"exited with code {procs[r].exitcode} without a result\n" for r in gone})
+                first_failure = first_failure or time.monotonic()
                 continue
         if status == "ok":
             results[rank] = pickle.loads(payload)
             continue
         if not errors:  # the others' errors for a few seconds more (often the cause), then out
-            more = time.monotonic() + _MORE_ERRORS_S
+            first_failure = time.monotonic()
+            more = first_failure + _MORE_ERRORS_S
             deadline = more if deadline is None else min(deadline, more)
         errors[rank] = payload
     if errors:
         silent = sorted(set(range(world)) - set(results) - set(errors))
-        late = (f"ranks {silent} had not reported {_MORE_ERRORS_S:.0f} s after the first failure (their errors, "
+        waited = time.monotonic() - first_failure  # (the overall timeout may have ended the wait sooner)
+        late = (f"ranks {silent} had not reported {waited:.0f} s after the first failure (their errors, "
                 "if any, are not shown)\n") if silent else ""
         raise RuntimeError(f"ranks {sorted(errors)} of {world} failed:\n{late}" +
                            "".join(f"--- rank {r} ---\n{errors[r]}" for r in sorted(errors)))
