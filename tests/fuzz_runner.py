@@ -491,7 +491,7 @@ def cpu_slices(cpus: set, n: int) -> list[set]:
     """`cpus` cut into n disjoint slices of consecutive ids, as even as they come (n <= len(cpus)). Seeds run
     side by side each get one: every rank sizes its spinning proxy threads and copy agents by the cores it may
     use, so ranks of different seeds sharing all cores would oversubscribe them n times (four seeds at once on
-    4 H200, all sharing the 64 cores, took 5-7 times as long each as a seed alone)."""
+    4 H200, all sharing the 64 cores, took 4 to 10 times as long each as a seed of their layout alone)."""
     ids = sorted(cpus)
     return [set(ids[len(ids) * i // n:len(ids) * (i + 1) // n]) for i in range(n)]
 
