@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import os
 import re
+import subprocess
 import sys
 import threading
 import time
@@ -438,8 +439,9 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
 
 def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: str,
                 cpus: Optional[set] = None) -> list[int]:
-    """A spawned rank: every case in order; per case the rows it received. cpus: the cores it keeps to (its
-    proxy threads and copy agents with it: they size themselves by this process's affinity)."""
+    """A spawned rank: every case in order; per case the rows it received. cpus: the cores it keeps to, with
+    the threads and processes it starts from here on (its proxy threads and copy agents, which size themselves
+    by this affinity; the group's own threads, started before, are idle waiters)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
     r = Ranks(rank, world, sut)
@@ -477,14 +479,32 @@ def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600, 
     if sut == "native":
         gpus = torch.cuda.device_count()
         if gpu is not None:  # the ranks see that one GPU only
-            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-            env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[gpu] if visible else str(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = visible_gpu_uuid(gpu)
             gpus = 1
         return run_ranks(_ranks_main, world, cases, sut, cpus, device="cuda", backend="gloo",
                          ranks_per_gpu=-(-world // gpus), timeout=timeout, env=env)
     if sut != "reference":
         raise ValueError(f"run_cases: sut must be native or reference, got {sut!r}")
     return run_ranks(_ranks_main, world, cases, sut, cpus, timeout=timeout, env=env)
+
+
+def visible_gpu_uuid(i: int, smi: Optional[str] = None) -> str:
+    """The UUID of the i-th GPU this process sees (CUDA_VISIBLE_DEVICES, by index or UUID, else all): what a
+    rank names to see that GPU alone. A UUID, not an index: an MPS daemon started with CUDA_VISIBLE_DEVICES set
+    numbers its GPUs from 0, so a client's index would name another GPU or none. smi: `nvidia-smi
+    --query-gpu=index,uuid --format=csv,noheader` output (asked here when None; the parent stays off the CUDA
+    driver)."""
+    visible = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    entry = visible[i] if visible else str(i)
+    if not entry.isdigit():
+        return entry  # already a UUID
+    if smi is None:
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid", "--format=csv,noheader"], check=True,
+                             capture_output=True, text=True, timeout=60).stdout
+    uuids = dict(tuple(v.strip() for v in line.split(",", 1)) for line in smi.splitlines() if "," in line)
+    if entry not in uuids:
+        raise RuntimeError(f"GPU {entry} (visible GPU {i}) is not in nvidia-smi's list {sorted(uuids)}")
+    return uuids[entry]
 
 
 def cpu_slices(cpus: set, n: int) -> list[set]:
@@ -519,7 +539,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     sut = "reference" if a.cpu else "native"
     if sut == "native" and not torch.cuda.is_available():
         p.error("no CUDA GPU here: run with --cpu to exercise the reference backend on CPU ranks")
-    if a.gpus < 1 or (a.gpus > 1 and (sut != "native" or a.gpus > torch.cuda.device_count())):
+    if a.gpus > 1 and sut != "native":
+        p.error("--gpus runs seeds side by side on GPUs: not with --cpu")
+    if a.gpus < 1 or a.gpus > max(1, torch.cuda.device_count()):
         p.error(f"--gpus must be between 1 and the GPUs here ({torch.cuda.device_count()}), got {a.gpus}")
     if a.gpus > len(os.sched_getaffinity(0)):
         p.error(f"--gpus {a.gpus}: more seeds at once than the {len(os.sched_getaffinity(0))} cores here")
@@ -535,6 +557,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         try:
             run_cases(cases, sut, gpu=gpu, cpus=None if gpu is None else slices[gpu])
         except Exception as exc:  # noqa: BLE001 (a failing seed is reported, the run goes on)
+            if stop.is_set():  # Ctrl-C reached its ranks too (one process group): not the seed's failure
+                print(f"seed {seed}: interrupted", flush=True)
+                return
             found = [line[line.index("scripts/fuzz_gpu.sh"):].split(" failed")[0]
                      for line in str(exc).splitlines() if "scripts/fuzz_gpu.sh" in line]
             failure = (seed, found[0] if found else f"scripts/fuzz_gpu.sh --seed {seed}", str(exc))
@@ -555,6 +580,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return
             run_seed(seed, gpu)
 
+    threads: list = []
     try:
         if a.gpus == 1:
             worker(None)  # (the ranks spread over the GPUs: the layout's own placement)
@@ -564,10 +590,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 t.start()
             for t in threads:
                 t.join()
-    except KeyboardInterrupt:  # a single run's ranks are stopped (spawn); parallel seeds finish first
+    except KeyboardInterrupt:  # the running seeds' ranks got it too: they stop (spawn), reported as interrupted
         stop.set()
         print("interrupted", flush=True)
-        for t in threads if a.gpus > 1 else []:
+        for t in threads:
             t.join()
     ran.sort()
     failures.sort()

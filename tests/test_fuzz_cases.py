@@ -4,8 +4,6 @@ ranks with the reference backend under test (checked against the reference and t
 GPU fuzz suite's machinery is covered without a GPU."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -130,7 +128,8 @@ def test_a_failing_case_names_its_repro_line():
 def test_the_command_line_refuses_bad_arguments(capsys):
     for argv, why in ((["--case", "1"], "--case needs --seed"), ([], "give --seed S"),
                       (["--seed", "1", "--seeds", "2"], "give --seed S"), (["--seed", "1", "--cases", "0"], "--cases"),
-                      (["--seeds", "2", "--gpus", "2"], "--gpus must be between 1 and the GPUs here")):
+                      (["--seeds", "2", "--gpus", "2"], "--gpus runs seeds side by side on GPUs: not with --cpu"),
+                      (["--seeds", "2", "--gpus", "0"], "--gpus must be between 1 and the GPUs here")):
         with pytest.raises(SystemExit) as exc:
             fuzz_main(argv + ["--cpu"])
         assert exc.value.code == 2 and why in capsys.readouterr().err, argv
@@ -146,6 +145,23 @@ def test_a_run_reports_each_seed_and_a_summary(capsys):
     assert f"fuzz: 1 seeds run ({seed}..{seed}), 0 failed, " in out
 
 
+def test_a_seed_on_one_gpu_names_it_by_uuid(monkeypatch):
+    """What a seed's ranks get as CUDA_VISIBLE_DEVICES: the UUID of the parent's i-th visible GPU, whether the
+    parent's list names GPUs by index or by UUID (an MPS daemon renumbers indices; UUIDs name one GPU)."""
+    from fuzz_runner import visible_gpu_uuid
+
+    smi = "0, GPU-aaa\n1, GPU-bbb\n2, GPU-ccc\n3, GPU-ddd\n"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert [visible_gpu_uuid(i, smi) for i in range(4)] == ["GPU-aaa", "GPU-bbb", "GPU-ccc", "GPU-ddd"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2, 3")
+    assert [visible_gpu_uuid(i, smi) for i in range(2)] == ["GPU-ccc", "GPU-ddd"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-bbb,GPU-ddd")
+    assert visible_gpu_uuid(1, smi) == "GPU-ddd"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "7")
+    with pytest.raises(RuntimeError, match=r"GPU 7 \(visible GPU 0\) is not in nvidia-smi's list"):
+        visible_gpu_uuid(0, smi)
+
+
 def test_seeds_side_by_side_get_disjoint_cores():
     from fuzz_runner import cpu_slices
 
@@ -154,15 +170,12 @@ def test_seeds_side_by_side_get_disjoint_cores():
     assert cpu_slices({0, 1}, 1) == [{0, 1}]
 
 
-def test_ranks_keep_to_the_cores_they_are_given():
-    """A seed's ranks run on the one core given (CPU ranks; the same argument reaches GPU ranks), and a core
-    that does not exist fails them in sched_setaffinity: the argument does reach it."""
+def test_ranks_set_the_cores_they_are_given():
+    """The cores given reach each rank's sched_setaffinity before its first case (CPU ranks; GPU ranks take
+    the same path): a core that does not exist fails every rank there."""
     seed = F.seeds_with(1, 2, first=3000)[0]
-    cases = F.generate(seed, 1)
-    got = run_cases(cases, sut="reference", timeout=120, cpus={min(os.sched_getaffinity(0))})
-    assert len(got) == cases[0].world
-    with pytest.raises(RuntimeError, match=r"sched_setaffinity\(0, cpus\)"):
-        run_cases(cases, sut="reference", timeout=120, cpus={1 << 20})
+    with pytest.raises(RuntimeError, match=r"(?s)ranks \[0, 1\] of 2 failed.*sched_setaffinity\(0, cpus\)"):
+        run_cases(F.generate(seed, 1), sut="reference", timeout=120, cpus={1 << 20})
 
 
 def test_low_latency_repeated_ids_weigh_each_slot_once():

@@ -61,9 +61,10 @@ def free_loopback_port() -> int:
             if port not in _handed and _unbound(port):
                 _handed[port] = now
                 return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            _handed[s.getsockname()[1]] = now
+            return s.getsockname()[1]
 
 
 def _unbound(port: int) -> bool:
