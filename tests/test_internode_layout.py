@@ -51,6 +51,15 @@ def test_notify_area_is_the_same_for_every_op():
     assert dispatch["row_bytes"] % 16 == 0 and combine["crow_bytes"] % 16 == 0
 
 
+@pytest.mark.parametrize("R,L", [(2, 1), (6, 2), (16, 8)])
+def test_notify_area_holds_two_outgoing_rows_and_two_parities_of_incoming_ones(R, L):
+    """A notify's outgoing row alternates by parity as its incoming slots do (notify_rows says why: the row of
+    the notify before may still be on its way): 2 + 2R count rows before the ops' areas."""
+    stride = 4 * _native.internode_count_row_ints(R, int(_native.INTERNODE_MAX_EXPERTS), L)
+    rd = [1] * (R * (R // L))
+    assert _layout(rd, R, L, 0, x_bytes=1024, topk=4)["areas"][1] >= stride * (2 + 2 * R)
+
+
 def test_bad_topology_is_an_error_naming_it():
     with pytest.raises(Exception, match="ranks per node 3 must divide 4"):
         _layout([0] * 8, 4, 3, 0, x_bytes=16)

@@ -290,7 +290,8 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
   const Common& c = a.c;
   const uint64_t notifies = c.counters->notifies;  // (advanced below, after every thread read it)
   const int64_t in_off = count_slots_off(a.stride, c.num_ranks, notifies);
-  int* out = reinterpret_cast<int*>(c.rdma + a.out_off);
+  const int64_t out_off = count_out_off(a.stride, notifies);
+  int* out = reinterpret_cast<int*>(c.rdma + out_off);
   int* own = reinterpret_cast<int*>(c.rdma + in_off) + int64_t(c.rank) * a.stride;
   const int R = c.num_ranks, N = c.N;
   for (int i = threadIdx.x; i < a.row_ints; i += blockDim.x) {
@@ -312,7 +313,7 @@ __global__ void __launch_bounds__(kThreads) notify_kernel(NotifyArgs a) {
     cmds[0].op = uccl::OP_WRITE;
     cmds[0].dst_rank = uint8_t(dst);
     cmds[0].length = uint32_t(a.row_ints * 4);
-    cmds[0].local_off = uint32_t(a.out_off);
+    cmds[0].local_off = uint32_t(out_off);
     cmds[0].remote_off = uint32_t(in_off + int64_t(c.rank) * a.stride * 4);
     cmds[1].op = uccl::OP_ATOMIC_ADD;
     cmds[1].dst_rank = uint8_t(dst);

@@ -11,7 +11,7 @@
 //
 // Memory of one rank:
 //   RDMA region (GPU, registered with the proxies as region 0, the same size on every rank):
-//     notify  [2 parities][R] count rows (one per source rank) + this rank's outgoing row
+//     notify  [2 parities] this rank's outgoing count row, [2 parities][R] count rows (one per source rank)
 //     send    dispatch rows this rank packs, one segment per destination node (the own node's segment,
 //             kept so that send and crecv share row numbers, stays unused: those rows go straight to
 //             their final ranks)
@@ -102,16 +102,23 @@ UCCL_HOST_DEVICE inline void segment_rows(const int* rd, int num_ranks, int rank
 // One rank's RDMA areas (byte offsets) for a call in which it sends send_rows rows (its segments for every
 // node) and receives recv_rows rows from its RDMA peers: the one home of the region's arrangement, used by the
 // host (make_layout: sizing) and by the kernels (their per-call tables, from the counts on the device).
-// notify: the outgoing count row, then 2 parities x R incoming rows; it never overlaps what the ops write
-// (peers send count rows before any READY).
+// notify: 2 parities x this rank's outgoing count row, then 2 parities x R incoming rows; it never overlaps
+// what the ops write (peers send count rows before any READY).
 struct Areas {
   int64_t notify_off, send_off, recv_off, csend_off, crecv_off, rdma_bytes;
 };
+// Count rows in the notify area. Why two outgoing rows: a notify's row may still be on its way to a peer that
+// exchanges nothing else with this rank (no READY between them: a different local rank of another node) when
+// the next notify comes, and a copy out of it can run late (libfabric shm copies at the target, on the
+// target's GPU queue). The notify after next may rewrite it: by then this rank's counts of the next notify
+// saw every peer's row of it, which each peer sent after its own counts of this notify saw this row landed.
+UCCL_HOST_DEVICE inline int64_t notify_rows(int num_ranks) { return 2 + 2 * int64_t(num_ranks); }
+
 UCCL_HOST_DEVICE inline Areas areas_of(int64_t count_stride_bytes, int num_ranks, int64_t send_rows,
                                        int64_t recv_rows, int64_t row_bytes, int64_t crow_bytes) {
   Areas a;
   a.notify_off = 0;
-  a.send_off = align_up(count_stride_bytes * (1 + 2 * int64_t(num_ranks)), 256);
+  a.send_off = align_up(count_stride_bytes * notify_rows(num_ranks), 256);
   a.recv_off = align_up(a.send_off + send_rows * row_bytes, 256);
   a.csend_off = align_up(a.recv_off + recv_rows * row_bytes, 256);
   a.crecv_off = align_up(a.csend_off + recv_rows * crow_bytes, 256);

@@ -257,7 +257,7 @@ void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, i
                                                                                                 << " outside [" << num_ranks_ << ", " << kMaxExperts << "]");
   const int64_t row_ints = count_row_ints(num_ranks_, num_experts, ranks_per_node_);
   const int64_t stride = count_row_ints(num_ranks_, kMaxExperts, ranks_per_node_);
-  const int64_t need = 4 * stride * (1 + 2 * (int64_t)num_ranks_);
+  const int64_t need = 4 * stride * notify_rows(num_ranks_);
   UCCL_CHECK(need <= rdma_bytes_, "notify: the RDMA region (" << rdma_bytes_ << " bytes) is smaller than the "
                                                               << need << " bytes the count rows need");
   UCCL_CHECK_GPU(gpuSetDevice(device_));
@@ -270,7 +270,6 @@ void InternodeBuffer::notify(const std::vector<int>& header, int64_t per_rank, i
   a.per_rank = as_ptr<const int>(per_rank);
   a.per_node = as_ptr<const int>(per_node);
   a.per_expert = as_ptr<const int>(per_expert);
-  a.out_off = 0;
   a.stride = (int)stride;
   launch_notify(a, as_stream(stream));
   UCCL_CHECK_GPU(gpuEventRecord(static_cast<gpuEvent_t>(notified_), as_stream(stream)));

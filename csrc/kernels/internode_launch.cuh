@@ -60,10 +60,13 @@ struct Common {
   OpCounters* counters;  // local (kOpCountersOffset)
 };
 
-// The count rows of notify `parity` (the notifies counter's parity before it): byte offset of their receive
-// slots [R] in the RDMA region (after the outgoing row; areas_of's notify area).
+// The count rows of notify `parity` (the notifies counter's parity before it), in the RDMA region's notify
+// area (areas_of, notify_rows): the byte offsets of this rank's outgoing row and of the receive slots [R].
+UCCL_HOST_DEVICE inline int64_t count_out_off(int64_t stride_ints, uint64_t parity) {
+  return 4 * stride_ints * int64_t(parity % 2);
+}
 UCCL_HOST_DEVICE inline int64_t count_slots_off(int64_t stride_ints, int num_ranks, uint64_t parity) {
-  return 4 * stride_ints * (1 + int64_t(parity % 2) * num_ranks);
+  return 4 * stride_ints * (2 + int64_t(parity % 2) * num_ranks);
 }
 
 struct NotifyArgs {
@@ -73,7 +76,6 @@ struct NotifyArgs {
   const int* per_rank;
   const int* per_node;
   const int* per_expert;
-  int64_t out_off;  // this rank's outgoing row
 };
 
 // What the counts kernel needs (InternodeBuffer::counts).
