@@ -112,7 +112,17 @@ struct Areas {
 // the next notify comes, and a copy out of it can run late (libfabric shm copies at the target, on the
 // target's GPU queue). The notify after next may rewrite it: by then this rank's counts of the next notify
 // saw every peer's row of it, which each peer sent after its own counts of this notify saw this row landed.
-UCCL_HOST_DEVICE inline int64_t notify_rows(int num_ranks) { return 2 + 2 * int64_t(num_ranks); }
+constexpr int kNotifyParities = 2;
+UCCL_HOST_DEVICE inline int64_t notify_rows(int num_ranks) { return kNotifyParities * (1 + int64_t(num_ranks)); }
+
+// The count rows of notify `parity` (the notifies counter's parity before it) in the notify area: the byte
+// offsets of this rank's outgoing row and of the receive slots [R].
+UCCL_HOST_DEVICE inline int64_t count_out_off(int64_t stride_ints, uint64_t parity) {
+  return 4 * stride_ints * int64_t(parity % kNotifyParities);
+}
+UCCL_HOST_DEVICE inline int64_t count_slots_off(int64_t stride_ints, int num_ranks, uint64_t parity) {
+  return 4 * stride_ints * (kNotifyParities + int64_t(parity % kNotifyParities) * num_ranks);
+}
 
 UCCL_HOST_DEVICE inline Areas areas_of(int64_t count_stride_bytes, int num_ranks, int64_t send_rows,
                                        int64_t recv_rows, int64_t row_bytes, int64_t crow_bytes) {

@@ -60,15 +60,6 @@ struct Common {
   OpCounters* counters;  // local (kOpCountersOffset)
 };
 
-// The count rows of notify `parity` (the notifies counter's parity before it), in the RDMA region's notify
-// area (areas_of, notify_rows): the byte offsets of this rank's outgoing row and of the receive slots [R].
-UCCL_HOST_DEVICE inline int64_t count_out_off(int64_t stride_ints, uint64_t parity) {
-  return 4 * stride_ints * int64_t(parity % 2);
-}
-UCCL_HOST_DEVICE inline int64_t count_slots_off(int64_t stride_ints, int num_ranks, uint64_t parity) {
-  return 4 * stride_ints * (2 + int64_t(parity % 2) * num_ranks);
-}
-
 struct NotifyArgs {
   Common c;
   int row_ints, stride, num_experts;  // ints sent; ints between rows
