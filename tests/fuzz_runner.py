@@ -464,12 +464,12 @@ def each_rank_tail(text: str, per_rank: int = 2000) -> str:
     return "".join(cut)
 
 
-def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600, gpu: Optional[int] = None,
+def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600, gpu: Optional[str] = None,
               cpus: Optional[set] = None) -> list[list[int]]:
     """Spawn the cases' layout (all cases share it) and run them; per rank, per case the rows received.
     sut "native": ranks on the GPU(s) (several per GPU: under MPS, which the caller provides), or all on GPU
-    `gpu` (an index among the visible ones) when given; "reference": CPU ranks, the reference backend under
-    test. cpus: the cores the ranks keep to (seeds run side by side get disjoint ones)."""
+    `gpu` (its UUID, visible_gpu_uuid) when given; "reference": CPU ranks, the reference backend under test.
+    cpus: the cores the ranks keep to (seeds run side by side get disjoint ones)."""
     layouts = {c.layout for c in cases}
     if len(layouts) != 1:
         raise ValueError(f"run_cases: one layout per spawn, got {sorted(layouts)}")
@@ -479,7 +479,7 @@ def run_cases(cases: list[FuzzCase], sut: str = "native", timeout: float = 600, 
     if sut == "native":
         gpus = torch.cuda.device_count()
         if gpu is not None:  # the ranks see that one GPU only
-            env["CUDA_VISIBLE_DEVICES"] = visible_gpu_uuid(gpu)
+            env["CUDA_VISIBLE_DEVICES"] = gpu
             gpus = 1
         return run_ranks(_ranks_main, world, cases, sut, cpus, device="cuda", backend="gloo",
                          ranks_per_gpu=-(-world // gpus), timeout=timeout, env=env)
@@ -546,6 +546,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.gpus > len(os.sched_getaffinity(0)):
         p.error(f"--gpus {a.gpus}: more seeds at once than the {len(os.sched_getaffinity(0))} cores here")
     slices = cpu_slices(os.sched_getaffinity(0), a.gpus)
+    uuids = [visible_gpu_uuid(g) for g in range(a.gpus)] if a.gpus > 1 else []
     seeds = [a.seed] if a.seed is not None else list(range(a.first, a.first + a.seeds))
     start, failures, ran = time.monotonic(), [], []
     todo, lock, stop = iter(seeds), threading.Lock(), threading.Event()
@@ -555,7 +556,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         t0 = time.monotonic()
         failure = None
         try:
-            run_cases(cases, sut, gpu=gpu, cpus=None if gpu is None else slices[gpu])
+            run_cases(cases, sut, gpu=None if gpu is None else uuids[gpu], cpus=None if gpu is None else slices[gpu])
         except Exception as exc:  # noqa: BLE001 (a failing seed is reported, the run goes on)
             if stop.is_set():  # Ctrl-C reached its ranks too (one process group): not the seed's failure
                 print(f"seed {seed}: interrupted", flush=True)
