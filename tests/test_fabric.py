@@ -402,3 +402,27 @@ def test_lazy_module_loading_is_warned_about_once_where_the_proxies_copy_through
         proxy.warn_lazy_module_loading(3)
     assert len(caplog.records) == 1, caplog.records
     assert "rank 3" in caplog.records[0].getMessage() and "CUDA_MODULE_LOADING=EAGER" in caplog.records[0].getMessage()
+
+
+def test_one_hardware_queue_is_warned_about_once_where_the_proxies_call_the_gpu_runtime(monkeypatch, caplog):
+    """With CUDA_DEVICE_MAX_CONNECTIONS=1 a provider's CUDA copies queue behind the EP kernels that wait for
+    them (certain with ranks sharing a GPU): such proxies warn once per process, and only under that setting."""
+    import logging
+
+    from uccl_ep_train import proxy
+
+    monkeypatch.setattr(proxy, "_warned_single", False)
+    with caplog.at_level(logging.WARNING, logger="uccl_ep_train"):
+        for value in (None, "8", "32"):
+            if value is None:
+                monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS", raising=False)
+            else:
+                monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", value)
+            proxy.warn_single_connection(2)
+        assert not caplog.records
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+        proxy.warn_single_connection(2)
+        proxy.warn_single_connection(2)
+    assert len(caplog.records) == 1, caplog.records
+    msg = caplog.records[0].getMessage()
+    assert "rank 2" in msg and "CUDA_DEVICE_MAX_CONNECTIONS=1" in msg, msg

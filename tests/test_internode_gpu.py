@@ -195,6 +195,7 @@ def _run_suite(rank, world, device, L, fault_seeds):
         torch.testing.assert_close(out_w.cpu(), eout_w, rtol=1e-5, atol=1e-5, msg=f"{tag}: combined weights")
         report[f"case{case}"] = int(rx.size(0))
     report["transport"] = native.backend.proxy_transport
+    report["calls_gpu_runtime"] = native.backend._proxy.calls_gpu_runtime
 
     # FP8 pairs, num_worst_tokens, async with previous_event, expert alignment
     x, idx, w = _routing(rank, 64, "random", world, L, seed=7)
@@ -249,6 +250,13 @@ def _run_suite(rank, world, device, L, fault_seeds):
     _same(y1, rx, f"rank {rank}: pipelined cached dispatch")
     _same(y3, (rx.float() * 3).to(torch.bfloat16), f"rank {rank}: pipelined cached dispatch after a combine")
     torch.testing.assert_close(out1.cpu().float(), expected, rtol=2e-2, atol=2e-2)
+    # the combine in the other element types after the BF16 ones, in the same process: each type has its own
+    # kernels (and, with one rank per node on Hopper, its own shared-memory opt-in)
+    for dtype in (torch.float32, torch.float16):
+        out_t, _, _ = native.combine(rx.to(dtype), h)
+        _settle(native, f"rank {rank}: combine in {dtype}")
+        assert out_t.dtype == dtype
+        torch.testing.assert_close(out_t.cpu().float(), expected, rtol=2e-2, atol=2e-2, msg=f"combine in {dtype}")
 
     # 200 calls in a row (dispatch + combine), the last one checked
     for i in range(200):
@@ -333,7 +341,9 @@ def test_internode_one_gpu(mps, world, L):
     env = {"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"}  # auto picks the native backend
     if (world, L) == (2, 1):  # Megatron's setting with tensor-parallel overlap: one hardware queue per process,
         env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"  # so anything queued behind the kernels shares it with them
-    run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600, env=env)
+    reports = run_ranks(_run_suite, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=world, timeout=600,
+                        env=env)
+    assert not any(r["calls_gpu_runtime"] for r in reports)  # ipc: the copies run in the copy agents
 
 
 def fabric_gpu_memory_missing():
@@ -380,6 +390,7 @@ def test_internode_over_fabric_with_gpu_memory(mps, world, L, cq_bytes, per_gpu)
     reports = run_ranks(_run_suite_on_a_stream, world, L, seeds, device="cuda", backend="gloo", ranks_per_gpu=per_gpu,
                         timeout=600, env=env)
     assert [r["transport"] for r in reports] == ["fabric (shm)"] * world
+    assert all(r["calls_gpu_runtime"] for r in reports)  # shm refuses FI_OPT_CUDA_API_PERMITTED = false
 
 
 def _from_the_default_stream(rank, world, device):

@@ -200,7 +200,7 @@ def test_a_timeout_on_proxies_that_copy_through_cuda_names_pageable_host_copies(
     from uccl_ep_train.backends.native import PAGEABLE_COPY_HINT, recorded_errors
 
     class Proxy:
-        waits_for_default_stream = copies_through_cuda
+        calls_gpu_runtime = copies_through_cuda
         error = ""
 
         def check(self):

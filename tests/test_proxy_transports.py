@@ -73,6 +73,7 @@ def test_config_says_what_each_endpoint_opened(monkeypatch):
         with P.ProxyGroup(0, 1, {0: np.zeros(64, np.uint8)}, transport="fabric", num_threads=2, pin_threads=False) as g:
             assert g.config()["provider"] == provider
             assert g.config()["opened"] == [{"provider": probe["provider"], "device": probe["domain"]}] * 2
+            assert g.config()["calls_gpu_runtime"] is False  # host memory: no GPU runtime in the progress
 
 
 def test_runtime_hook_starts_and_stops_proxies(monkeypatch):

@@ -216,6 +216,27 @@ def warn_lazy_module_loading(rank: int) -> None:
 _warned_lazy = False
 
 
+def warn_single_connection(rank: int) -> None:
+    """Warns (once per process) when proxies whose progress calls the GPU runtime serve a process limited to
+    one hardware queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron asks for with sequence
+    parallelism): the proxies' copies then queue behind the EP kernels that spin until those copies land. On
+    an H200 the fabric transport on shm hung every dispatch so with two ranks sharing the GPU under MPS, and
+    passed with one rank per GPU (docs/internode.md, "Host copies and the fabric transport"). Only a warning:
+    the setting serves the rest of the job, and a rank refusing alone would leave its peers waiting."""
+    global _warned_single
+    if _warned_single or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
+        return
+    _warned_single = True
+    log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime and "
+                "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process one hardware queue: those copies can wait behind "
+                "the EP kernels that wait for them until UCCL_EP_TIMEOUT_S (certain with ranks sharing a GPU "
+                "under MPS); use a transport that moves GPU memory by DMA (efa with GPUDirect RDMA, verbs), ipc "
+                "within a host, or leave CUDA_DEVICE_MAX_CONNECTIONS unset", rank)
+
+
+_warned_single = False
+
+
 def check_caller_stream(waits_for_default_stream: bool, device: Any, rank: int) -> None:
     """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.
     waits_for_default_stream`: the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a
@@ -338,10 +359,14 @@ class ProxyGroup:
             self.close()
             raise RuntimeError("ProxyGroup: connect failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
         # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
-        # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp).
-        self.waits_for_default_stream = bool(self._native.config()["waits_for_default_stream"])
-        if self.waits_for_default_stream:
+        # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp);
+        # more broadly, any provider that refused to leave the CUDA runtime alone calls it in the proxy threads.
+        config = self._native.config()
+        self.waits_for_default_stream = bool(config["waits_for_default_stream"])
+        self.calls_gpu_runtime = bool(config["calls_gpu_runtime"])
+        if self.calls_gpu_runtime:
             warn_lazy_module_loading(rank)
+            warn_single_connection(rank)
         if start:
             self._native.start()
 

@@ -27,6 +27,8 @@
 //
 // Inter-node bytes move only through proxy commands. Every wait has a deadline and reports rank, peer,
 // channel and phase into the error record (internode_buffer.cu formats it).
+#include <atomic>
+
 #include "common/check.h"
 #include "kernels/row_ops.cuh"
 #include "kernels/internode_launch.cuh"
@@ -272,6 +274,32 @@ template <bool kNc>
 __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t bytes, int lane) {
   warp_copy_to<kNc>(&dst, 1, src, bytes, lane);
 }
+
+// A row's scales (FP8: float32 words, 224 bytes at hidden 7168) held by the warp, two words per lane: read
+// in the round that loads the row's other small fields and stored from registers into every row that
+// carries them, where a copy per destination would cost a load round each. Scales of more than 64 words, or
+// not whole words, are copied from src instead (warp_copy, kNc as the caller's).
+template <bool kNc>
+struct ScaleWords {
+  const char* src;
+  int64_t bytes;
+  int n, w0 = 0, w1 = 0;
+  __device__ __forceinline__ ScaleWords(const char* s, int64_t b, int lane) : src(s), bytes(b) {
+    n = b % 4 == 0 && b <= 8 * kWarpSize ? int(b / 4) : -1;
+    const int* p = reinterpret_cast<const int*>(s);
+    if (lane < n) w0 = p[lane];
+    if (lane + kWarpSize < n) w1 = p[lane + kWarpSize];
+  }
+  __device__ __forceinline__ void store(char* dst, int lane) const {
+    if (n < 0) {
+      warp_copy<kNc>(dst, src, bytes, lane);
+      return;
+    }
+    int* d = reinterpret_cast<int*>(dst);
+    if (lane < n) d[lane] = w0;
+    if (lane + kWarpSize < n) d[lane + kWarpSize] = w1;
+  }
+};
 
 // The lanes with ok set publish their value into out[] in lane order (the whole warp calls it; it syncs
 // the warp before returning); returns how many did.
@@ -625,9 +653,9 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat&
   const int id0 = few && lane < a.num_topk ? ids[lane] : 0;
   const float w0 = few && lane < a.num_topk ? ws[lane] : 0.f;
   const int src = lane < 2 ? reinterpret_cast<const int*>(p + f.src)[lane] : 0;
+  const ScaleWords<false> scales(p + f.scales, a.recv_scales != nullptr ? a.scale_bytes : 0, lane);
   if (a.recv_x != nullptr) warp_copy<false>(a.recv_x + row * a.x_bytes, p, a.x_bytes, lane);
-  if (a.recv_scales != nullptr)
-    warp_copy<false>(a.recv_scales + row * a.scale_bytes, p + f.scales, a.scale_bytes, lane);
+  if (a.recv_scales != nullptr) scales.store(a.recv_scales + row * a.scale_bytes, lane);
   emit_meta<false>(a, row, [&](int k) { return few ? id0 : ids[k]; }, [&](int k) { return few ? w0 : ws[k]; },
                    intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), p, lane);
 }
@@ -668,6 +696,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
                         ? em_word(a, int(a.topk_idx[t * K + lane]), a.em_x != nullptr ? a.topk_pos[t * K + lane] : -1)
                         : 0;
     const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
+    const ScaleWords<true> scales(a.scales + t * a.scale_bytes, a.scale_bytes, lane);
     // lane j < L: the token's position among the rows this rank sends to rank j of node n
     auto pos_on = [&](int n) {
       const int r = n * c.L + (lane < c.L ? lane : 0);
@@ -702,11 +731,10 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     intranode::warp_sync();
     const char* x = a.x + t * a.x_bytes;
     warp_copy_to<true>(s_dst[warp], m + own_x, x, a.x_bytes, lane);
-    const char* scales = a.scales + t * a.scale_bytes;
     for (int q = 0; q < m; ++q) {
       char* p = s_dst[warp][q];
       const int n = s_node[warp][q];
-      if (a.scale_bytes) warp_copy<true>(p + f.scales, scales, a.scale_bytes, lane);
+      if (a.scale_bytes) scales.store(p + f.scales, lane);
       for (int k = lane; k < K; k += kWarpSize) {
         reinterpret_cast<int*>(p + f.ids)[k] = few_topk ? id0 : int(a.topk_idx[t * K + k]);
         reinterpret_cast<float*>(p + f.weights)[k] = few_topk ? w0 : a.topk_w != nullptr ? a.topk_w[t * K + k] : 0.f;
@@ -723,8 +751,7 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
                     kPhaseDispatchSend);
     }
     if (own_row >= 0) {
-      if (a.recv_scales != nullptr)
-        warp_copy<true>(a.recv_scales + int64_t(own_row) * a.scale_bytes, scales, a.scale_bytes, lane);
+      if (a.recv_scales != nullptr) scales.store(a.recv_scales + int64_t(own_row) * a.scale_bytes, lane);
       const int64_t* ids = a.topk_idx + t * K;
       const float* ws = a.topk_w != nullptr ? a.topk_w + t * K : nullptr;
       emit_meta<true>(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
@@ -881,11 +908,151 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
   }
 }
 
+// ---- bulk copies (sm_90): the forward's rows with one rank per node ----------------------------------------
+// With one rank per node each row the forward sends is one x row, byte for byte (the float32 sum of one row,
+// rounded, is the row; the reduce adds the partials from +0, so a -0 kept here comes out as the register path's
+// +0). A warp streams its rows through kBulkStages shared-memory chunks with Hopper's bulk copies: lane 0
+// loads chunk k + kBulkStages from global while chunk k is stored to the send row, so up to ~12.75 KiB per warp
+// are in flight without registers (the register loop: ~6 KiB). Beside a copy engine's traffic (the emulated
+// NIC) a bulk copy kept 1.46x the register loop's rate per SM in a probe.
+constexpr int kBulkStages = 3;
+constexpr int kBulkChunk = 4352;  // bytes; 16-byte multiple
+constexpr int kBulkBytes = kWarps * kBulkStages * kBulkChunk;  // 204 KiB per block
+
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Where a warp's row stream stands: row r of its rows (j = first + r * step over the forwarded rows, own
+// node's skipped), chunk ch of it. Rows whose dispatch row had no source here (dst_row -1) are not in the
+// stream: the caller wrote them as zeros beforehand.
+struct BulkCursor {
+  const CombineArgs* a;
+  const NodeTables* tab;
+  int64_t j, step, total, own_lo, own_rows, nch, y_bytes;
+  int64_t k;  // the row (forwarded-row index)
+  int ch;
+  const char* src;
+  __device__ bool valid() const { return j < total; }
+  __device__ void settle() {  // from j on, the first row with a source
+    for (; j < total; j += step) {
+      k = j < own_lo ? j : j + own_rows;
+      const int dst_row = a->fwd_head[k];
+      if (dst_row >= 0) {
+        src = a->x + int64_t(dst_row) * y_bytes;
+        return;
+      }
+    }
+  }
+  __device__ void next() {
+    if (++ch < nch) return;
+    ch = 0;
+    j += step;
+    settle();
+  }
+  __device__ uint32_t len() const {
+    const int64_t left = y_bytes - int64_t(ch) * kBulkChunk;
+    return uint32_t(left < kBulkChunk ? left : kBulkChunk);
+  }
+  __device__ bool last() const { return ch == nch - 1; }
+};
+
+template <typename T>
+__device__ void forward_rows_bulk(const CombineArgs& a, const Common& c, const NodeTables& tab, int64_t first,
+                                  int64_t step, int64_t total, int64_t own_lo, int64_t own_rows, char* stage,
+                                  uint64_t* bars, int lane) {
+  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
+  char* csend = c.rdma + tab.areas.csend_off;
+  auto signal = [&](int64_t k) {  // lane 0: row k's bytes are in csend (its weights: the warp's, synced)
+    const int n = segment_of(tab.recv_row0, c.N, k);
+    row_written(c, n, k - tab.recv_row0[n], tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+                tab.areas.csend_off, tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0),
+                kPhaseCombineForward);
+  };
+  // rows without a source: zeros (and zero weights), sent as they are
+  for (int64_t j = first; j < total; j += step) {
+    const int64_t k = j < own_lo ? j : j + own_rows;
+    if (a.fwd_head[k] >= 0) continue;
+    char* out = csend + k * a.crow_bytes;
+    for (int64_t i = lane * 16; i < y_bytes; i += kWarpSize * 16) *reinterpret_cast<int4*>(out + i) = int4{0, 0, 0, 0};
+    for (int kk = lane; kk < a.num_topk; kk += kWarpSize) reinterpret_cast<float*>(out + y_bytes)[kk] = 0.f;
+    intranode::warp_sync();
+    if (lane == 0) signal(k);
+  }
+  const int64_t nch = (y_bytes + kBulkChunk - 1) / kBulkChunk;
+  BulkCursor ld{&a, &tab, first, step, total, own_lo, own_rows, nch, y_bytes, 0, 0, nullptr};
+  ld.settle();
+  BulkCursor st = ld;
+  if (lane == 0) {
+    for (int q = 0; q < kBulkStages; ++q)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[q])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  intranode::warp_sync();
+  auto load = [&](int q) {  // lane 0: the load cursor's chunk into stage q
+    const uint32_t len = ld.len();
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bars[q])), "r"(len)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(stage + q * kBulkChunk)),
+                 "l"(ld.src + int64_t(ld.ch) * kBulkChunk), "r"(len), "r"(smem_addr(&bars[q]))
+                 : "memory");
+  };
+  if (lane == 0)
+    for (int q = 0; q < kBulkStages && ld.valid(); ++q, ld.next()) load(q);
+  int64_t pending = -1;  // a row whose last chunk's store is in flight
+  for (int64_t item = 0; st.valid(); ++item) {
+    const int q = int(item % kBulkStages);
+    if (st.ch == 0) {  // the row's weights, by the lanes (stored before its signal: warp_sync, lane 0's fence)
+      const int dst_row = a.fwd_head[st.k];
+      float* out_w = reinterpret_cast<float*>(csend + st.k * a.crow_bytes + y_bytes);
+      for (int kk = lane; kk < a.num_topk; kk += kWarpSize) out_w[kk] = a.topk_w[int64_t(dst_row) * a.num_topk + kk];
+    }
+    if (lane == 0) {
+      const uint32_t parity = uint32_t((item / kBulkStages) & 1);
+      uint32_t ok = 0;
+      while (!ok)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok)
+                     : "r"(smem_addr(&bars[q])), "r"(parity)
+                     : "memory");
+      char* dst = csend + st.k * a.crow_bytes + int64_t(st.ch) * kBulkChunk;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                   "r"(smem_addr(stage + q * kBulkChunk)), "r"(st.len())
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // stage q is read: free for the next load
+      if (ld.valid()) {
+        load(q);
+        ld.next();
+      }
+      asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");  // every store but this one has landed
+      if (pending >= 0) {
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        signal(pending);
+      }
+      pending = st.last() ? st.k : -1;
+    }
+    intranode::warp_sync();  // (every lane follows the store cursor: the weights; lane 0 alone issues copies)
+    st.next();
+  }
+  if (lane == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (pending >= 0) {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      signal(pending);
+    }
+    for (int q = 0; q < kBulkStages; ++q)
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(&bars[q])));
+  }
+  intranode::warp_sync();
+}
+#endif
+
 // Each row this rank forwarded in the dispatch is the sum of its node ranks' rows, in local order: this
 // rank's own from x, the others' from their staging areas. The sum goes into the csend row for a remote
 // node (sent per chunk) or straight into crecv for this node. With one rank per node the own node's rows
 // are skipped: each is x's row alone, which the reduce reads where it is (own_partial).
-template <typename T, int kVec>
+template <typename T, int kVec, bool kBulk>
 __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a) {
   const Common& c = a.c;
   __shared__ NodeTables tab;
@@ -903,32 +1070,46 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   const int64_t own_lo = tab.recv_row0[c.node];
   const int64_t own_rows = c.L == 1 ? tab.recv_row0[c.node + 1] - own_lo : 0;
   const int64_t total = tab.recv_row0[c.N] - own_rows;
-  for (int64_t j = gwarp; j < total; j += nwarps) {
-    const int64_t k = j < own_lo ? j : j + own_rows;
-    const int n = segment_of(tab.recv_row0, c.N, k);
-    const int64_t i = k - tab.recv_row0[n];
-    const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
-    const T* src = nullptr;
-    const float* w = nullptr;
-    if (lane == c.local) {
-      src = reinterpret_cast<const T*>(a.x + int64_t(dst_row) * y_bytes);
-      w = a.topk_w + int64_t(dst_row) * a.num_topk;
-    } else if (lane < c.L) {
-      const char* staged = c.nvl[lane] + a.nvl_stage_off + int64_t(dst_row) * a.crow_bytes;
-      src = reinterpret_cast<const T*>(staged);
-      w = reinterpret_cast<const float*>(staged + y_bytes);
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  constexpr bool kBulkHere = kBulk;
+#else
+  constexpr bool kBulkHere = false;  // (code for an older GPU runs the register loop, whatever the launch)
+#endif
+  if constexpr (kBulkHere) {  // one rank per node (the host launches kBulk only then, with kBulkBytes of stages)
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    extern __shared__ __align__(128) char s_bulk[];
+    __shared__ __align__(8) uint64_t s_bars[kWarps][kBulkStages];
+    forward_rows_bulk<T>(a, c, tab, gwarp, nwarps, total, own_lo, own_rows,
+                         s_bulk + int64_t(warp) * kBulkStages * kBulkChunk, s_bars[warp], lane);
+#endif
+  } else {
+    for (int64_t j = gwarp; j < total; j += nwarps) {
+      const int64_t k = j < own_lo ? j : j + own_rows;
+      const int n = segment_of(tab.recv_row0, c.N, k);
+      const int64_t i = k - tab.recv_row0[n];
+      const int dst_row = lane < c.L ? a.fwd_head[k * c.L + lane] : -1;
+      const T* src = nullptr;
+      const float* w = nullptr;
+      if (lane == c.local) {
+        src = reinterpret_cast<const T*>(a.x + int64_t(dst_row) * y_bytes);
+        w = a.topk_w + int64_t(dst_row) * a.num_topk;
+      } else if (lane < c.L) {
+        const char* staged = c.nvl[lane] + a.nvl_stage_off + int64_t(dst_row) * a.crow_bytes;
+        src = reinterpret_cast<const T*>(staged);
+        w = reinterpret_cast<const float*>(staged + y_bytes);
+      }
+      warp_compact(s_w[warp], dst_row >= 0, w, lane);
+      const int m = warp_compact(s_src[warp], dst_row >= 0, src, lane);
+      char* out = n == c.node ? c.rdma + tab.areas.crecv_off + (tab.send_row0[n] + i) * a.crow_bytes
+                              : c.rdma + tab.areas.csend_off + k * a.crow_bytes;
+      sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out),
+                        reinterpret_cast<float*>(out + y_bytes), a, lane);
+      intranode::warp_sync();  // s_src[warp] is rewritten for the next row
+      if (lane == 0 && n != c.node)
+        row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+                    tab.areas.csend_off,
+                    tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
     }
-    warp_compact(s_w[warp], dst_row >= 0, w, lane);
-    const int m = warp_compact(s_src[warp], dst_row >= 0, src, lane);
-    char* out = n == c.node ? c.rdma + tab.areas.crecv_off + (tab.send_row0[n] + i) * a.crow_bytes
-                            : c.rdma + tab.areas.csend_off + k * a.crow_bytes;
-    sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out), reinterpret_cast<float*>(out + y_bytes),
-                      a, lane);
-    intranode::warp_sync();  // s_src[warp] is rewritten for the next row
-    if (lane == 0 && n != c.node)
-      row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
-                  tab.areas.csend_off,
-                  tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
   }
 }
 
@@ -1009,21 +1190,51 @@ void check_launch(const char* what) {
 
 // 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
 // crecv rows are; x, the output and the biases are the caller's), else one element at a time.
+// Whether the combine forward for element type T may run its bulk-copy path on the current device: a
+// Hopper-class GPU (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static
+// shared memory, which the first call per device opts in to. The attribute belongs to one kernel on one device,
+// so the cached answer is kept per element type (one kernel each) and per device.
+template <typename T>
+bool bulk_copies() {
+#if defined(UCCL_EP_WITH_HIP)
+  return false;
+#else
+  const auto kernel = combine_forward_kernel<T, 16 / sizeof(T), true>;
+  static std::atomic<int> verdict[64] = {};  // per device: 0 unknown, 1 yes, 2 no (a race only repeats the work)
+  int dev = 0;
+  UCCL_CHECK_GPU(gpuGetDevice(&dev));
+  UCCL_CHECK(dev >= 0 && dev < 64, "internode: device " << dev << " beyond the 64 the bulk-copy check tracks");
+  if (const int v = verdict[dev].load(std::memory_order_acquire)) return v == 1;
+  int major = 0, optin = 0;
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
+  UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  cudaFuncAttributes attr{};
+  UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
+  const bool ok = major >= 9 && int64_t(optin) - int64_t(attr.sharedSizeBytes) >= kBulkBytes;
+  if (ok) UCCL_CHECK_GPU(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkBytes));
+  verdict[dev].store(ok ? 1 : 2, std::memory_order_release);
+  return ok;
+#endif
+}
+
 template <typename T>
 void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
   const bool full = a.hidden % kFull == 0 &&
                     ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.out) |
                       reinterpret_cast<uintptr_t>(a.bias0) | reinterpret_cast<uintptr_t>(a.bias1)) & 15u) == 0;
-  if (full) {
-    combine_forward_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
-    check_launch("combine (forward)");
-    combine_reduce_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
-  } else {
-    combine_forward_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
+  if (!full) {
+    combine_forward_kernel<T, 1, false><<<num_sms, kThreads, 0, stream>>>(a);
     check_launch("combine (forward)");
     combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
+    return;
   }
+  if (a.c.L == 1 && bulk_copies<T>())
+    combine_forward_kernel<T, kFull, true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
+  else
+    combine_forward_kernel<T, kFull, false><<<num_sms, kThreads, 0, stream>>>(a);
+  check_launch("combine (forward)");
+  combine_reduce_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
 }
 
 template <typename K>
@@ -1036,8 +1247,9 @@ void load(K kernel, const char* name) {
 template <typename T>
 void load_combine(const char* type) {
   constexpr int kFull = 16 / sizeof(T);
-  load(combine_forward_kernel<T, kFull>, type);
-  load(combine_forward_kernel<T, 1>, type);
+  load(combine_forward_kernel<T, kFull, false>, type);
+  load(combine_forward_kernel<T, kFull, true>, type);
+  load(combine_forward_kernel<T, 1, false>, type);
   load(combine_reduce_kernel<T, kFull>, type);
   load(combine_reduce_kernel<T, 1>, type);
 }

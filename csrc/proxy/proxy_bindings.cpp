@@ -263,6 +263,7 @@ void register_proxy(py::module_& m) {
              d["ring_publish"] = c.ring_publish;
              d["imm_seq_bits"] = p.imm_seq_bits();
              d["waits_for_default_stream"] = p.waits_for_default_stream();
+             d["calls_gpu_runtime"] = p.calls_gpu_runtime();
              d["devices"] = c.devices;
              py::list per_thread;  // the NIC each thread was given ("" : the transport's default)
              for (int t = 0; t < p.num_threads(); ++t) per_thread.append(c.device_for(t));

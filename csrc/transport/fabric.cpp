@@ -147,6 +147,22 @@ bool copies_through_cuda_runtime(const std::string& prov) {
   return false;
 }
 
+// Asks the provider not to call the CUDA runtime from this endpoint (FI_OPT_CUDA_API_PERMITTED = false, as
+// NCCL's libfabric plugin does): its operations then move GPU memory only by DMA (GPUDirect RDMA on efa,
+// verbs). True when it agreed. A provider that refuses (shm and tcp copy through cudaMemcpy; efa without
+// GPUDirect RDMA bounces through host memory) calls the runtime inside the proxy thread's progress, where a
+// copy can queue behind the very kernels that spin until it lands (docs/internode.md, "Host copies and the
+// fabric transport"). Must run before fi_enable.
+bool forbid_cuda_calls(fid_ep* ep) {
+#if (FI_MAJOR_VERSION > 1 || (FI_MAJOR_VERSION == 1 && FI_MINOR_VERSION >= 18)) && defined(UCCL_EP_WITH_CUDA)
+  bool permitted = false;
+  return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, &permitted, sizeof(permitted)) == 0;
+#else
+  (void)ep;
+  return false;  // headers older than the option (1.17), or no CUDA: nothing to forbid, nothing promised
+#endif
+}
+
 // The transport's fi_info, or a sentence saying what is missing.
 InfoPtr select_info(const std::string& provider, const std::string& device, bool hmem) {
   const std::string prov = provider.empty() ? env_str("FI_PROVIDER") : provider;
@@ -242,6 +258,7 @@ class FabricTransport final : public Transport {
     ep_p_ = ep;
     UCCL_CHECK_FI(fi_ep_bind(ep, &av->fid, 0));
     UCCL_CHECK_FI(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
+    calls_cuda_ = kCudaBuild && hmem_ && !forbid_cuda_calls(ep);
     UCCL_CHECK_FI(fi_enable(ep));
 
     // Control-message buffers: kRecv posted receives + kSend send slots, one registration.
@@ -340,6 +357,7 @@ class FabricTransport final : public Transport {
   uint32_t imm_seq_bits() const override { return cq_data_bytes_ == 4 ? kCompactSeqBits : kSeqBits; }
 
   bool waits_for_default_stream() const override { return copy_fence_; }
+  bool calls_gpu_runtime() const override { return calls_cuda_; }
 
   std::string register_region(const LocalRegion& r) override {
     if (r.id < 0 || r.id >= 256) UCCL_THROW("fabric: region id " << r.id << " out of range [0, 256)");
@@ -761,6 +779,7 @@ class FabricTransport final : public Transport {
   uint64_t mr_mode_ = 0;
   bool hmem_ = false;       // FI_HMEM granted: regions may be GPU memory
   bool copy_fence_ = false; // arrivals wait for the provider's CUDA-runtime copies (mark_fence)
+  bool calls_cuda_ = false;  // the provider may call the CUDA runtime in this endpoint's progress (forbid_cuda_calls)
   std::deque<Completion> fenced_;                            // arrivals not yet released, in CQ order
   uint64_t fenced_released_ = 0, fenced_marked_ = 0, fence_done_ = 0;
 #if defined(UCCL_EP_WITH_CUDA)

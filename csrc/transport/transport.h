@@ -103,6 +103,10 @@ class Transport {
   // kernels that wait for those arrivals must then run on other streams, and the default stream must not
   // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
   virtual bool waits_for_default_stream() const { return false; }
+  // True when the proxy thread's progress may call the GPU runtime (a libfabric provider that copies GPU
+  // memory with it, having refused FI_OPT_CUDA_API_PERMITTED): such a copy can queue in the hardware queue of
+  // kernels that spin until it lands. verbs (DMA) and ipc (copy agents in their own processes) never do.
+  virtual bool calls_gpu_runtime() const { return false; }
   // Arrivals the transport has read but not yet delivered by poll() (the fabric transport's copy fence holds
   // them until the provider's GPU copies ran): a gauge for the proxies' state in timeout reports.
   virtual size_t undelivered_arrivals() const { return 0; }
