@@ -550,105 +550,6 @@ __device__ __forceinline__ const int* row_base_of(const Common& c, const int* in
   return info + info_offsets(c.num_ranks, c.L).row_base;
 }
 
-// ---- bulk copies (sm_90) --------------------------------------------------------------------------------
-// Rows moved unchanged (the pack's x with one rank per node, the combine forward's one-source rows) stream
-// through kBulkStages shared-memory chunks per warp with Hopper's bulk copies: lane 0 loads chunk k +
-// kBulkStages from global while chunk k is stored to the row's destinations, so up to ~12.75 KiB per warp are
-// in flight without registers (the register loop: ~6 KiB). Beside a copy engine's traffic (the emulated NIC) a
-// bulk copy kept 1.46x the register loop's rate per SM in a probe. The register loops stay for older GPUs,
-// HIP, several ranks per node and unaligned rows.
-constexpr int kBulkStages = 3;
-constexpr int kBulkChunk = 4352;  // bytes; 16-byte multiple
-constexpr int kBulkBytes = kWarps * kBulkStages * kBulkChunk;  // 204 KiB per block
-
-#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-#define UCCL_EP_BULK_COPIES 1
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-// The bytes of chunk ch of a row of `bytes` (chunks of kBulkChunk).
-__device__ __forceinline__ uint32_t bulk_len(int64_t bytes, int ch) {
-  const int64_t left = bytes - int64_t(ch) * kBulkChunk;
-  return uint32_t(left < kBulkChunk ? left : kBulkChunk);
-}
-
-// Streams a warp's rows through `stage` (kBulkStages chunks, mbarriers `bars`). Rows is a cursor over them,
-// at chunk `ch` of its row (16-byte aligned addresses, 16-byte multiple lengths):
-//   valid(), next()          another chunk / on to the next chunk (or row)
-//   len(), src()             the chunk's bytes and where they come from
-//   begin(lane)              the whole warp, at a row's first chunk before its stores: its other fields
-//   ndst(), dst(i)           lane 0: where the chunk goes (up to ndst() places, each stored from the stage)
-//   last(), finish()         the row's last chunk; lane 0, once every store of the row landed: signal it
-// The store cursor is a copy of the load cursor that trails it by kBulkStages chunks.
-template <typename Rows>
-__device__ void bulk_rows(Rows ld, char* stage, uint64_t* bars, int lane) {
-  Rows st = ld;
-  if (lane == 0) {
-    for (int q = 0; q < kBulkStages; ++q)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[q])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  intranode::warp_sync();
-  auto load = [&](int q) {  // lane 0: the load cursor's chunk into stage q
-    const uint32_t len = ld.len();
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bars[q])), "r"(len)
-                 : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     smem_addr(stage + q * kBulkChunk)),
-                 "l"(ld.src()), "r"(len), "r"(smem_addr(&bars[q]))
-                 : "memory");
-  };
-  if (lane == 0)
-    for (int q = 0; q < kBulkStages && ld.valid(); ++q, ld.next()) load(q);
-  Rows pending = st;  // (lane 0) a row whose last chunk's stores are in flight, when has_pending
-  bool has_pending = false;
-  for (int64_t item = 0; st.valid(); ++item) {
-    const int q = int(item % kBulkStages);
-    if (st.ch == 0) {
-      st.begin(lane);
-      intranode::warp_sync();  // what begin() wrote for lane 0 (destinations) and for the row's signal
-    }
-    if (lane == 0) {
-      const uint32_t parity = uint32_t((item / kBulkStages) & 1);
-      uint32_t ok = 0;
-      while (!ok)
-        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                     : "=r"(ok)
-                     : "r"(smem_addr(&bars[q])), "r"(parity)
-                     : "memory");
-      for (int i = 0; i < st.ndst(); ++i)
-        asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(st.dst(i)),
-                     "r"(smem_addr(stage + q * kBulkChunk)), "r"(st.len())
-                     : "memory");
-      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
-      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // stage q is read: free for the next load
-      if (ld.valid()) {
-        load(q);
-        ld.next();
-      }
-      asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");  // every store but this chunk's has landed
-      if (has_pending) {
-        asm volatile("fence.proxy.async.global;" ::: "memory");
-        pending.finish();
-      }
-      has_pending = st.last();
-      if (has_pending) pending = st;
-    }
-    intranode::warp_sync();  // (every lane follows the store cursor: begin(); lane 0 alone issues copies)
-    st.next();
-  }
-  if (lane == 0) {
-    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
-    if (has_pending) {
-      asm volatile("fence.proxy.async.global;" ::: "memory");
-      pending.finish();
-    }
-    for (int q = 0; q < kBulkStages; ++q)
-      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(&bars[q])));
-  }
-  intranode::warp_sync();
-}
-#endif
-
 // ---- dispatch -------------------------------------------------------------------------------------------
 struct RowFormat {  // byte offsets inside a dispatch row (dispatch_row_bytes)
   int64_t scales, ids, weights, src, pos;
@@ -759,127 +660,9 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat&
                    intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), p, lane);
 }
 
-// The whole warp, for token t of the pack: every field of its row-format rows but x (other nodes' send rows
-// and node peers' NVL rows: s_dst[0, m) with their nodes in s_node, -1 for an NVL row), its own outputs but x
-// (when one of this node's ranks is a final rank of it: then *own_x and s_dst[m] is the own recv_x row), and
-// fwd_head. Returns m. The caller copies x into s_dst[0, m + *own_x), then signals the rows (pack_signal).
-__device__ int pack_token(const DispatchArgs& a, const Common& c, const NodeTables& tab, const RowFormat& f,
-                          int64_t t, int base, char** s_dst, int* s_node, bool* own_x, int lane) {
-  const int R = c.num_ranks, K = a.num_topk;
-  const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
-  char* send = c.rdma + tab.areas.send_off;
-  // every load of the token's small fields first, in one round trip: its rows per node, its positions on every
-  // rank, its top-k
-  const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
-  const int pos_r = few_ranks && lane < R ? a.send_pos[t * R + lane] : -1;
-  // lane k: slot k's id word (em_word; an expert-major dispatch has few_topk)
-  const int id0 = few_topk && lane < K
-                      ? em_word(a, int(a.topk_idx[t * K + lane]), a.em_x != nullptr ? a.topk_pos[t * K + lane] : -1)
-                      : 0;
-  const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
-  const ScaleWords<true> scales(a.scales + t * a.scale_bytes, a.scale_bytes, lane);
-  // lane j < L: the token's position among the rows this rank sends to rank j of node n
-  auto pos_on = [&](int n) {
-    const int r = n * c.L + (lane < c.L ? lane : 0);
-    const int v = few_ranks ? intranode::warp_shfl(pos_r, r) : (lane < c.L ? a.send_pos[t * R + r] : -1);
-    return lane < c.L ? v : -1;
-  };
-  const int own_head = intranode::warp_shfl(head, c.node);
-  const bool remote = head >= 0 && lane != c.node;
-  const uint64_t hit = intranode::warp_ballot(remote);
-  if (remote) {
-    const int q = __popcll(hit & ((1ull << lane) - 1ull));
-    s_dst[q] = send + (tab.send_row0[lane] + head) * a.row_bytes;
-    s_node[q] = lane;
-  }
-  const int mr = __popcll(hit);
-  // this node's final ranks (lane j: local rank j)
-  const int own_pos = pos_on(c.node);  // -1 everywhere when no rank of this node takes the token
-  const int dst_row = own_pos >= 0 ? base + own_pos : -1;
-  if (lane < c.L && a.fwd_head != nullptr && own_head >= 0)
-    a.fwd_head[(tab.recv_row0[c.node] + own_head) * c.L + lane] = dst_row;
-  const int own_row = intranode::warp_shfl(dst_row, c.local);
-  const bool peer = dst_row >= 0 && lane != c.local;
-  const uint64_t phit = intranode::warp_ballot(peer);
-  if (peer) {
-    const int q = mr + __popcll(phit & ((1ull << lane) - 1ull));
-    s_dst[q] = c.nvl[lane] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes;
-    s_node[q] = -1;
-  }
-  const int m = mr + __popcll(phit);
-  *own_x = own_row >= 0 && a.recv_x != nullptr;
-  if (*own_x && lane == 0) s_dst[m] = a.recv_x + int64_t(own_row) * a.x_bytes;
-  intranode::warp_sync();
-  for (int q = 0; q < m; ++q) {
-    char* p = s_dst[q];
-    const int n = s_node[q];
-    if (a.scale_bytes) scales.store(p + f.scales, lane);
-    for (int k = lane; k < K; k += kWarpSize) {
-      reinterpret_cast<int*>(p + f.ids)[k] = few_topk ? id0 : int(a.topk_idx[t * K + k]);
-      reinterpret_cast<float*>(p + f.weights)[k] = few_topk ? w0 : a.topk_w != nullptr ? a.topk_w[t * K + k] : 0.f;
-    }
-    if (lane < 2) reinterpret_cast<int*>(p + f.src)[lane] = lane == 0 ? int(t) : c.rank;
-    if (n < 0) continue;  // an NVL row: its reader needs no positions
-    const int pos = pos_on(n);
-    if (lane < c.L) reinterpret_cast<int*>(p + f.pos)[lane] = pos;
-  }
-  if (own_row >= 0) {
-    if (a.recv_scales != nullptr) scales.store(a.recv_scales + int64_t(own_row) * a.scale_bytes, lane);
-    const int64_t* ids = a.topk_idx + t * K;
-    const float* ws = a.topk_w != nullptr ? a.topk_w + t * K : nullptr;
-    emit_meta<true>(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
-                    [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank,
-                    a.x + t * a.x_bytes, lane);
-  }
-  return m;
-}
-
-// Lane 0, once every row of token t holds all its bytes (pack_token's fields and x, the warp synced): each
-// other node's row counts towards its chunk, which the call completing it sends.
-__device__ void pack_signal(const DispatchArgs& a, const Common& c, const NodeTables& tab, int64_t t) {
-  for (int n = 0; n < c.N; ++n) {
-    const int head = n == c.node ? -1 : a.node_head[t * c.N + n];
-    if (head >= 0)
-      row_written(c, n, head, tab.send_row0[n], tab.send_row0[n + 1] - tab.send_row0[n], tab.chunk_rows,
-                  tab.areas.send_off, tab.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0),
-                  kPhaseDispatchSend);
-  }
-}
-
-#if defined(UCCL_EP_BULK_COPIES)
-// The pack's tokens as a bulk_rows stream (one rank per node, no expert-major rows: x goes unchanged to the
-// other nodes' send rows and the own recv_x row): token t = first + r * step, chunk ch of its x.
-struct PackRows {
-  const DispatchArgs* a;
-  const NodeTables* tab;
-  const RowFormat* f;
-  char** s_dst;
-  int* s_node;
-  int base;
-  int64_t t, step, total;
-  int nch, ch, m;
-  bool own_x;
-  __device__ bool valid() const { return t < total; }
-  __device__ void next() {
-    if (++ch < nch) return;
-    ch = 0;
-    t += step;
-  }
-  __device__ uint32_t len() const { return bulk_len(a->x_bytes, ch); }
-  __device__ const char* src() const { return a->x + t * a->x_bytes + int64_t(ch) * kBulkChunk; }
-  __device__ void begin(int lane) { m = pack_token(*a, a->c, *tab, *f, t, base, s_dst, s_node, &own_x, lane); }
-  __device__ int ndst() const { return m + own_x; }
-  __device__ char* dst(int i) const { return s_dst[i] + int64_t(ch) * kBulkChunk; }
-  __device__ bool last() const { return ch == nch - 1; }
-  __device__ void finish() const { pack_signal(*a, a->c, *tab, t); }
-};
-#endif
-
 // Each token is read once and written, in row format, into its row of every other destination node's send
 // segment and into its receive rows on this node's other ranks (their NVL buffers), and, split, into this
-// rank's own outputs when it is one of its final ranks. kBulk (one rank per node, no expert-major rows, the
-// host gives kBulkBytes of dynamic shared memory): x through bulk_rows.
-template <bool kBulk>
+// rank's own outputs when it is one of its final ranks.
 __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a) {
   const Common& c = a.c;
   __shared__ NodeTables tab;
@@ -894,34 +677,87 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   const int warp = threadIdx.x / kWarpSize;
   const int64_t gwarp = int64_t(blockIdx.x) * kWarps + warp;
   const int64_t nwarps = int64_t(gridDim.x) * kWarps;
+  char* send = c.rdma + tab.areas.send_off;
   // the token's row-format rows (other nodes' send rows, then node peers' NVL rows), then its own output row
   __shared__ char* s_dst[kWarps][kMaxNodes + kMaxLocal];
   __shared__ int s_node[kWarps][kMaxNodes + kMaxLocal];  // destination node of a send row, -1 for an NVL row
+  const int R = c.num_ranks, K = a.num_topk;
+  const bool few_ranks = R <= kWarpSize, few_topk = K <= kWarpSize;  // then one lane per rank / top-k entry
   // this rank's rows on the node's ranks
   const int base = lane < c.L ? row_base_of(c, a.info)[c.rank * c.L + lane] : 0;
   const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused call moves none of the caller's rows
-#if defined(UCCL_EP_BULK_COPIES)
-  constexpr bool kBulkHere = kBulk;
-#else
-  constexpr bool kBulkHere = false;  // (code for an older GPU runs the register loop, whatever the launch)
-#endif
-  if constexpr (kBulkHere) {
-#if defined(UCCL_EP_BULK_COPIES)
-    extern __shared__ __align__(128) char s_bulk[];
-    __shared__ __align__(8) uint64_t s_bars[kWarps][kBulkStages];
-    PackRows rows{&a, &tab, &f, s_dst[warp], s_node[warp], base, gwarp, nwarps, num_tokens,
-                  int((a.x_bytes + kBulkChunk - 1) / kBulkChunk), 0, 0, false};
-    bulk_rows(rows, s_bulk + int64_t(warp) * kBulkStages * kBulkChunk, s_bars[warp], lane);
-#endif
-  } else {
-    for (int64_t t = gwarp; t < num_tokens; t += nwarps) {
-      bool own_x = false;
-      const int m = pack_token(a, c, tab, f, t, base, s_dst[warp], s_node[warp], &own_x, lane);
-      warp_copy_to<true>(s_dst[warp], m + own_x, a.x + t * a.x_bytes, a.x_bytes, lane);
-      intranode::warp_sync();
-      if (lane == 0) pack_signal(a, c, tab, t);
-      intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
+  for (int64_t t = gwarp; t < num_tokens; t += nwarps) {
+    // every load of the token's small fields first, in one round trip: its rows per node, its positions
+    // on every rank, its top-k
+    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const int pos_r = few_ranks && lane < R ? a.send_pos[t * R + lane] : -1;
+    // lane k: slot k's id word (em_word; an expert-major dispatch has few_topk)
+    const int id0 = few_topk && lane < K
+                        ? em_word(a, int(a.topk_idx[t * K + lane]), a.em_x != nullptr ? a.topk_pos[t * K + lane] : -1)
+                        : 0;
+    const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
+    const ScaleWords<true> scales(a.scales + t * a.scale_bytes, a.scale_bytes, lane);
+    // lane j < L: the token's position among the rows this rank sends to rank j of node n
+    auto pos_on = [&](int n) {
+      const int r = n * c.L + (lane < c.L ? lane : 0);
+      const int v = few_ranks ? intranode::warp_shfl(pos_r, r) : (lane < c.L ? a.send_pos[t * R + r] : -1);
+      return lane < c.L ? v : -1;
+    };
+    const int own_head = intranode::warp_shfl(head, c.node);
+    const bool remote = head >= 0 && lane != c.node;
+    const uint64_t hit = intranode::warp_ballot(remote);
+    if (remote) {
+      const int q = __popcll(hit & ((1ull << lane) - 1ull));
+      s_dst[warp][q] = send + (tab.send_row0[lane] + head) * a.row_bytes;
+      s_node[warp][q] = lane;
     }
+    const int mr = __popcll(hit);
+    // this node's final ranks (lane j: local rank j)
+    const int own_pos = pos_on(c.node);  // -1 everywhere when no rank of this node takes the token
+    const int dst_row = own_pos >= 0 ? base + own_pos : -1;
+    if (lane < c.L && a.fwd_head != nullptr && own_head >= 0)
+      a.fwd_head[(tab.recv_row0[c.node] + own_head) * c.L + lane] = dst_row;
+    const int own_row = intranode::warp_shfl(dst_row, c.local);
+    const bool peer = dst_row >= 0 && lane != c.local;
+    const uint64_t phit = intranode::warp_ballot(peer);
+    if (peer) {
+      const int q = mr + __popcll(phit & ((1ull << lane) - 1ull));
+      s_dst[warp][q] = c.nvl[lane] + a.nvl_recv_off + int64_t(dst_row) * a.row_bytes;
+      s_node[warp][q] = -1;
+    }
+    const int m = mr + __popcll(phit);
+    const bool own_x = own_row >= 0 && a.recv_x != nullptr;
+    if (own_x && lane == 0) s_dst[warp][m] = a.recv_x + int64_t(own_row) * a.x_bytes;
+    intranode::warp_sync();
+    const char* x = a.x + t * a.x_bytes;
+    warp_copy_to<true>(s_dst[warp], m + own_x, x, a.x_bytes, lane);
+    for (int q = 0; q < m; ++q) {
+      char* p = s_dst[warp][q];
+      const int n = s_node[warp][q];
+      if (a.scale_bytes) scales.store(p + f.scales, lane);
+      for (int k = lane; k < K; k += kWarpSize) {
+        reinterpret_cast<int*>(p + f.ids)[k] = few_topk ? id0 : int(a.topk_idx[t * K + k]);
+        reinterpret_cast<float*>(p + f.weights)[k] = few_topk ? w0 : a.topk_w != nullptr ? a.topk_w[t * K + k] : 0.f;
+      }
+      if (lane < 2) reinterpret_cast<int*>(p + f.src)[lane] = lane == 0 ? int(t) : c.rank;
+      if (n < 0) continue;  // an NVL row: its reader needs no positions
+      const int pos = pos_on(n);
+      if (lane < c.L) reinterpret_cast<int*>(p + f.pos)[lane] = pos;
+      intranode::warp_sync();
+      if (lane == 0)
+        row_written(c, n, a.node_head[t * c.N + n], tab.send_row0[n], tab.send_row0[n + 1] - tab.send_row0[n],
+                    tab.chunk_rows, tab.areas.send_off, tab.remote_in[n], a.row_bytes,
+                    dispatch_flag(c.num_ranks, c.node, 0),
+                    kPhaseDispatchSend);
+    }
+    if (own_row >= 0) {
+      if (a.recv_scales != nullptr) scales.store(a.recv_scales + int64_t(own_row) * a.scale_bytes, lane);
+      const int64_t* ids = a.topk_idx + t * K;
+      const float* ws = a.topk_w != nullptr ? a.topk_w + t * K : nullptr;
+      emit_meta<true>(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
+                      [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank, x, lane);
+    }
+    intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
 }
 
@@ -1072,34 +908,37 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
   }
 }
 
-// Lane 0, once the warp wrote forwarded row k into csend (a remote node's row): counts it towards its chunk.
-__device__ void combine_row_sent(const CombineArgs& a, const Common& c, const NodeTables& tab, int64_t k) {
-  const int n = segment_of(tab.recv_row0, c.N, k);
-  row_written(c, n, k - tab.recv_row0[n], tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
-              tab.areas.csend_off, tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0),
-              kPhaseCombineForward);
-}
+// ---- bulk copies (sm_90): the forward's rows with one rank per node ----------------------------------------
+// With one rank per node each row the forward sends is one x row, byte for byte (the float32 sum of one row,
+// rounded, is the row; the reduce adds the partials from +0, so a -0 kept here comes out as the register path's
+// +0). A warp streams its rows through kBulkStages shared-memory chunks with Hopper's bulk copies: lane 0
+// loads chunk k + kBulkStages from global while chunk k is stored to the send row, so up to ~12.75 KiB per warp
+// are in flight without registers (the register loop: ~6 KiB). Beside a copy engine's traffic (the emulated
+// NIC) a bulk copy kept 1.46x the register loop's rate per SM in a probe.
+constexpr int kBulkStages = 3;
+constexpr int kBulkChunk = 4352;  // bytes; 16-byte multiple
+constexpr int kBulkBytes = kWarps * kBulkStages * kBulkChunk;  // 204 KiB per block
 
-#if defined(UCCL_EP_BULK_COPIES)
-// With one rank per node each row the combine forward sends is one x row, byte for byte (the float32 sum of
-// one row, rounded, is the row; the reduce adds the partials from +0, so a -0 kept here comes out as the
-// register path's +0): bulk_rows streams them. The cursor: row r of the warp's rows (j = first + r * step
-// over the forwarded rows, own node's skipped), chunk ch of it. Rows whose dispatch row had no source here
-// (dst_row -1) are not in the stream: forward_rows_bulk writes them as zeros beforehand.
-struct CombineRows {
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// Where a warp's row stream stands: row r of its rows (j = first + r * step over the forwarded rows, own
+// node's skipped), chunk ch of it. Rows whose dispatch row had no source here (dst_row -1) are not in the
+// stream: the caller wrote them as zeros beforehand.
+struct BulkCursor {
   const CombineArgs* a;
   const NodeTables* tab;
   int64_t j, step, total, own_lo, own_rows, nch, y_bytes;
   int64_t k;  // the row (forwarded-row index)
   int ch;
-  const char* row;  // x's row
+  const char* src;
   __device__ bool valid() const { return j < total; }
   __device__ void settle() {  // from j on, the first row with a source
     for (; j < total; j += step) {
       k = j < own_lo ? j : j + own_rows;
       const int dst_row = a->fwd_head[k];
       if (dst_row >= 0) {
-        row = a->x + int64_t(dst_row) * y_bytes;
+        src = a->x + int64_t(dst_row) * y_bytes;
         return;
       }
     }
@@ -1110,18 +949,11 @@ struct CombineRows {
     j += step;
     settle();
   }
-  __device__ uint32_t len() const { return bulk_len(y_bytes, ch); }
-  __device__ const char* src() const { return row + int64_t(ch) * kBulkChunk; }
-  __device__ char* out() const { return a->c.rdma + tab->areas.csend_off + k * a->crow_bytes; }
-  __device__ void begin(int lane) const {  // the row's weights (stored before its signal: warp_sync, the fence)
-    const int dst_row = a->fwd_head[k];
-    float* out_w = reinterpret_cast<float*>(out() + y_bytes);
-    for (int kk = lane; kk < a->num_topk; kk += kWarpSize) out_w[kk] = a->topk_w[int64_t(dst_row) * a->num_topk + kk];
+  __device__ uint32_t len() const {
+    const int64_t left = y_bytes - int64_t(ch) * kBulkChunk;
+    return uint32_t(left < kBulkChunk ? left : kBulkChunk);
   }
-  __device__ int ndst() const { return 1; }
-  __device__ char* dst(int) const { return out() + int64_t(ch) * kBulkChunk; }
   __device__ bool last() const { return ch == nch - 1; }
-  __device__ void finish() const { combine_row_sent(*a, a->c, *tab, k); }
 };
 
 template <typename T>
@@ -1130,6 +962,12 @@ __device__ void forward_rows_bulk(const CombineArgs& a, const Common& c, const N
                                   uint64_t* bars, int lane) {
   const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
   char* csend = c.rdma + tab.areas.csend_off;
+  auto signal = [&](int64_t k) {  // lane 0: row k's bytes are in csend (its weights: the warp's, synced)
+    const int n = segment_of(tab.recv_row0, c.N, k);
+    row_written(c, n, k - tab.recv_row0[n], tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+                tab.areas.csend_off, tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0),
+                kPhaseCombineForward);
+  };
   // rows without a source: zeros (and zero weights), sent as they are
   for (int64_t j = first; j < total; j += step) {
     const int64_t k = j < own_lo ? j : j + own_rows;
@@ -1138,12 +976,75 @@ __device__ void forward_rows_bulk(const CombineArgs& a, const Common& c, const N
     for (int64_t i = lane * 16; i < y_bytes; i += kWarpSize * 16) *reinterpret_cast<int4*>(out + i) = int4{0, 0, 0, 0};
     for (int kk = lane; kk < a.num_topk; kk += kWarpSize) reinterpret_cast<float*>(out + y_bytes)[kk] = 0.f;
     intranode::warp_sync();
-    if (lane == 0) combine_row_sent(a, c, tab, k);
+    if (lane == 0) signal(k);
   }
-  CombineRows rows{&a, &tab, first, step, total, own_lo, own_rows, (y_bytes + kBulkChunk - 1) / kBulkChunk, y_bytes,
-                   0, 0, nullptr};
-  rows.settle();
-  bulk_rows(rows, stage, bars, lane);
+  const int64_t nch = (y_bytes + kBulkChunk - 1) / kBulkChunk;
+  BulkCursor ld{&a, &tab, first, step, total, own_lo, own_rows, nch, y_bytes, 0, 0, nullptr};
+  ld.settle();
+  BulkCursor st = ld;
+  if (lane == 0) {
+    for (int q = 0; q < kBulkStages; ++q)
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[q])));
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  intranode::warp_sync();
+  auto load = [&](int q) {  // lane 0: the load cursor's chunk into stage q
+    const uint32_t len = ld.len();
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bars[q])), "r"(len)
+                 : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     smem_addr(stage + q * kBulkChunk)),
+                 "l"(ld.src + int64_t(ld.ch) * kBulkChunk), "r"(len), "r"(smem_addr(&bars[q]))
+                 : "memory");
+  };
+  if (lane == 0)
+    for (int q = 0; q < kBulkStages && ld.valid(); ++q, ld.next()) load(q);
+  int64_t pending = -1;  // a row whose last chunk's store is in flight
+  for (int64_t item = 0; st.valid(); ++item) {
+    const int q = int(item % kBulkStages);
+    if (st.ch == 0) {  // the row's weights, by the lanes (stored before its signal: warp_sync, lane 0's fence)
+      const int dst_row = a.fwd_head[st.k];
+      float* out_w = reinterpret_cast<float*>(csend + st.k * a.crow_bytes + y_bytes);
+      for (int kk = lane; kk < a.num_topk; kk += kWarpSize) out_w[kk] = a.topk_w[int64_t(dst_row) * a.num_topk + kk];
+    }
+    if (lane == 0) {
+      const uint32_t parity = uint32_t((item / kBulkStages) & 1);
+      uint32_t ok = 0;
+      while (!ok)
+        asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                     : "=r"(ok)
+                     : "r"(smem_addr(&bars[q])), "r"(parity)
+                     : "memory");
+      char* dst = csend + st.k * a.crow_bytes + int64_t(st.ch) * kBulkChunk;
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst),
+                   "r"(smem_addr(stage + q * kBulkChunk)), "r"(st.len())
+                   : "memory");
+      asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+      asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");  // stage q is read: free for the next load
+      if (ld.valid()) {
+        load(q);
+        ld.next();
+      }
+      asm volatile("cp.async.bulk.wait_group 1;" ::: "memory");  // every store but this one has landed
+      if (pending >= 0) {
+        asm volatile("fence.proxy.async.global;" ::: "memory");
+        signal(pending);
+      }
+      pending = st.last() ? st.k : -1;
+    }
+    intranode::warp_sync();  // (every lane follows the store cursor: the weights; lane 0 alone issues copies)
+    st.next();
+  }
+  if (lane == 0) {
+    asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+    if (pending >= 0) {
+      asm volatile("fence.proxy.async.global;" ::: "memory");
+      signal(pending);
+    }
+    for (int q = 0; q < kBulkStages; ++q)
+      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(&bars[q])));
+  }
+  intranode::warp_sync();
 }
 #endif
 
@@ -1169,13 +1070,13 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
   const int64_t own_lo = tab.recv_row0[c.node];
   const int64_t own_rows = c.L == 1 ? tab.recv_row0[c.node + 1] - own_lo : 0;
   const int64_t total = tab.recv_row0[c.N] - own_rows;
-#if defined(UCCL_EP_BULK_COPIES)
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   constexpr bool kBulkHere = kBulk;
 #else
   constexpr bool kBulkHere = false;  // (code for an older GPU runs the register loop, whatever the launch)
 #endif
   if constexpr (kBulkHere) {  // one rank per node (the host launches kBulk only then, with kBulkBytes of stages)
-#if defined(UCCL_EP_BULK_COPIES)
+#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     extern __shared__ __align__(128) char s_bulk[];
     __shared__ __align__(8) uint64_t s_bars[kWarps][kBulkStages];
     forward_rows_bulk<T>(a, c, tab, gwarp, nwarps, total, own_lo, own_rows,
@@ -1204,7 +1105,10 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
       sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out),
                         reinterpret_cast<float*>(out + y_bytes), a, lane);
       intranode::warp_sync();  // s_src[warp] is rewritten for the next row
-      if (lane == 0 && n != c.node) combine_row_sent(a, c, tab, k);
+      if (lane == 0 && n != c.node)
+        row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+                    tab.areas.csend_off,
+                    tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
     }
   }
 }
@@ -1286,15 +1190,16 @@ void check_launch(const char* what) {
 
 // 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
 // crecv rows are; x, the output and the biases are the caller's), else one element at a time.
-// Whether kKernel (a kernel with a bulk-copy path) may run that path on the current device: a Hopper-class GPU
-// (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static shared memory,
-// which the first call per device opts in to. The attribute belongs to one kernel on one device, so the cached
-// answer is kept per kernel (one instantiation each) and per device.
-template <auto kKernel>
+// Whether the combine forward for element type T may run its bulk-copy path on the current device: a
+// Hopper-class GPU (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static
+// shared memory, which the first call per device opts in to. The attribute belongs to one kernel on one device,
+// so the cached answer is kept per element type (one kernel each) and per device.
+template <typename T>
 bool bulk_copies() {
 #if defined(UCCL_EP_WITH_HIP)
   return false;
 #else
+  const auto kernel = combine_forward_kernel<T, 16 / sizeof(T), true>;
   static std::atomic<int> verdict[64] = {};  // per device: 0 unknown, 1 yes, 2 no (a race only repeats the work)
   int dev = 0;
   UCCL_CHECK_GPU(gpuGetDevice(&dev));
@@ -1304,9 +1209,9 @@ bool bulk_copies() {
   UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   cudaFuncAttributes attr{};
-  UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kKernel)));
+  UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
   const bool ok = major >= 9 && int64_t(optin) - int64_t(attr.sharedSizeBytes) >= kBulkBytes;
-  if (ok) UCCL_CHECK_GPU(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkBytes));
+  if (ok) UCCL_CHECK_GPU(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkBytes));
   verdict[dev].store(ok ? 1 : 2, std::memory_order_release);
   return ok;
 #endif
@@ -1324,7 +1229,7 @@ void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream)
     combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
     return;
   }
-  if (a.c.L == 1 && bulk_copies<combine_forward_kernel<T, kFull, true>>())
+  if (a.c.L == 1 && bulk_copies<T>())
     combine_forward_kernel<T, kFull, true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
   else
     combine_forward_kernel<T, kFull, false><<<num_sms, kThreads, 0, stream>>>(a);
@@ -1355,8 +1260,7 @@ void preload_kernels() {
   load(notify_kernel, "notify");
   load(counts_kernel, "counts");
   load(send_positions_kernel, "send_positions");
-  load(dispatch_pack_kernel<false>, "dispatch_pack");
-  load(dispatch_pack_kernel<true>, "dispatch_pack");
+  load(dispatch_pack_kernel, "dispatch_pack");
   load(dispatch_forward_kernel, "dispatch_forward");
   load(dispatch_copy_out_kernel, "dispatch_copy_out");
   load(combine_stage_kernel, "combine_stage");
@@ -1383,14 +1287,7 @@ void launch_counts(const CountsArgs& a, gpuStream_t stream) {
 }
 
 void launch_dispatch(const DispatchArgs& a, int num_sms, gpuStream_t stream) {
-  // x unchanged into the rows with one rank per node and no expert-major rows; bulk copies need 16-byte
-  // aligned rows (the send rows are: dispatch_row_bytes)
-  const bool aligned = a.x_bytes > 0 && a.x_bytes % 16 == 0 &&
-                       ((reinterpret_cast<uintptr_t>(a.x) | reinterpret_cast<uintptr_t>(a.recv_x)) & 15u) == 0;
-  if (a.c.L == 1 && a.em_x == nullptr && aligned && bulk_copies<dispatch_pack_kernel<true>>())
-    dispatch_pack_kernel<true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
-  else
-    dispatch_pack_kernel<false><<<num_sms, kThreads, 0, stream>>>(a);
+  dispatch_pack_kernel<<<num_sms, kThreads, 0, stream>>>(a);
   check_launch("dispatch (pack)");
   dispatch_forward_kernel<<<num_sms, kThreads, 0, stream>>>(a);
   check_launch("dispatch (forward)");
