@@ -1229,7 +1229,7 @@ void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream)
     combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
     return;
   }
-  if (a.c.L == 1 && bulk_copies<T>())
+  if (a.c.L == 1 && a.hidden > 0 && bulk_copies<T>())  // (rows of no bytes: nothing for a bulk copy to move)
     combine_forward_kernel<T, kFull, true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
   else
     combine_forward_kernel<T, kFull, false><<<num_sms, kThreads, 0, stream>>>(a);
