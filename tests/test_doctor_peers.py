@@ -211,7 +211,9 @@ def test_verbs_gid_and_mtu_are_the_transports_own_choice(monkeypatch):
 
 def test_registration_method_says_what_the_transport_does(monkeypatch):
     from uccl_ep_train.apps import doctor
-    assert preflight.registration_method("fabric", True, "efa") == "GPU via FI_HMEM (efa)"
+    assert preflight.registration_method("fabric", True, "efa") == "GPU via FI_HMEM (efa; DMA only)"
+    # efa without GPUDirect RDMA refuses to leave the CUDA runtime alone: its copies can stall behind the kernels
+    assert preflight.registration_method("fabric", True, "efa", True) == "GPU via FI_HMEM (efa; CUDA-runtime copies)"
     assert preflight.registration_method("fabric", False, "tcp") == "host (tcp)"
     assert preflight.registration_method("verbs", False, "") == "host (ibv_reg_mr)"
     assert preflight.registration_method("ipc", True, "") == "ipc: CUDA/HIP IPC handle"

@@ -218,7 +218,7 @@ class _Rank:
                 gid, mtu = verbs_port(nic)
                 self.row.gid.append(gid)
                 self.row.path_mtu.append(mtu)
-        self.row.registration = registration_method(g.transport, self.gpu >= 0, providers)
+        self.row.registration = registration_method(g.transport, self.gpu >= 0, providers, g.calls_gpu_runtime)
 
     # -- pattern: one signalled write to every peer, every byte checked ----------------------------
     def _pattern(self) -> None:
@@ -401,14 +401,19 @@ def verbs_port(device: str) -> tuple[str, str]:
     return chosen.replace(":", " ", 2), str(port["active_mtu"])
 
 
-def registration_method(transport: str, gpu: bool, provider: str) -> str:
+def registration_method(transport: str, gpu: bool, provider: str, calls_gpu_runtime: bool = False) -> str:
     """How the transport registered the region, as far as it says: verbs tries peer memory then DMA-BUF for
     GPU memory (which one took is on stderr, not exposed), fabric registers GPU memory through FI_HMEM, with
-    `provider` the one its endpoints opened."""
+    `provider` the one its endpoints opened, and says whether that provider moves it by DMA alone or copies
+    it through the CUDA runtime in the proxy threads (`ProxyGroup.calls_gpu_runtime`: efa without GPUDirect
+    RDMA, shm, tcp), which can stall behind the EP kernels (docs/proxy.md)."""
     if transport == "ipc":
         return "ipc: CUDA/HIP IPC handle" if gpu else "ipc: host memory"
     if transport == "fabric":
-        return f"{'GPU via FI_HMEM' if gpu else 'host'} ({provider or 'libfabric default'})"
+        if not gpu:
+            return f"host ({provider or 'libfabric default'})"
+        how = "CUDA-runtime copies" if calls_gpu_runtime else "DMA only"
+        return f"GPU via FI_HMEM ({provider or 'libfabric default'}; {how})"
     if not gpu:
         return "host (ibv_reg_mr)"
     from uccl_ep_train.apps.doctor import local_gpu_memory_registration
