@@ -1188,8 +1188,6 @@ void check_launch(const char* what) {
   UCCL_CHECK(e == gpuSuccess, "internode " << what << ": kernel launch failed: " << gpuGetErrorString(e));
 }
 
-// 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
-// crecv rows are; x, the output and the biases are the caller's), else one element at a time.
 // Whether the combine forward for element type T may run its bulk-copy path on the current device: a
 // Hopper-class GPU (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static
 // shared memory, which the first call per device opts in to. The attribute belongs to one kernel on one device,
@@ -1217,6 +1215,9 @@ bool bulk_copies() {
 #endif
 }
 
+// 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
+// crecv rows are; x, the output and the biases are the caller's), else one element at a time.
+// With one rank per node on Hopper the forward streams its rows with bulk copies (forward_rows_bulk).
 template <typename T>
 void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
