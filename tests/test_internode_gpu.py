@@ -571,6 +571,46 @@ def _expert_major_landing(rank, world, device, L):
     return 1
 
 
+def _rows_of_many_chunks(rank, world, device, L):
+    """Dispatch and combine of DeepSeek-V3-wide rows (hidden 7168) on 4 SMs: every warp of the combine forward
+    moves several rows of several shared-memory chunks (the bulk-copy path with one rank per node reuses its
+    stages and flips their phases; the register loop takes several rounds per row). The combine of the
+    dispatch's own output, without weights, is exact: each token's partials are its x row, and k copies of a
+    BF16 value sum to k * x in float32 without rounding, then round once as k * x does."""
+    from uccl_ep_train import Config
+
+    native, ref = _buffers(world)
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = Config(num_sms=4)
+    g = torch.Generator().manual_seed(31 + rank)
+    T, H = 384 + 32 * rank, 7168
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(EXPERTS, generator=g)[:TOPK] for _ in range(T)])
+    w = torch.rand(T, TOPK, generator=g)
+    (rx, _, _, _, h, _), _ = _dispatch(native, x, idx, w, EXPERTS, dev, config=cfg)
+    _settle(native, f"rank {rank}: wide dispatch")
+    (ex, _, _, _, _, _), _ = _dispatch(ref, x, idx, w, EXPERTS, "cpu", config=cfg)
+    _same(rx, ex, f"rank {rank}: wide recv_x")
+    hits = (idx.unsqueeze(-1) // (EXPERTS // world) == torch.arange(world)).any(1).sum(-1, keepdim=True)
+    for dtype in (torch.bfloat16, torch.float32):
+        out, _, _ = native.combine(rx.to(dtype), h, config=cfg)
+        _settle(native, f"rank {rank}: wide combine in {dtype}")
+        _same(out, (x.float() * hits).to(dtype), f"rank {rank}: wide combine in {dtype}")
+    native.destroy()
+    ref.destroy()
+    return int(rx.size(0))
+
+
+@pytest.mark.parametrize("world,L", [(2, 1), (4, 1), (4, 2)])
+def test_rows_of_many_chunks_on_few_sms_are_exact(mps, world, L):
+    why = _ready()
+    if why:
+        pytest.skip(why)
+    received = run_ranks(_rows_of_many_chunks, world, L, device="cuda", backend="gloo", ranks_per_gpu=world,
+                         timeout=600, env={"UCCL_EP_RANKS_PER_NODE": str(L), "UCCL_EP_TIMEOUT_S": "60"})
+    assert min(received) > 0, received
+
+
 @pytest.mark.parametrize("world,L", [(2, 1), (4, 2), (6, 2)])
 def test_expert_major_rows_land_from_the_dispatch_kernels(mps, world, L):
     """Expert-major (and capacity) layouts across nodes written by the kernels that output each received row

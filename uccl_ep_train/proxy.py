@@ -208,7 +208,7 @@ def warn_lazy_module_loading(rank: int) -> None:
         return
     _warned_lazy = True
     log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime (fabric "
-                "on shm or tcp) and CUDA modules load lazily here: a kernel launched for the first time while EP "
+                "on shm, or a NIC without GPUDirect RDMA) and CUDA modules load lazily here: a kernel launched for the first time while EP "
                 "calls are in flight can stall them until UCCL_EP_TIMEOUT_S; set CUDA_MODULE_LOADING=EAGER in "
                 "the ranks' environment before CUDA starts", rank)
 
@@ -219,18 +219,19 @@ _warned_lazy = False
 def warn_single_connection(rank: int) -> None:
     """Warns (once per process) when proxies whose progress calls the GPU runtime serve a process limited to
     one hardware queue per GPU (CUDA_DEVICE_MAX_CONNECTIONS=1, which Megatron asks for with sequence
-    parallelism): the proxies' copies then queue behind the EP kernels that spin until those copies land. On
-    an H200 the fabric transport on shm hung every dispatch so with two ranks sharing the GPU under MPS, and
-    passed with one rank per GPU (docs/internode.md, "Host copies and the fabric transport"). Only a warning:
-    the setting serves the rest of the job, and a rank refusing alone would leave its peers waiting."""
+    parallelism and the cluster recipes set): the proxies' copies then queue behind the EP kernels that spin
+    until those copies land. On an H200 the fabric transport on shm hung the first dispatch so in both runs with
+    two ranks sharing the GPU under MPS, and passed with one rank per GPU (docs/internode.md, "Host copies and
+    the fabric transport"). Only a warning: the setting serves the rest of the job, and a rank refusing alone
+    would leave its peers waiting."""
     global _warned_single
     if _warned_single or os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() != "1":
         return
     _warned_single = True
     log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime and "
                 "CUDA_DEVICE_MAX_CONNECTIONS=1 gives this process one hardware queue: those copies can wait behind "
-                "the EP kernels that wait for them until UCCL_EP_TIMEOUT_S (certain with ranks sharing a GPU "
-                "under MPS); use a transport that moves GPU memory by DMA (efa with GPUDirect RDMA, verbs), ipc "
+                "the EP kernels that wait for them until UCCL_EP_TIMEOUT_S (seen every time with ranks sharing "
+                "a GPU under MPS); use a transport that moves GPU memory by DMA (efa with GPUDirect RDMA, verbs), ipc "
                 "within a host, or leave CUDA_DEVICE_MAX_CONNECTIONS unset", rank)
 
 

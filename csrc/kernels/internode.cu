@@ -277,8 +277,8 @@ __device__ __forceinline__ void warp_copy(char* dst, const char* src, int64_t by
 
 // A row's scales (FP8: float32 words, 224 bytes at hidden 7168) held by the warp, two words per lane: read
 // in the round that loads the row's other small fields and stored from registers into every row that
-// carries them, where a copy per destination would cost a load round each. Scales of more than 64 words, or
-// not whole words, are copied from src instead (warp_copy, kNc as the caller's).
+// carries them, where a copy per destination would cost a load round each. Scales of more than two words per
+// lane (64 on NVIDIA), or not whole words, are copied from src instead (warp_copy, kNc as the caller's).
 template <bool kNc>
 struct ScaleWords {
   const char* src;
@@ -924,10 +924,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(_
 
 // Where a warp's row stream stands: row r of its rows (j = first + r * step over the forwarded rows, own
 // node's skipped), chunk ch of it. Rows whose dispatch row had no source here (dst_row -1) are not in the
-// stream: the caller wrote them as zeros beforehand.
+// stream: forward_rows_bulk writes them as zeros first.
 struct BulkCursor {
   const CombineArgs* a;
-  const NodeTables* tab;
   int64_t j, step, total, own_lo, own_rows, nch, y_bytes;
   int64_t k;  // the row (forwarded-row index)
   int ch;
@@ -979,7 +978,7 @@ __device__ void forward_rows_bulk(const CombineArgs& a, const Common& c, const N
     if (lane == 0) signal(k);
   }
   const int64_t nch = (y_bytes + kBulkChunk - 1) / kBulkChunk;
-  BulkCursor ld{&a, &tab, first, step, total, own_lo, own_rows, nch, y_bytes, 0, 0, nullptr};
+  BulkCursor ld{&a, first, step, total, own_lo, own_rows, nch, y_bytes, 0, 0, nullptr};
   ld.settle();
   BulkCursor st = ld;
   if (lane == 0) {

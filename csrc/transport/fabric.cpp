@@ -147,19 +147,21 @@ bool copies_through_cuda_runtime(const std::string& prov) {
   return false;
 }
 
-// Asks the provider not to call the CUDA runtime from this endpoint (FI_OPT_CUDA_API_PERMITTED = false, as
-// NCCL's libfabric plugin does): its operations then move GPU memory only by DMA (GPUDirect RDMA on efa,
-// verbs). True when it agreed. A provider that refuses (shm and tcp copy through cudaMemcpy; efa without
-// GPUDirect RDMA bounces through host memory) calls the runtime inside the proxy thread's progress, where a
-// copy can queue behind the very kernels that spin until it lands (docs/internode.md, "Host copies and the
-// fabric transport"). Must run before fi_enable.
-bool forbid_cuda_calls(fid_ep* ep) {
-#if (FI_MAJOR_VERSION > 1 || (FI_MAJOR_VERSION == 1 && FI_MINOR_VERSION >= 18)) && defined(UCCL_EP_WITH_CUDA)
+// Whether the provider of `ep` (opened for GPU memory) may call the CUDA runtime in the endpoint's progress,
+// i.e. in the proxy thread. It is asked not to (FI_OPT_CUDA_API_PERMITTED = false, as NCCL's libfabric plugin
+// does; before fi_enable): one that agrees moves GPU memory by DMA alone (efa with GPUDirect RDMA). One that
+// refuses copies with cudaMemcpy (shm; efa without GPUDirect RDMA and rxm over libfabric's verbs bounce
+// through host memory), where a copy can queue behind the very kernels that spin until it lands
+// (docs/internode.md, "Host copies and the fabric transport"). Headers older than the option (1.17): the
+// providers known to copy, by name. (HIP builds: the ROCm runtime's copies are not tracked; false.)
+bool provider_calls_cuda(fid_ep* ep, const std::string& prov) {
+#if defined(UCCL_EP_WITH_CUDA) && (FI_MAJOR_VERSION > 1 || (FI_MAJOR_VERSION == 1 && FI_MINOR_VERSION >= 18))
+  (void)prov;
   bool permitted = false;
-  return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, &permitted, sizeof(permitted)) == 0;
+  return fi_setopt(&ep->fid, FI_OPT_ENDPOINT, FI_OPT_CUDA_API_PERMITTED, &permitted, sizeof(permitted)) != 0;
 #else
   (void)ep;
-  return false;  // headers older than the option (1.17), or no CUDA: nothing to forbid, nothing promised
+  return kCudaBuild && copies_through_cuda_runtime(prov);
 #endif
 }
 
@@ -225,7 +227,6 @@ class FabricTransport final : public Transport {
     cq_data_bytes_ = cq_data_bytes_for(info, o.world);
     mr_mode_ = info->domain_attr->mr_mode;
     max_msg_ = info->ep_attr->max_msg_size;
-    copy_fence_ = kCudaBuild && hmem_ && copies_through_cuda_runtime(info->fabric_attr->prov_name);
 
     fid_fabric* fabric = nullptr;
     UCCL_CHECK_FI(fi_fabric(info->fabric_attr, &fabric, nullptr));
@@ -258,7 +259,10 @@ class FabricTransport final : public Transport {
     ep_p_ = ep;
     UCCL_CHECK_FI(fi_ep_bind(ep, &av->fid, 0));
     UCCL_CHECK_FI(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
-    calls_cuda_ = kCudaBuild && hmem_ && !forbid_cuda_calls(ep);
+    calls_cuda_ = hmem_ && provider_calls_cuda(ep, provider_name_);
+    // a provider's cudaMemcpy can return before its bytes landed (device to device; from host memory CUDA
+    // did not pin, as a NIC's bounce buffers are): hold those arrivals behind the copy fence
+    copy_fence_ = kCudaBuild && hmem_ && (copies_through_cuda_runtime(provider_name_) || calls_cuda_);
     UCCL_CHECK_FI(fi_enable(ep));
 
     // Control-message buffers: kRecv posted receives + kSend send slots, one registration.
@@ -779,7 +783,7 @@ class FabricTransport final : public Transport {
   uint64_t mr_mode_ = 0;
   bool hmem_ = false;       // FI_HMEM granted: regions may be GPU memory
   bool copy_fence_ = false; // arrivals wait for the provider's CUDA-runtime copies (mark_fence)
-  bool calls_cuda_ = false;  // the provider may call the CUDA runtime in this endpoint's progress (forbid_cuda_calls)
+  bool calls_cuda_ = false;  // the provider may call the CUDA runtime in this endpoint's progress
   std::deque<Completion> fenced_;                            // arrivals not yet released, in CQ order
   uint64_t fenced_released_ = 0, fenced_marked_ = 0, fence_done_ = 0;
 #if defined(UCCL_EP_WITH_CUDA)

@@ -106,6 +106,7 @@ class Transport {
   // True when the proxy thread's progress may call the GPU runtime (a libfabric provider that copies GPU
   // memory with it, having refused FI_OPT_CUDA_API_PERMITTED): such a copy can queue in the hardware queue of
   // kernels that spin until it lands. verbs (DMA) and ipc (copy agents in their own processes) never do.
+  // CUDA builds only: a HIP build's providers copy with the ROCm runtime untracked (false).
   virtual bool calls_gpu_runtime() const { return false; }
   // Arrivals the transport has read but not yet delivered by poll() (the fabric transport's copy fence holds
   // them until the provider's GPU copies ran): a gauge for the proxies' state in timeout reports.
