@@ -208,9 +208,9 @@ def warn_lazy_module_loading(rank: int) -> None:
         return
     _warned_lazy = True
     log.warning("uccl_ep_train rank %d: the proxies' transport copies GPU memory through the CUDA runtime (fabric "
-                "on shm, or a NIC without GPUDirect RDMA) and CUDA modules load lazily here: a kernel launched for the first time while EP "
-                "calls are in flight can stall them until UCCL_EP_TIMEOUT_S; set CUDA_MODULE_LOADING=EAGER in "
-                "the ranks' environment before CUDA starts", rank)
+                "on shm, or a NIC without GPUDirect RDMA) and CUDA modules load lazily here: a kernel launched for "
+                "the first time while EP calls are in flight can stall them until UCCL_EP_TIMEOUT_S; set "
+                "CUDA_MODULE_LOADING=EAGER in the ranks' environment before CUDA starts", rank)
 
 
 _warned_lazy = False

@@ -112,8 +112,9 @@ def native_available() -> bool:
 # libfabric's shm or tcp, or efa without GPUDirect RDMA) and no proxy error explains it: the likely causes
 # there (events.host_values has the measurement of the first; proxy.warn_single_connection of the second).
 PAGEABLE_COPY_HINT = ("the proxies' transport copies GPU memory through the CUDA runtime (fabric on shm, or a NIC "
-                      "without GPUDirect RDMA), so a likely cause is a host copy into or out of pageable memory (tensor.to('cuda'), .cpu(), "
-                      ".tolist(), .item()) issued while this call's kernels ran: it holds those copies back until "
+                      "without GPUDirect RDMA), so a likely cause is a host copy into or out of pageable memory "
+                      "(tensor.to('cuda'), .cpu(), .tolist(), .item()) issued while this call's kernels ran: it "
+                      "holds those copies back until "
                       "the kernels time out; copy through pinned memory (pin_memory(), non_blocking=True), or await "
                       "an event on the stream first; with CUDA_DEVICE_MAX_CONNECTIONS=1 the copies can also wait "
                       "behind the kernels themselves: leave it unset where you can (docs/internode.md, \"Host copies "
