@@ -908,6 +908,14 @@ __device__ __forceinline__ void sum_rows(const T* const* src, int m, const float
   }
 }
 
+// Lane 0, once the warp wrote row i of node n's segment of csend (the combine forward's rows for a remote
+// node, weights included): counts it towards its chunk, which the call completing it sends.
+__device__ void combine_row_sent(const CombineArgs& a, const Common& c, const NodeTables& tab, int n, int64_t i) {
+  row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
+              tab.areas.csend_off, tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0),
+              kPhaseCombineForward);
+}
+
 // ---- bulk copies (sm_90): the forward's rows with one rank per node ----------------------------------------
 // With one rank per node each row the forward sends is one x row, byte for byte (the float32 sum of one row,
 // rounded, is the row; the reduce adds the partials from +0, so a -0 kept here comes out as the register path's
@@ -963,9 +971,7 @@ __device__ void forward_rows_bulk(const CombineArgs& a, const Common& c, const N
   char* csend = c.rdma + tab.areas.csend_off;
   auto signal = [&](int64_t k) {  // lane 0: row k's bytes are in csend (its weights: the warp's, synced)
     const int n = segment_of(tab.recv_row0, c.N, k);
-    row_written(c, n, k - tab.recv_row0[n], tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
-                tab.areas.csend_off, tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0),
-                kPhaseCombineForward);
+    combine_row_sent(a, c, tab, n, k - tab.recv_row0[n]);
   };
   // rows without a source: zeros (and zero weights), sent as they are
   for (int64_t j = first; j < total; j += step) {
@@ -1104,10 +1110,7 @@ __global__ void __launch_bounds__(kThreads) combine_forward_kernel(CombineArgs a
       sum_rows<T, kVec>(s_src[warp], m, s_w[warp], m, reinterpret_cast<T*>(out),
                         reinterpret_cast<float*>(out + y_bytes), a, lane);
       intranode::warp_sync();  // s_src[warp] is rewritten for the next row
-      if (lane == 0 && n != c.node)
-        row_written(c, n, i, tab.recv_row0[n], tab.recv_row0[n + 1] - tab.recv_row0[n], tab.chunk_rows,
-                    tab.areas.csend_off,
-                    tab.remote_in[n], a.crow_bytes, combine_flag(c.num_ranks, c.N, c.node, 0), kPhaseCombineForward);
+      if (lane == 0 && n != c.node) combine_row_sent(a, c, tab, n, i);
     }
   }
 }

@@ -140,7 +140,8 @@ constexpr bool kCudaBuild = false;
 // Providers that move GPU memory with CPU-driven copies through the CUDA runtime (shm's IPC and bounce
 // paths, tcp/sockets bounce buffers) rather than with a NIC's DMA: libfabric 2.x issues those as plain
 // cudaMemcpy, which for device-to-device copies returns before the copy ran and queues it on the legacy
-// default stream. Their arrivals wait behind the transport's copy fence (FabricTransport::mark_fence).
+// default stream. By name: what the probe (no endpoint) and headers without FI_OPT_CUDA_API_PERMITTED go by
+// (provider_calls_cuda; each of these refuses that option, so an open endpoint marks them by its answer).
 bool copies_through_cuda_runtime(const std::string& prov) {
   for (const char* p : {"shm", "tcp", "sockets", "udp"})
     if (prov.compare(0, std::strlen(p), p) == 0) return true;
@@ -259,10 +260,9 @@ class FabricTransport final : public Transport {
     ep_p_ = ep;
     UCCL_CHECK_FI(fi_ep_bind(ep, &av->fid, 0));
     UCCL_CHECK_FI(fi_ep_bind(ep, &cq->fid, FI_TRANSMIT | FI_RECV));
-    calls_cuda_ = hmem_ && provider_calls_cuda(ep, provider_name_);
-    // a provider's cudaMemcpy can return before its bytes landed (device to device; from host memory CUDA
-    // did not pin, as a NIC's bounce buffers are): hold those arrivals behind the copy fence
-    copy_fence_ = kCudaBuild && hmem_ && (copies_through_cuda_runtime(provider_name_) || calls_cuda_);
+    // A provider's cudaMemcpy can return before its bytes landed (device to device; from host memory CUDA did
+    // not pin, as a NIC's bounce buffers are): where it may call the runtime, arrivals wait behind the fence.
+    copy_fence_ = hmem_ && provider_calls_cuda(ep, provider_name_);
     UCCL_CHECK_FI(fi_enable(ep));
 
     // Control-message buffers: kRecv posted receives + kSend send slots, one registration.
@@ -361,7 +361,7 @@ class FabricTransport final : public Transport {
   uint32_t imm_seq_bits() const override { return cq_data_bytes_ == 4 ? kCompactSeqBits : kSeqBits; }
 
   bool waits_for_default_stream() const override { return copy_fence_; }
-  bool calls_gpu_runtime() const override { return calls_cuda_; }
+  bool calls_gpu_runtime() const override { return copy_fence_; }
 
   std::string register_region(const LocalRegion& r) override {
     if (r.id < 0 || r.id >= 256) UCCL_THROW("fabric: region id " << r.id << " out of range [0, 256)");
@@ -782,8 +782,9 @@ class FabricTransport final : public Transport {
   fid_ep* ep_p_ = nullptr;
   uint64_t mr_mode_ = 0;
   bool hmem_ = false;       // FI_HMEM granted: regions may be GPU memory
-  bool copy_fence_ = false; // arrivals wait for the provider's CUDA-runtime copies (mark_fence)
-  bool calls_cuda_ = false;  // the provider may call the CUDA runtime in this endpoint's progress
+  // The provider may call the CUDA runtime in this endpoint's progress (provider_calls_cuda), so arrivals
+  // wait for its copies (mark_fence)
+  bool copy_fence_ = false;
   std::deque<Completion> fenced_;                            // arrivals not yet released, in CQ order
   uint64_t fenced_released_ = 0, fenced_marked_ = 0, fence_done_ = 0;
 #if defined(UCCL_EP_WITH_CUDA)
