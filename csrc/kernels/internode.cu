@@ -1162,171 +1162,10 @@ __device__ void reduce_tokens(const CombineArgs& a, const Common& c, const NodeT
   }
 }
 
-// ---- bulk copies (sm_90): the reduce's loads with one rank per node -----------------------------------------
-// The reduce's partial rows (x's row for the own node, landed rows for the others) come into shared memory
-// with bulk copies, kReduceStages chunks of every source per warp in flight, and the lanes sum them from
-// there in node order (bit-equal to sum_rows: the same float32 additions in the same order). Lane 0 loads;
-// it moves on to a token only once its remote rows landed, and while a token's rows have not, the lanes sum
-// what is loaded already. Without biases and with at most kReduceSources nodes (the host launches it then).
-constexpr int kReduceSources = 4;
-
-#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-constexpr int kReduceStages = 2;
-constexpr int kReduceWarpBytes = kBulkStages * kBulkChunk;  // per warp: the forward's share of kBulkBytes
-
-// A warp's shared scratch for the bulk reduce: per stage, its item's sources' count and weight rows (lane 0
-// writes them before the stage's loads; the mbarrier's release / acquire hands them to the lanes).
-struct ReduceStage {
-  int m;
-  const float* w[kReduceSources];
-};
-
-template <typename T, int kVec>
-__device__ void reduce_tokens_bulk(const CombineArgs& a, const Common& c, const NodeTables& tab, const Arrivals& s,
-                                   int warp, char* stage, uint64_t* bars, ReduceStage* meta) {
-  using Vec = typename intranode::CombineRow<T, kVec>::Vec;
-  const int lane = threadIdx.x % kWarpSize;
-  const int64_t step = int64_t(gridDim.x) * (kWarps - 1);
-  const int64_t first = int64_t(blockIdx.x) * (kWarps - 1) + warp - 1;
-  const int64_t y_bytes = int64_t(a.hidden) * sizeof(T);
-  const char* crecv = c.rdma + tab.areas.crecv_off;
-  const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused dispatch's chunks never come
-  // a chunk: a 16-byte multiple such that kReduceStages x N chunks fill the warp's share
-  const int64_t chunk = (int64_t(kReduceWarpBytes) / (kReduceStages * c.N)) / 16 * 16;
-  const int nch = int((y_bytes + chunk - 1) / chunk);
-  auto len_of = [&](int ch) { return uint32_t(y_bytes - ch * chunk < chunk ? y_bytes - ch * chunk : chunk); };
-  auto slot = [&](int q, int j) { return stage + (int64_t(q) * c.N + j) * chunk; };
-  if (lane == 0) {
-    for (int q = 0; q < kReduceStages; ++q)
-      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_addr(&bars[q])));
-    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  intranode::warp_sync();
-  // lane 0's load cursor: token lt (its sources, once they landed), chunk lch; `issued` items so far
-  int64_t lt = first;
-  int lch = 0, lm = -1;  // lm: the token's sources (-1: not yet found)
-  const char* lsrc[kReduceSources];
-  const float* lw[kReduceSources];
-  int issued = 0;  // (a warp's items: its tokens' chunks)
-  bool failed = false;
-  // lane 0: token lt's sources in node order, when every remote one landed: 1; not yet: 0; the watch failed: -1
-  auto find_sources = [&](bool wait) -> int {
-    int m = 0;
-    for (int n = 0; n < c.N; ++n) {
-      const int head = a.node_head[lt * c.N + n];
-      if (head < 0) continue;
-      if (n == c.node) {
-        const T* row;
-        const float* w;
-        if (own_partial<T>(a, tab, head, &row, &w)) {
-          lsrc[m] = reinterpret_cast<const char*>(row);
-          lw[m++] = w;
-        }
-        continue;
-      }
-      const int j = head / tab.chunk_rows;
-      if (*reinterpret_cast<const volatile int*>(&s.ready[n]) <= j) {
-        if (!wait) return 0;
-        if (!arrived(s, n, j)) return -1;
-      }
-      const char* row = crecv + (tab.send_row0[n] + head) * a.crow_bytes;
-      lsrc[m] = row;
-      lw[m++] = reinterpret_cast<const float*>(row + y_bytes);
-    }
-    __threadfence_block();  // the arrivals' acquire (arrived()) before the loads below
-    asm volatile("fence.proxy.async.global;" ::: "memory");  // ... and before the bulk copies that read them
-    lm = m;
-    return 1;
-  };
-  // lane 0: issues item `issued` (token lt, chunk lch) into its stage
-  auto issue = [&]() {
-    const int q = issued % kReduceStages;
-    // the lanes' reads of stage q (its item before, then a warp_sync) before the bulk copies rewrite it
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    meta[q].m = lm;  // (every item: a stage's items alternate between tokens)
-    for (int j = 0; j < lm; ++j) meta[q].w[j] = lw[j];
-    const uint32_t len = len_of(lch);
-    if (lm == 0) {
-      asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(&bars[q])) : "memory");
-    } else {
-      asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(&bars[q])),
-                   "r"(len * uint32_t(lm))
-                   : "memory");
-      for (int j = 0; j < lm; ++j)
-        asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                         smem_addr(slot(q, j))),
-                     "l"(lsrc[j] + int64_t(lch) * chunk), "r"(len), "r"(smem_addr(&bars[q]))
-                     : "memory");
-    }
-    ++issued;
-    if (++lch == nch) {
-      lch = 0;
-      lt += step;
-      lm = -1;
-    }
-  };
-  int64_t t = first;
-  int ch = 0;
-  for (int item = 0;; ++item) {
-    if (lane == 0) {  // keep the stages full; wait for arrivals only when nothing loaded is left to sum
-      while (!failed && lt < num_tokens && issued < item + kReduceStages) {
-        if (lm < 0) {
-          const int r = find_sources(issued == item);
-          if (r < 0) failed = true;
-          if (r <= 0) break;
-        }
-        issue();
-      }
-    }
-    if (item >= intranode::warp_shfl(issued, 0)) break;  // every token summed, or the watch failed
-    const int q = int(item % kReduceStages);
-    const uint32_t parity = uint32_t((item / kReduceStages) & 1);
-    uint32_t done = 0;
-    while (!done)
-      asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
-                   : "=r"(done)
-                   : "r"(smem_addr(&bars[q])), "r"(parity)
-                   : "memory");
-    const int m = meta[q].m;
-    if (ch == 0 && a.out_w != nullptr)
-      for (int kk = lane; kk < a.num_topk; kk += kWarpSize) {
-        float w = 0.f;
-        for (int j = 0; j < m; ++j) w += meta[q].w[j][kk];
-        a.out_w[t * a.num_topk + kk] = w;
-      }
-    const int nv = int(len_of(ch) / sizeof(Vec));
-    Vec* out = reinterpret_cast<Vec*>(a.out + t * y_bytes + int64_t(ch) * chunk);
-    for (int i = lane; i < nv; i += kWarpSize) {
-      float acc[kVec];
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) acc[e] = 0.f;
-      for (int j = 0; j < m; ++j) {
-        const Vec v = reinterpret_cast<const Vec*>(slot(q, j))[i];
-#pragma unroll
-        for (int e = 0; e < kVec; ++e) acc[e] += v.v[e].to_float();
-      }
-      Vec o;
-#pragma unroll
-      for (int e = 0; e < kVec; ++e) o.v[e] = T::from_float(acc[e]);
-      out[i] = o;
-    }
-    intranode::warp_sync();  // stage q is read: lane 0 may load into it again
-    if (++ch == nch) {
-      ch = 0;
-      t += step;
-    }
-  }
-  if (lane == 0)
-    for (int q = 0; q < kReduceStages; ++q)
-      asm volatile("mbarrier.inval.shared::cta.b64 [%0];" ::"r"(smem_addr(&bars[q])));
-  intranode::warp_sync();
-}
-#endif
-
 // Each token is the sum of its nodes' partial rows in node order (+ biases). A worker warp (all but the
 // watcher warp 0) takes a token as soon as the chunks holding its remote partials landed (Arrivals): the
 // reduce overlaps the last chunks' transfers.
-template <typename T, int kVec, bool kBulk>
+template <typename T, int kVec>
 __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a) {
   const Common& c = a.c;
   __shared__ NodeTables tab;
@@ -1337,22 +1176,9 @@ __global__ void __launch_bounds__(kThreads) combine_reduce_kernel(CombineArgs a)
   __shared__ const T* s_src[kWarps][kMaxNodes + 2];  // the token's node sums in node order, then the biases
   __shared__ const float* s_w[kWarps][kMaxNodes];
   const int warp = threadIdx.x / kWarpSize;
-#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  constexpr bool kBulkHere = kBulk;
-#else
-  constexpr bool kBulkHere = false;  // (code for an older GPU runs the register loop, whatever the launch)
-#endif
   if (warp == 0) {
     watch_arrivals(c, tab.op, s, tab.nchunks_send,
                    [&](int n, int j) { return combine_flag(c.num_ranks, c.N, n, j); }, 1, kPhaseCombineReduce);
-  } else if constexpr (kBulkHere) {  // one rank per node, <= kReduceSources nodes, no biases (the host's choice)
-#if !defined(UCCL_EP_WITH_HIP) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    extern __shared__ __align__(128) char s_bulk[];
-    __shared__ __align__(8) uint64_t s_bars[kWarps][kReduceStages];
-    __shared__ ReduceStage s_meta[kWarps][kReduceStages];
-    reduce_tokens_bulk<T, kVec>(a, c, tab, s, warp, s_bulk + int64_t(warp) * kReduceWarpBytes, s_bars[warp],
-                                s_meta[warp]);
-#endif
   } else {
     reduce_tokens<T, kVec>(a, c, tab, s, warp, s_src[warp], s_w[warp]);
   }
@@ -1364,15 +1190,16 @@ void check_launch(const char* what) {
   UCCL_CHECK(e == gpuSuccess, "internode " << what << ": kernel launch failed: " << gpuGetErrorString(e));
 }
 
-// Whether kKernel (a kernel with a bulk-copy path) may run that path on the current device: a Hopper-class GPU
-// (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static shared memory,
-// which the first call per device opts in to. The attribute belongs to one kernel on one device, so the cached
-// answer is kept per kernel (one instantiation each) and per device.
-template <auto kKernel>
+// Whether the combine forward for element type T may run its bulk-copy path on the current device: a
+// Hopper-class GPU (sm_90+) whose blocks can take kBulkBytes of dynamic shared memory beside the kernel's static
+// shared memory, which the first call per device opts in to. The attribute belongs to one kernel on one device,
+// so the cached answer is kept per element type (one kernel each) and per device.
+template <typename T>
 bool bulk_copies() {
 #if defined(UCCL_EP_WITH_HIP)
   return false;
 #else
+  const auto kernel = combine_forward_kernel<T, 16 / sizeof(T), true>;
   static std::atomic<int> verdict[64] = {};  // per device: 0 unknown, 1 yes, 2 no (a race only repeats the work)
   int dev = 0;
   UCCL_CHECK_GPU(gpuGetDevice(&dev));
@@ -1382,9 +1209,9 @@ bool bulk_copies() {
   UCCL_CHECK_GPU(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev));
   UCCL_CHECK_GPU(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
   cudaFuncAttributes attr{};
-  UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kKernel)));
+  UCCL_CHECK_GPU(cudaFuncGetAttributes(&attr, reinterpret_cast<const void*>(kernel)));
   const bool ok = major >= 9 && int64_t(optin) - int64_t(attr.sharedSizeBytes) >= kBulkBytes;
-  if (ok) UCCL_CHECK_GPU(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkBytes));
+  if (ok) UCCL_CHECK_GPU(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBulkBytes));
   verdict[dev].store(ok ? 1 : 2, std::memory_order_release);
   return ok;
 #endif
@@ -1392,8 +1219,7 @@ bool bulk_copies() {
 
 // 16-byte vectors when every row the reduces touch is a 16-byte multiple at a 16-byte address (staged and
 // crecv rows are; x, the output and the biases are the caller's), else one element at a time.
-// With one rank per node on Hopper (and rows of some bytes) the forward and the reduce move rows with bulk
-// copies (forward_rows_bulk, reduce_tokens_bulk).
+// With one rank per node on Hopper the forward streams its rows with bulk copies (forward_rows_bulk).
 template <typename T>
 void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
@@ -1403,20 +1229,15 @@ void launch_combine_typed(const CombineArgs& a, int num_sms, gpuStream_t stream)
   if (!full) {
     combine_forward_kernel<T, 1, false><<<num_sms, kThreads, 0, stream>>>(a);
     check_launch("combine (forward)");
-    combine_reduce_kernel<T, 1, false><<<num_sms, kThreads, 0, stream>>>(a);
+    combine_reduce_kernel<T, 1><<<num_sms, kThreads, 0, stream>>>(a);
     return;
   }
-  const bool bulk = a.c.L == 1 && a.hidden > 0;
-  if (bulk && bulk_copies<combine_forward_kernel<T, kFull, true>>())
+  if (a.c.L == 1 && a.hidden > 0 && bulk_copies<T>())  // (rows of no bytes: nothing for a bulk copy to move)
     combine_forward_kernel<T, kFull, true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
   else
     combine_forward_kernel<T, kFull, false><<<num_sms, kThreads, 0, stream>>>(a);
   check_launch("combine (forward)");
-  if (bulk && a.c.N <= kReduceSources && a.bias0 == nullptr && a.bias1 == nullptr &&
-      bulk_copies<combine_reduce_kernel<T, kFull, true>>())
-    combine_reduce_kernel<T, kFull, true><<<num_sms, kThreads, kBulkBytes, stream>>>(a);
-  else
-    combine_reduce_kernel<T, kFull, false><<<num_sms, kThreads, 0, stream>>>(a);
+  combine_reduce_kernel<T, kFull><<<num_sms, kThreads, 0, stream>>>(a);
 }
 
 template <typename K>
@@ -1432,9 +1253,8 @@ void load_combine(const char* type) {
   load(combine_forward_kernel<T, kFull, false>, type);
   load(combine_forward_kernel<T, kFull, true>, type);
   load(combine_forward_kernel<T, 1, false>, type);
-  load(combine_reduce_kernel<T, kFull, false>, type);
-  load(combine_reduce_kernel<T, kFull, true>, type);
-  load(combine_reduce_kernel<T, 1, false>, type);
+  load(combine_reduce_kernel<T, kFull>, type);
+  load(combine_reduce_kernel<T, 1>, type);
 }
 
 }  // namespace
