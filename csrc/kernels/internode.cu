@@ -166,28 +166,17 @@ __device__ bool chunk_done(const Common& c, int n, int j, int rows_in_chunk) {
   return atomicAdd(c.chunk_count + n * kMaxChunks + j, 1) + 1 == rows_in_chunk;
 }
 
-// The rows of chunk j of a segment of seg_rows rows.
-__device__ __forceinline__ int rows_in_chunk(int64_t seg_rows, int j, int chunk_rows) {
-  const int64_t left = seg_rows - int64_t(j) * chunk_rows;
-  return int(left < chunk_rows ? left : chunk_rows);
-}
-
-// Sends chunk j of node n's segment (rows [seg_row0, seg_row0 + seg_rows) of the outgoing area at byte
-// area_off), all of whose rows were counted, to the segment's place at node n's RDMA peer (remote_in) with its
-// flag (flag0 + chunk).
-__device__ void send_segment_chunk(const Common& c, int n, int j, int64_t seg_row0, int64_t seg_rows, int chunk_rows,
-                                   int64_t area_off, int64_t remote_in, int64_t row_bytes, int64_t flag0, int phase) {
-  send_chunk(c, n, j, area_off + (seg_row0 + int64_t(j) * chunk_rows) * row_bytes,
-             remote_in + int64_t(j) * chunk_rows * row_bytes, rows_in_chunk(seg_rows, j, chunk_rows) * row_bytes,
-             flag0 + j, phase);
-}
-
-// Lane 0, after the warp wrote row i of node n's segment: the call that completes the row's chunk sends it.
+// Lane 0, after the warp wrote row i of node n's segment (rows [seg_row0, seg_row0 + seg_rows) of the
+// outgoing area at byte area_off): the call that completes the row's chunk sends the chunk to the segment's
+// place at node n's RDMA peer (remote_in) with its flag (flag0 + chunk).
 __device__ void row_written(const Common& c, int n, int64_t i, int64_t seg_row0, int64_t seg_rows, int chunk_rows,
                             int64_t area_off, int64_t remote_in, int64_t row_bytes, int64_t flag0, int phase) {
   const int j = int(i / chunk_rows);
-  if (!chunk_done(c, n, j, rows_in_chunk(seg_rows, j, chunk_rows))) return;
-  send_segment_chunk(c, n, j, seg_row0, seg_rows, chunk_rows, area_off, remote_in, row_bytes, flag0, phase);
+  const int64_t left = seg_rows - int64_t(j) * chunk_rows;
+  const int rows = int(left < chunk_rows ? left : chunk_rows);
+  if (!chunk_done(c, n, j, rows)) return;
+  send_chunk(c, n, j, area_off + (seg_row0 + int64_t(j) * chunk_rows) * row_bytes,
+             remote_in + int64_t(j) * chunk_rows * row_bytes, rows * row_bytes, flag0 + j, phase);
 }
 
 // Every block, once the kernel that counted chunks (pack / combine forward) is done: its counters back to
@@ -671,45 +660,6 @@ __device__ __forceinline__ void emit_row(const DispatchArgs& a, const RowFormat&
                    intranode::warp_shfl(src, 0), intranode::warp_shfl(src, 1), p, lane);
 }
 
-// A token's small fields for the pack, loaded by the warp in one round trip (a token past num_tokens: none).
-// Lane n: the token's row in node n's segment (-1: none); lane r: its position among the rows sent to rank
-// r (few ranks); lane k: slot k's expert id, its expert-major position and weight (few top-k); the scales.
-struct PackFields {
-  int head = -1, pos_r = -1, id = 0, id_pos = -1;
-  float w = 0.f;
-  ScaleWords<true> scales;
-  __device__ __forceinline__ PackFields(const DispatchArgs& a, const Common& c, int64_t t, int64_t num_tokens,
-                                        bool few_ranks, bool few_topk, int lane)
-      : scales(a.scales + (t < num_tokens ? t : 0) * a.scale_bytes, t < num_tokens ? a.scale_bytes : 0, lane) {
-    if (t >= num_tokens) return;
-    const int K = a.num_topk;
-    if (lane < c.N) head = a.node_head[t * c.N + lane];
-    if (few_ranks && lane < c.num_ranks) pos_r = a.send_pos[t * c.num_ranks + lane];
-    if (few_topk && lane < K) {
-      id = int(a.topk_idx[t * K + lane]);
-      if (a.em_x != nullptr) id_pos = a.topk_pos[t * K + lane];
-      if (a.topk_w != nullptr) w = a.topk_w[t * K + lane];
-    }
-  }
-};
-
-// The pack's chunk sends, one token behind its counts: lane n holds the count its row for node n found
-// (pend_old, -1: none) in chunk pend_j of pend_rows rows; the rows that completed a chunk send it (lane 0, in
-// node order).
-__device__ __forceinline__ void send_counted_chunks(const DispatchArgs& a, const Common& c, const NodeTables& tab,
-                                                    int pend_old, int pend_j, int pend_rows, int lane) {
-  uint64_t done = intranode::warp_ballot(pend_old >= 0 && pend_old + 1 == pend_rows);
-  while (done) {
-    const int n = __ffsll(static_cast<long long>(done)) - 1;
-    done &= done - 1;
-    const int j = intranode::warp_shfl(pend_j, n);
-    if (lane == 0)
-      send_segment_chunk(c, n, j, tab.send_row0[n], tab.send_row0[n + 1] - tab.send_row0[n], tab.chunk_rows,
-                         tab.areas.send_off, tab.remote_in[n], a.row_bytes, dispatch_flag(c.num_ranks, c.node, 0),
-                         kPhaseDispatchSend);
-  }
-}
-
 // Each token is read once and written, in row format, into its row of every other destination node's send
 // segment and into its receive rows on this node's other ranks (their NVL buffers), and, split, into this
 // rank's own outputs when it is one of its final ranks.
@@ -736,17 +686,17 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
   // this rank's rows on the node's ranks
   const int base = lane < c.L ? row_base_of(c, a.info)[c.rank * c.L + lane] : 0;
   const int64_t num_tokens = tab.valid ? a.num_tokens : 0;  // a refused call moves none of the caller's rows
-  PackFields cur(a, c, gwarp, num_tokens, few_ranks, few_topk, lane);
-  // lane n: the count its last row for node n added to its chunk (pend_old, -1: none), that chunk (pend_j) and
-  // its rows; read one token later, so that the count's round trip overlaps the next token's copies
-  int pend_old = -1, pend_j = 0, pend_rows = 0;
   for (int64_t t = gwarp; t < num_tokens; t += nwarps) {
-    // the next token's small fields are loaded now, in one round trip that overlaps this token's copies
-    const PackFields next(a, c, t + nwarps, num_tokens, few_ranks, few_topk, lane);
-    const int head = cur.head, pos_r = cur.pos_r;
-    const int id0 = few_topk && lane < K ? em_word(a, cur.id, cur.id_pos) : 0;  // lane k: slot k's id word
-    const float w0 = cur.w;
-    const ScaleWords<true>& scales = cur.scales;
+    // every load of the token's small fields first, in one round trip: its rows per node, its positions
+    // on every rank, its top-k
+    const int head = lane < c.N ? a.node_head[t * c.N + lane] : -1;
+    const int pos_r = few_ranks && lane < R ? a.send_pos[t * R + lane] : -1;
+    // lane k: slot k's id word (em_word; an expert-major dispatch has few_topk)
+    const int id0 = few_topk && lane < K
+                        ? em_word(a, int(a.topk_idx[t * K + lane]), a.em_x != nullptr ? a.topk_pos[t * K + lane] : -1)
+                        : 0;
+    const float w0 = few_topk && lane < K && a.topk_w != nullptr ? a.topk_w[t * K + lane] : 0.f;
+    const ScaleWords<true> scales(a.scales + t * a.scale_bytes, a.scale_bytes, lane);
     // lane j < L: the token's position among the rows this rank sends to rank j of node n
     auto pos_on = [&](int n) {
       const int r = n * c.L + (lane < c.L ? lane : 0);
@@ -781,7 +731,6 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
     intranode::warp_sync();
     const char* x = a.x + t * a.x_bytes;
     warp_copy_to<true>(s_dst[warp], m + own_x, x, a.x_bytes, lane);
-    send_counted_chunks(a, c, tab, pend_old, pend_j, pend_rows, lane);  // the previous token's
     for (int q = 0; q < m; ++q) {
       char* p = s_dst[warp][q];
       const int n = s_node[warp][q];
@@ -794,6 +743,12 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       if (n < 0) continue;  // an NVL row: its reader needs no positions
       const int pos = pos_on(n);
       if (lane < c.L) reinterpret_cast<int*>(p + f.pos)[lane] = pos;
+      intranode::warp_sync();
+      if (lane == 0)
+        row_written(c, n, a.node_head[t * c.N + n], tab.send_row0[n], tab.send_row0[n + 1] - tab.send_row0[n],
+                    tab.chunk_rows, tab.areas.send_off, tab.remote_in[n], a.row_bytes,
+                    dispatch_flag(c.num_ranks, c.node, 0),
+                    kPhaseDispatchSend);
     }
     if (own_row >= 0) {
       if (a.recv_scales != nullptr) scales.store(a.recv_scales + int64_t(own_row) * a.scale_bytes, lane);
@@ -802,18 +757,8 @@ __global__ void __launch_bounds__(kThreads) dispatch_pack_kernel(DispatchArgs a)
       emit_meta<true>(a, own_row, [&](int k) { return few_topk ? id0 : int(ids[k]); },
                       [&](int k) { return few_topk ? w0 : ws != nullptr ? ws[k] : 0.f; }, int(t), c.rank, x, lane);
     }
-    intranode::warp_sync();  // every lane's stores of the token's rows before the counts; s_dst / s_node rewritten
-    // lane n counts the token's row for node n (in parallel: one round trip for all of them)
-    pend_old = -1;
-    if (remote) {
-      pend_j = head / tab.chunk_rows;
-      pend_rows = rows_in_chunk(tab.send_row0[lane + 1] - tab.send_row0[lane], pend_j, tab.chunk_rows);
-      __threadfence();  // the warp's stores (ordered before by the warp sync) before the count
-      pend_old = atomicAdd(c.chunk_count + lane * kMaxChunks + pend_j, 1);
-    }
-    cur = next;
+    intranode::warp_sync();  // s_dst / s_node are rewritten for the next token
   }
-  send_counted_chunks(a, c, tab, pend_old, pend_j, pend_rows, lane);  // the last token's
 }
 
 // One warp forwards row i of remote node n's segment (landed in the recv area) to its final ranks in this
