@@ -47,8 +47,8 @@ ALIGNMENTS = (1, 2, 4, 16, 128)
 # its first expert_capacity tokens and drops the rest (Megatron's capacity factor, megatron_patch's receive
 # budget), so blocks fill up to exactly the capacity; "error": the routing goes as it is and the oracle says
 # which blocks overflow: then every rank must raise the capacity error naming one of them (docs/api.md).
-# "error" is drawn on one node only: the internode backend checks the capacity on the receiving rank after
-# the data moved (base.Backend.dispatch_expert_major), so its peers do not raise it.
+# "error" is drawn on one node only, as when seeds 0-144 ran on GPUs (drawing it across nodes changes every
+# multi-node seed's cases); across nodes every rank raises it too, which tests/test_internode_gpu.py checks.
 OVERFLOWS = ("drop", "error")
 
 

@@ -93,6 +93,17 @@ def test_summary_keeps_each_kernels_share(capsys):
     assert "pack 15 forward 90 copy_out 20" in capsys.readouterr().out
 
 
+def test_sms_column_counts_what_the_call_occupies():
+    """The table's SMs are those the call occupies (sms_occupied), with the requested count before '>' where the
+    Buffer gave fewer (ranks sharing a GPU); the requested count where the backend does not say."""
+    from uccl_ep_train.apps.bench.internode import sms_column
+
+    assert sms_column({"sms": 8, "sms_occupied": {"communication": 8, "side": 0, "total": 8}}) == "8"
+    assert sms_column({"sms": 32, "sms_occupied": {"communication": 16, "side": 0, "total": 16}}) == "32>16"
+    assert sms_column({"sms": 24, "sms_occupied": None}) == "24"
+    assert sms_column({"sms": 0}) == "0"
+
+
 def test_bench_help_lists_internode(capsys):
     from uccl_ep_train.apps.cli import main
 

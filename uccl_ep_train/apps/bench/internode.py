@@ -330,6 +330,16 @@ def summarise(records: list[dict]) -> list[dict]:
     return out
 
 
+def sms_column(record: dict) -> str:
+    """The SMs a record's call occupied per rank (`sms_occupied` total), as "requested>occupied" where the
+    Buffer gave it fewer than Config.num_sms asked (ranks sharing a GPU), the requested count where it does not
+    say (the reference backend, all_to_all_single)."""
+    occupied = (record.get("sms_occupied") or {}).get("total")
+    if occupied is None or occupied == record["sms"]:
+        return str(record["sms"] if occupied is None else occupied)
+    return f"{record['sms']}>{occupied}"
+
+
 def _print(summary: list[dict]) -> None:
     if not summary:
         return
@@ -338,14 +348,16 @@ def _print(summary: list[dict]) -> None:
           f"({s['device']}), {s['group']} group, backend {s['backend']}, transport {s.get('transport')}, "
           f"tokens {s['num_tokens']}, "
           f"hidden {s['hidden']}, experts {s['num_experts']}, top-{s['num_topk']}; mean over ranks (min rank)")
-    print(f"{'op':<15}{'SMs':>5}{'timing':>8}{'µs':>11}{'host µs':>9}{'RDMA GB/s':>17}{'NVL GB/s':>17}"
+    print("SMs: those the call occupies per rank (Buffer.occupied_sms), after the requested count and '>' where "
+          "they differ (ranks sharing a GPU share its SMs)")
+    print(f"{'op':<15}{'SMs':>7}{'timing':>8}{'µs':>11}{'host µs':>9}{'RDMA GB/s':>17}{'NVL GB/s':>17}"
           f"{'proxy MB/call':>15}{'proxy Mcmd/s':>14}  kernel µs by step")
     for r in summary:
         pb = f"{r['proxy_bytes'] / 1e6:.3f}" if r["proxy_bytes"] is not None else "-"
         pc = f"{r['proxy_commands_per_s'] / 1e6:.3f}" if r["proxy_commands_per_s"] is not None else "-"
         host = f"{r['host_us']:.1f}" if r["host_us"] is not None else "-"
         steps = " ".join(f"{k} {v:.0f}" for k, v in (r.get("kernel_us") or {}).items())
-        print(f"{r['op']:<15}{r['sms']:>5}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
+        print(f"{r['op']:<15}{sms_column(r):>7}{r['timing']:>8}{r['us']:>11.1f}{host:>9}{r['gbps']:>9.4g} "
               f"({r['gbps_min']:>5.4g}){r['nvl_gbps']:>9.4g} ({r['nvl_gbps_min']:>5.4g}){pb:>15}{pc:>14}  {steps}",
               flush=True)
 
