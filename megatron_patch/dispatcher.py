@@ -111,6 +111,17 @@ def _log_path(buffer: Buffer, capacity: int, layout: str) -> None:
                      "receive budget (moe_expert_rank_capacity_factor), avoids it")
 
 
+def _log_expert_major_paths(buffer: Buffer) -> None:
+    """Say (rank 0) how the expert-major calls ran (Buffer.expert_major_paths), once per distinct answer: the
+    backend picks per call shape whether its kernels expand / fold the rows or the separate permute kernels do."""
+    paths = ", ".join(f"{call} {path}" for call, path in sorted(buffer.expert_major_paths.items()))
+    if not paths or f"paths: {paths}" in _logged_paths:
+        return
+    _logged_paths.add(f"paths: {paths}")
+    if buffer.rank == 0:
+        log.info("uccl dispatcher: expert-major calls on the %s backend: %s", buffer.backend_name, paths)
+
+
 def check_config(config: TransformerConfig) -> None:
     """Reject, at config time, what this dispatcher does not do (with the flag to change)."""
     if getattr(config, "expert_tensor_parallel_size", 1) not in (None, 1):
@@ -264,6 +275,7 @@ class UCCLTokenDispatcher(MoETokenDispatcher):
             out = ep_autograd.combine_expert_major(self.buffer, hidden_states.contiguous(), self.handle,
                                                    self.expert_map,
                                                    expert_capacity=self.capacity or 0)
+        _log_expert_major_paths(self.buffer)
         if self.shared_experts is not None:
             self.shared_experts.linear_fc2_forward(out)
             self.shared_experts.post_forward_comm()

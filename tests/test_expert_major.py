@@ -88,6 +88,9 @@ def _calls_match_composed(rank, world, device):
             _same(got, ref, f"{tag}: combined x")
             _same(got_w, ref_w, f"{tag}: combined topk_weights")
             checks += 1
+    # the reference backend composes every expert-major call from a receive-order one and the permute module
+    assert buf.expert_major_paths == dict.fromkeys(
+        ("dispatch_expert_major", "dispatch_expert_major_cached", "combine_expert_major"), "permute")
     buf.destroy()
     return checks
 
@@ -298,6 +301,12 @@ def _native_vs_reference(rank, world, device, knobs):
 
     group = dist.new_group(list(range(world)))
     ref, nat = _make_buffers(group)
+    assert nat.expert_major_paths == {}, nat.expert_major_paths  # no call yet
+    # the path the knobs force on a rank with rows (auto: the backend's choice per call; a cached dispatch or
+    # combine of no rows has fold width 0, which every fuse_max_width lets fuse)
+    forced = {"fuse_max_width": {1e9: "fused"}, "expand_blocks": {0: "permute", 3: "side_blocks"}}
+    forced_path = forced["expand_blocks"].get(knobs.get("expand_blocks"), forced["fuse_max_width"].get(
+        knobs.get("fuse_max_width")))
     checks = 0
     for ci, (ntok, hidden, topk, epr, mask_p, dtype) in enumerate(GPU_CASES):
         experts = epr * world
@@ -321,6 +330,10 @@ def _native_vs_reference(rank, world, device, knobs):
                 cached, _ = buf.dispatch_expert_major_cached(x2, handle, em, sum(counts), config=dispatch_cfg,
                                                              expert_capacity=capacity)
                 outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
+            want = forced_path if sum(outs["nat"][3]) else None
+            paths = nat.expert_major_paths
+            assert want is None or paths == {"dispatch_expert_major": want, "dispatch_expert_major_cached": want}, \
+                f"{tag}: {paths} with {knobs}"
             r_, n_ = outs["ref"], outs["nat"]
             assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
             for i, what in ((0, "x_em"), (1, "recv_topk_idx"), (2, "recv_topk_weights"), (4, "em_map"),
@@ -333,6 +346,8 @@ def _native_vs_reference(rank, world, device, knobs):
                                                       config=combine_cfg, expert_capacity=capacity)
                 ny, nwy, _ = nat.combine_expert_major(y_em, n_[5], n_[4], topk_weights=n_[2] if tw else None,
                                                       config=combine_cfg, expert_capacity=capacity)
+                assert want is None or nat.expert_major_paths["combine_expert_major"] == want, \
+                    f"{tag}: {nat.expert_major_paths} with {knobs}"
                 tol = 1e-2 if dtype == torch.bfloat16 else 1e-5
                 torch.testing.assert_close(ny.float(), ry.float(), rtol=tol, atol=tol, msg=f"{tag}: combine")
                 if tw:

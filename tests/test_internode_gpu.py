@@ -536,6 +536,9 @@ def _expert_major_landing(rank, world, device, L):
             y = (got[0].float() * (rank + 2)).to(torch.bfloat16)
             out, _, _ = native.combine_expert_major(y, got[5], got[4], expert_capacity=capacity)
             _settle(native, f"{tag}: combine_expert_major")
+            # the rows landed from the dispatch kernels; the combine folds through the permute kernels
+            assert native.expert_major_paths == {"dispatch_expert_major": "fused", "combine_expert_major": "permute"}, \
+                f"{tag}: {native.expert_major_paths}"
             eout, _, _ = ref.combine_expert_major(y.cpu(), want[5], want[4], expert_capacity=capacity)
             torch.testing.assert_close(_host(out).float(), eout.float(), rtol=2e-2, atol=2e-2, msg=tag)
     # every token of rank 0 to expert 0 (its other slots elsewhere): 64 tokens, over a capacity of 8

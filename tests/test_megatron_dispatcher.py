@@ -267,3 +267,26 @@ def test_drop_and_pad_layer_replays_a_cuda_graph_exactly(mps, nodes):
                     timeout=400, **gpu_ranks(world))
     want = "NativeInternodeBackend" if nodes > 1 else "NativeBackend"
     assert got == [[want]] * world, got
+
+
+def test_expert_major_paths_are_logged_once_per_answer(caplog, monkeypatch):
+    """The dispatcher says (rank 0) how the backend ran the expert-major calls, again only when that changes."""
+    import logging
+    import types
+
+    from megatron_patch import dispatcher
+
+    monkeypatch.setattr(dispatcher, "_logged_paths", set())
+    buf = types.SimpleNamespace(rank=0, backend_name="native", expert_major_paths={})
+    with caplog.at_level(logging.INFO, logger="uccl_ep_train"):
+        dispatcher._log_expert_major_paths(buf)  # no call yet: nothing to say
+        buf.expert_major_paths = {"dispatch_expert_major": "fused", "combine_expert_major": "permute"}
+        dispatcher._log_expert_major_paths(buf)
+        dispatcher._log_expert_major_paths(buf)
+        buf.expert_major_paths = {**buf.expert_major_paths, "dispatch_expert_major_cached": "side_blocks"}
+        dispatcher._log_expert_major_paths(buf)
+    said = [r.getMessage() for r in caplog.records if "expert-major calls" in r.getMessage()]
+    assert said == ["uccl dispatcher: expert-major calls on the native backend: combine_expert_major permute, "
+                    "dispatch_expert_major fused",
+                    "uccl dispatcher: expert-major calls on the native backend: combine_expert_major permute, "
+                    "dispatch_expert_major fused, dispatch_expert_major_cached side_blocks"]

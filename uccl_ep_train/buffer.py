@@ -917,6 +917,16 @@ class Buffer:
         reference backend)."""
         return self.backend.occupied_sms(self._config(config, self.get_dispatch_config), expert_major)
 
+    @property
+    def expert_major_paths(self) -> dict[str, str]:
+        """How the last call of each expert-major kind ran on this rank, by its method's name
+        ("dispatch_expert_major", "dispatch_expert_major_cached", "combine_expert_major"): "fused" (the
+        expansion / fold inside the communication kernels; across nodes, the rows stored by the dispatch
+        kernels), "side_blocks" (on blocks beside them) or "permute" (a receive-order call and the separate
+        permute kernels: the fallback, and the reference backend's way). Calls not made yet are absent. The
+        backend decides per call from its shape and Config (docs/api.md, "Expert-major dispatch/combine")."""
+        return dict(self.backend.expert_major_paths)
+
     def _config(self, config: Optional[Config], default: Callable[[int], Config]) -> Config:
         if config is not None and not isinstance(config, Config):
             raise TypeError(f"config: expected uccl_ep_train.Config, got {type(config).__name__}")

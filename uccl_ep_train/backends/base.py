@@ -24,6 +24,11 @@ from ..events import host_values
 from ..handles import HTHandle, LowLatencyHandle, nodes_of_tokens, rows_per_source
 from ..topology import Topology
 
+# How an expert-major call ran (Buffer.expert_major_paths): its expansion / fold inside the communication
+# kernels, on blocks beside them, or around a receive-order call by the separate permute kernels (the fallback).
+FUSED, SIDE_BLOCKS, PERMUTE = "fused", "side_blocks", "permute"
+EXPERT_MAJOR_PATHS = (FUSED, SIDE_BLOCKS, PERMUTE)
+
 
 class Backend(abc.ABC):
     name: str = "abstract"
@@ -48,6 +53,7 @@ class Backend(abc.ABC):
         self.group, self.rank, self.num_ranks, self.owner = group, rank, num_ranks, owner
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.topology = topology if topology is not None else Topology(num_ranks, num_ranks)
+        self.expert_major_paths: dict[str, str] = {}  # Buffer.expert_major_paths: call -> EXPERT_MAJOR_PATHS
 
     # ---- high throughput -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -92,6 +98,10 @@ class Backend(abc.ABC):
         """Sum, per original token, the rows it was sent as (+ biases) -> (combined_x, combined_topk_weights)."""
 
     # ---- high throughput, expert-major (defaults: composed; backends may fuse) ----------------------------
+    def _took(self, call: str, path: str) -> None:
+        """Records how expert-major call `call` (the Buffer method's name) runs (EXPERT_MAJOR_PATHS)."""
+        self.expert_major_paths[call] = path
+
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
                               num_tokens_per_rank: torch.Tensor, is_token_in_rank: torch.Tensor,
                               num_tokens_per_expert: torch.Tensor, config: Config, num_worst_tokens: int = 0,
@@ -124,6 +134,7 @@ class Backend(abc.ABC):
         """dispatch_expert_major's outputs from a receive-order dispatch's: the map, then a non-autograd expand.
         capacity_checked: the dispatch already refused a capacity overflow on every rank (else this rank checks
         its blocks here, reading two counts back: a RankLocalError)."""
+        self._took("dispatch_expert_major", PERMUTE)
         if not expert_capacity:
             em_map = permute.expert_major_map(recv_idx, counts)
             return permute.expand_rows_raw(recv_x, em_map, sum(counts)), recv_idx, recv_w, counts, em_map, handle
@@ -145,6 +156,7 @@ class Backend(abc.ABC):
         expert-major rows em_map[i, :] names -> x_em [num_rows, H]. em_map names every row once, or (padded:
         a capacity layout) at most once, the rows named by none being zeros.
         Default: `cached_dispatch` then a non-autograd expand."""
+        self._took("dispatch_expert_major_cached", PERMUTE)
         recv_x, _ = self.cached_dispatch(x, None, handle, config)
         return permute.expand_rows_raw(recv_x, em_map, num_rows, padded)
 
@@ -155,6 +167,7 @@ class Backend(abc.ABC):
         order) and combine -> (combined_x [N, H], combined_topk_weights [N, K] or None). `topk_weights`
         ([n, K] float32) are in receive order, not expert-major, and are combined as `combine` does.
         Default: a non-autograd reduce to n rows, then `combine` (no biases)."""
+        self._took("combine_expert_major", PERMUTE)
         y = permute.reduce_rows_raw(y_em, em_map, em_map.size(0))
         return self.combine(y, handle, topk_weights, None, None, config)
 

@@ -46,7 +46,7 @@ from ..handles import InternodeHandle
 from ..proxy import check_caller_stream
 from ..topology import MAX_NODES, MAX_RANKS_PER_NODE, Topology, native_limit
 from ..validation import check_expert_capacity
-from .base import Backend, WithoutLowLatency
+from .base import FUSED, Backend, WithoutLowLatency
 from .native import (_FUSE_MAX_WIDTH, _MAX_FUSED_TOPK, RaisesRecordedErrors, SharesMemoryWithPeers, _combine_row_bytes,
                      _expected_width, _module, check_same_shape, module_serves, positions_in_expert,
                      recorded_errors, refuse_grow_in_capture, refuse_in_capture, shape_header)
@@ -293,6 +293,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 num_worst_tokens, config, num_tokens_per_rdma_rank, capacity=expert_capacity)
             return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
                                   expert_capacity, capacity_checked=True)
+        self._took("dispatch_expert_major", FUSED)
         if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
             raise RankLocalError(f"x: {x.size(0)} tokens on rank {self.rank}; an expert-major dispatch across nodes "
                                  f"carries each token's position in 20 bits (at most "

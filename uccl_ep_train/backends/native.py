@@ -39,7 +39,7 @@ from ..errors import ranks_disagree
 from ..events import capturing, current_raw_stream
 from ..handles import IntranodeHandle, rows_per_source
 from ..topology import MAX_RANKS_PER_NODE, native_limit
-from .base import Backend, WithoutLowLatency
+from .base import FUSED, PERMUTE, SIDE_BLOCKS, Backend, WithoutLowLatency
 
 log = logging.getLogger("uccl_ep_train")
 
@@ -613,6 +613,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         else:
             per_expert = list(c.per_expert)
         num_rows, out_rows, worst, padded = sum(per_expert), c.out_rows, bool(num_worst_tokens), bool(expert_capacity)
+        self._took("dispatch_expert_major", FUSED if fused else SIDE_BLOCKS if expand_blocks else PERMUTE)
         if not expands_in_kernel:
             recv_x, _, recv_topk_idx, recv_topk_weights, recv_src_idx = self._dispatch_rows(
                 x, None, topk_idx, topk_weights, c, config)
@@ -668,6 +669,7 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         fused, expand_blocks = self._expand_plan(int(num_rows) / max(em_map.size(0), 1), em_map.size(1), config)
         if not (fused or expand_blocks):
             return super().cached_dispatch_expert_major(x, handle, em_map, num_rows, config, padded)
+        self._took("dispatch_expert_major_cached", FUSED if fused else SIDE_BLOCKS)
         self._check()
         st = self._state(handle)
         x = _aligned(x)
@@ -690,9 +692,11 @@ class NativeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, WithoutLowLaten
         fold_blocks = self._side_blocks(config.fold_blocks, config) if em_map.size(0) <= _MAX_FOLD_ROWS else 0
         if self._fuse(y_em.size(0) / max(em_map.size(0), 1), em_map.size(1), dispatch=False, config=config,
                       by_sms=not fold_blocks):
+            self._took("combine_expert_major", FUSED)
             return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map))
         if not fold_blocks or em_map.size(1) > _MAX_FUSED_TOPK:
             return super().combine_expert_major(y_em, handle, em_map, topk_weights, config)
+        self._took("combine_expert_major", SIDE_BLOCKS)
         fold_out = torch.empty((max(em_map.size(0), 1), y_em.size(1)), dtype=y_em.dtype, device=y_em.device)
         return self._combine(y_em, handle, topk_weights, (None, None), config, _map_arg(em_map),
                              fold_out=fold_out, fold_blocks=fold_blocks)
