@@ -61,6 +61,7 @@ class Ranks:
         import torch.distributed as dist
 
         self.rank, self.world, self.sut = rank, world, sut
+        self.buffer_s = 0.0  # time spent making and destroying the Buffers under test (buffer, retire)
         self.group = dist.new_group(list(range(world)), backend="gloo")
         self.dev = torch.device("cuda", torch.cuda.current_device()) if sut == "native" else torch.device("cpu")
         self.ref = reference_buffer(self.group)
@@ -70,12 +71,23 @@ class Ranks:
         """A new Buffer under test (the caller destroys it)."""
         from uccl_ep_train import Buffer
 
-        if self.sut == "native":
-            with env_set(UCCL_EP_BACKEND="native"):
-                buf = Buffer(self.group, **kw)
-            assert buf.backend_name == "native", buf.backend_name
-            return buf
-        return reference_buffer(self.group, **kw)
+        start = time.monotonic()
+        try:
+            if self.sut == "native":
+                with env_set(UCCL_EP_BACKEND="native"):
+                    buf = Buffer(self.group, **kw)
+                assert buf.backend_name == "native", buf.backend_name
+                return buf
+            return reference_buffer(self.group, **kw)
+        finally:
+            self.buffer_s += time.monotonic() - start
+
+    def retire(self, *buffers) -> None:
+        """Destroy Buffers under test (collective), timed with their making."""
+        start = time.monotonic()
+        for buf in buffers:
+            buf.destroy()
+        self.buffer_s += time.monotonic() - start
 
     def shared(self):
         """The HT Buffer under test every case without fault injection uses (made at first use)."""
@@ -88,7 +100,7 @@ class Ranks:
         and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU come close to its
         clients limit)."""
         if self._shared is not None:
-            self._shared.destroy()
+            self.retire(self._shared)
             self._shared = None
 
     def settle(self, buf, what: str) -> None:
@@ -106,14 +118,13 @@ class Ranks:
 
 
 @contextlib.contextmanager
-def destroyed_after(*buffers):
-    """Destroys `buffers` (collective) when the block succeeds. After a failure nothing collective runs here:
-    the failing rank's peers may be inside another collective (the reference calls it skipped), so a destroy's
-    barrier would hang every rank instead of reporting the failure; the Buffers are dropped (their resources
-    parked, Buffer.__del__) and the error reaches the runner."""
+def destroyed_after(r: Ranks, *buffers):
+    """Destroys `buffers` (collective, r.retire) when the block succeeds. After a failure nothing collective
+    runs here: the failing rank's peers may be inside another collective (the reference calls it skipped), so a
+    destroy's barrier would hang every rank instead of reporting the failure; the Buffers are dropped (their
+    resources parked, Buffer.__del__) and the error reaches the runner."""
     yield
-    for buf in buffers:
-        buf.destroy()
+    r.retire(*buffers)
 
 
 def _stream_kw(buf, mode: str) -> dict:
@@ -359,7 +370,7 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
     with env_set(UCCL_EP_FAULT=c.fault):
         buf = r.buffer(num_rdma_bytes=size, low_latency_mode=True)
     ref = reference_buffer(r.group, num_rdma_bytes=size, low_latency_mode=True)
-    with destroyed_after(buf, ref):
+    with destroyed_after(r, buf, ref):
         stats = torch.zeros(local, dtype=torch.int32, device=dev)
         recv, count, handle, event, hook = buf.low_latency_dispatch(
             x.to(dev), idx.to(dev), M, E, cumulative_local_expert_recv_stats=stats, use_fp8=c.fp8,
@@ -429,7 +440,7 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
             r.drop_shared()  # one set of proxies and copy agents per rank, as for LL
             with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()
-            with destroyed_after(buf):
+            with destroyed_after(r, buf):
                 return (run_ht if c.kind == "ht" else run_expert_major)(c, r, buf)
         return (run_ht if c.kind == "ht" else run_expert_major)(c, r, r.shared())
     except Exception as exc:
@@ -444,9 +455,13 @@ def _ranks_main(rank: int, world: int, device: str, cases: list[FuzzCase], sut: 
     by this affinity; the group's own threads, started before, are idle waiters)."""
     if cpus:
         os.sched_setaffinity(0, cpus)
+    start = time.monotonic()
     r = Ranks(rank, world, sut)
     rows = [run_case(c, r) for c in cases]
     r.close()  # only after success: see destroyed_after
+    if rank == 0:  # where the seed's time goes (measured: Buffers were about half of it on GPUs)
+        print(f"seed {cases[0].seed} rank 0: {len(cases)} cases in {time.monotonic() - start:.1f} s, "
+              f"{r.buffer_s:.1f} s of it making and destroying the Buffers under test", flush=True)
     return rows
 
 

@@ -4,6 +4,8 @@ ranks with the reference backend under test (checked against the reference and t
 GPU fuzz suite's machinery is covered without a GPU."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -135,12 +137,14 @@ def test_the_command_line_refuses_bad_arguments(capsys):
         assert exc.value.code == 2 and why in capsys.readouterr().err, argv
 
 
-def test_a_run_reports_each_seed_and_a_summary(capsys):
-    """The command line's run loop on CPU ranks: one line per seed, then the summary; exit status 0."""
+def test_a_run_reports_each_seed_and_a_summary(capfd):  # capfd: rank 0 is a child process
+    """The command line's run loop on CPU ranks: one line per seed (and its rank 0's share of Buffer making),
+    then the summary; exit status 0."""
     seed = F.seeds_with(1, 2, first=3000)[0]
     assert fuzz_main(["--seeds", "1", "--first", str(seed), "--cases", "1", "--cpu"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     n, per_node = F.layout_of(seed)
+    assert re.search(rf"seed {seed} rank 0: 1 cases in [\d.]+ s, [\d.]+ s of it making and destroying", out), out
     assert f"seed {seed} ({n}x{per_node}, 1 cases): ok in " in out
     assert f"fuzz: 1 seeds run ({seed}..{seed}), 0 failed, " in out
 
