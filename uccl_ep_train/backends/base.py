@@ -27,7 +27,6 @@ from ..topology import Topology
 # How an expert-major call ran (Buffer.expert_major_paths): its expansion / fold inside the communication
 # kernels, on blocks beside them, or around a receive-order call by the separate permute kernels (the fallback).
 FUSED, SIDE_BLOCKS, PERMUTE = "fused", "side_blocks", "permute"
-EXPERT_MAJOR_PATHS = (FUSED, SIDE_BLOCKS, PERMUTE)
 
 
 class Backend(abc.ABC):
@@ -53,7 +52,7 @@ class Backend(abc.ABC):
         self.group, self.rank, self.num_ranks, self.owner = group, rank, num_ranks, owner
         self.num_nvl_bytes, self.num_rdma_bytes = num_nvl_bytes, num_rdma_bytes
         self.topology = topology if topology is not None else Topology(num_ranks, num_ranks)
-        self.expert_major_paths: dict[str, str] = {}  # Buffer.expert_major_paths: call -> EXPERT_MAJOR_PATHS
+        self.expert_major_paths: dict[str, str] = {}  # Buffer.expert_major_paths: call -> FUSED / ... / PERMUTE
 
     # ---- high throughput -------------------------------------------------------------------------------
     @abc.abstractmethod
@@ -99,7 +98,7 @@ class Backend(abc.ABC):
 
     # ---- high throughput, expert-major (defaults: composed; backends may fuse) ----------------------------
     def _took(self, call: str, path: str) -> None:
-        """Records how expert-major call `call` (the Buffer method's name) runs (EXPERT_MAJOR_PATHS)."""
+        """Records how expert-major call `call` (the Buffer method's name) runs: FUSED, SIDE_BLOCKS or PERMUTE."""
         self.expert_major_paths[call] = path
 
     def dispatch_expert_major(self, x: torch.Tensor, topk_idx: torch.Tensor, topk_weights: Optional[torch.Tensor],
