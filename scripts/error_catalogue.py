@@ -1,7 +1,8 @@
 """Generate docs/errors.md, the catalogue of every error message a user can meet, from the sources.
 
-docs/api.md ("Errors") promises that every message is listed with what to do; a hand-kept list drifts as soon
-as a check is added or reworded, so this script reads the messages out of the code instead:
+docs/api.md ("Errors") says what each kind of error means and what to do; this is the list of every message
+itself. A hand-kept list drifts as soon as a check is added or reworded, so this script reads the messages out
+of the code instead:
 
 - Python (uccl_ep_train/, megatron_patch/): every `raise E(message)` whose E is a builtin error, an error
   class of the package (its name ends in "Error") or SystemExit with a message (the CLI's way to stop);

@@ -370,7 +370,7 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
     with env_set(UCCL_EP_FAULT=c.fault):
         buf = r.buffer(num_rdma_bytes=size, low_latency_mode=True)
     ref = reference_buffer(r.group, num_rdma_bytes=size, low_latency_mode=True)
-    with destroyed_after(r, buf, ref):
+    with destroyed_after(r, buf):
         stats = torch.zeros(local, dtype=torch.int32, device=dev)
         recv, count, handle, event, hook = buf.low_latency_dispatch(
             x.to(dev), idx.to(dev), M, E, cumulative_local_expert_recv_stats=stats, use_fp8=c.fp8,
@@ -427,6 +427,7 @@ def run_ll(c: FuzzCase, r: Ranks) -> int:
             dense[ok] += ((value[ok] * (idx[ok, j] + 1).float().unsqueeze(1)).to(torch.bfloat16).float()
                           * w[ok, j].unsqueeze(1))
         _close(eout, dense.to(torch.bfloat16), torch.bfloat16, "reference low_latency_combine vs the dense oracle")
+        ref.destroy()  # (collective: only after success, as destroyed_after; not a Buffer under test)
         return sum(want)
 
 

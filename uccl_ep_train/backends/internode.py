@@ -293,7 +293,6 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
                 num_worst_tokens, config, num_tokens_per_rdma_rank, capacity=expert_capacity)
             return self._permuted(recv_x, recv_idx, recv_w, counts, handle, num_tokens_per_expert.numel(),
                                   expert_capacity, capacity_checked=True)
-        self._took("dispatch_expert_major", FUSED)
         if x.size(0) > int(self._native.INTERNODE_MAX_EM_POSITION) + 1:
             raise RankLocalError(f"x: {x.size(0)} tokens on rank {self.rank}; an expert-major dispatch across nodes "
                                  f"carries each token's position in 20 bits (at most "
@@ -305,6 +304,7 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
             x, None, topk_idx, topk_weights, num_tokens_per_rank, is_token_in_rank, num_tokens_per_expert, 1,
             num_worst_tokens, config, num_tokens_per_rdma_rank, em)
         out_rows = handle.num_recv_tokens  # (both made with a row at least: the kernels tell the mode by pointers)
+        self._took("dispatch_expert_major", FUSED)
         return em.x_em[:sum(em.per_expert)], recv_idx, recv_w, em.per_expert, em.em_map[:out_rows], handle
 
     def lands_expert_major(self, num_topk: int, num_experts: int, config: Config) -> bool:
