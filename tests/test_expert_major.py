@@ -331,7 +331,8 @@ def _native_vs_reference(rank, world, device, knobs):
                                                              expert_capacity=capacity)
                 outs[name] = (x_em, ridx, rw, counts, em, handle, cached)
             want = forced_path if sum(outs["nat"][3]) else None
-            paths = {k: nat.expert_major_paths.get(k) for k in ("dispatch_expert_major", "dispatch_expert_major_cached")}
+            paths = {k: nat.expert_major_paths.get(k)
+                     for k in ("dispatch_expert_major", "dispatch_expert_major_cached")}
             assert want is None or set(paths.values()) == {want}, f"{tag}: {paths} with {knobs}"
             r_, n_ = outs["ref"], outs["nat"]
             assert n_[3] == r_[3], f"{tag}: tokens_per_expert {n_[3]} != {r_[3]}"
