@@ -239,10 +239,10 @@ _warned_single = False
 
 
 def check_caller_stream(waits_for_default_stream: bool, device: Any, rank: int) -> None:
-    """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.
-    waits_for_default_stream`: the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a
-    call issued from that stream: its kernels, or the default stream waiting for them, would hold those copies
-    back until the kernels time out."""
+    """Raises when proxies that queue GPU copies on the legacy default stream (`ProxyGroup.calls_gpu_runtime`:
+    the fabric transport on libfabric's shm, whose cudaMemcpy goes there) serve a call issued from that
+    stream: its kernels, or the default stream waiting for them, would hold those copies back until the kernels
+    time out."""
     if not waits_for_default_stream:
         return
     import torch
@@ -359,12 +359,10 @@ class ProxyGroup:
         if failed:
             self.close()
             raise RuntimeError("ProxyGroup: connect failed on " + "; ".join(f"rank {r}: {e}" for r, e in failed))
-        # The fabric transport on providers that copy GPU memory through the CUDA runtime (shm) queues those
-        # copies on the legacy default stream and holds arrivals until they ran (csrc/transport/fabric.cpp);
-        # more broadly, any provider that refused to leave the CUDA runtime alone calls it in the proxy threads.
-        config = self._native.config()
-        self.waits_for_default_stream = bool(config["waits_for_default_stream"])
-        self.calls_gpu_runtime = bool(config["calls_gpu_runtime"])
+        # A provider that refused to leave the CUDA runtime alone calls it in the proxy threads: its copies queue
+        # on the legacy default stream and the fabric transport holds arrivals until they ran
+        # (csrc/transport/fabric.cpp), so the backends refuse calls from that stream.
+        self.calls_gpu_runtime = bool(self._native.config()["calls_gpu_runtime"])
         if self.calls_gpu_runtime:
             warn_lazy_module_loading(rank)
             warn_single_connection(rank)

@@ -556,7 +556,6 @@ Proxy::Proxy(const ProxyConfig& cfg) : cfg_(cfg) {
 Proxy::~Proxy() { stop(); }
 
 uint32_t Proxy::imm_seq_bits() const { return threads_.at(0)->transport_->imm_seq_bits(); }
-bool Proxy::waits_for_default_stream() const { return threads_.at(0)->transport_->waits_for_default_stream(); }
 bool Proxy::calls_gpu_runtime() const { return threads_.at(0)->transport_->calls_gpu_runtime(); }
 
 std::vector<std::pair<std::string, std::string>> Proxy::opened() const {

@@ -226,8 +226,7 @@ class Proxy {
   std::string fault_spec() const { return fault_.str(); }
   // Sequence-number bits the transport carries (24, or 17 in fabric's 4-byte CQ-data layout).
   uint32_t imm_seq_bits() const;
-  bool waits_for_default_stream() const;  // Transport::waits_for_default_stream
-  bool calls_gpu_runtime() const;         // Transport::calls_gpu_runtime
+  bool calls_gpu_runtime() const;  // Transport::calls_gpu_runtime
   // Per thread: the (provider, device) its endpoint opened (Transport::opened_provider, opened_device).
   std::vector<std::pair<std::string, std::string>> opened() const;
   const FaultSpec& fault() const { return fault_; }

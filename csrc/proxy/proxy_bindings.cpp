@@ -262,7 +262,6 @@ void register_proxy(py::module_& m) {
              d["fault"] = p.fault_spec();
              d["ring_publish"] = c.ring_publish;
              d["imm_seq_bits"] = p.imm_seq_bits();
-             d["waits_for_default_stream"] = p.waits_for_default_stream();
              d["calls_gpu_runtime"] = p.calls_gpu_runtime();
              d["devices"] = c.devices;
              py::list per_thread;  // the NIC each thread was given ("" : the transport's default)

@@ -360,7 +360,6 @@ class FabricTransport final : public Transport {
 
   uint32_t imm_seq_bits() const override { return cq_data_bytes_ == 4 ? kCompactSeqBits : kSeqBits; }
 
-  bool waits_for_default_stream() const override { return copy_fence_; }
   bool calls_gpu_runtime() const override { return copy_fence_; }
 
   std::string register_region(const LocalRegion& r) override {
@@ -724,7 +723,7 @@ class FabricTransport final : public Transport {
   // The copy fence (providers that copy GPU memory through the CUDA runtime): an arrival's bytes are in place
   // only once the copy libfabric queued on the legacy default stream ran, so arrivals wait for an event
   // recorded there after them. Kernels waiting for them must therefore not sit on that stream, nor may it wait
-  // for them (Transport::waits_for_default_stream; the Python backends refuse such calls).
+  // for them (Transport::calls_gpu_runtime; the Python backends refuse such calls).
   uint64_t fenced_seen() const { return fenced_released_ + fenced_.size(); }
 
   void mark_fence() {

@@ -18,8 +18,9 @@ struct FabricProbe {
   size_t cq_data_size = 0;     // bytes of remote CQ data the provider carries
   int cq_data_bytes = 0;       // what the transport uses: 8 (immediate + rank) or 4 (compact layout)
   bool hmem = false;           // FI_HMEM granted: GPU memory can be registered
-  // GPU copies queue on the legacy default stream (Transport::...), known by the provider's name here; efa
-  // without GPUDirect RDMA shows only on an open endpoint (ProxyGroup.calls_gpu_runtime, doctor --peers)
+  // GPU copies queue on the legacy default stream (Transport::calls_gpu_runtime), known by the provider's
+  // name here (no endpoint open); efa without GPUDirect RDMA shows only on an open endpoint
+  // (ProxyGroup.calls_gpu_runtime, doctor --peers)
   bool waits_for_default_stream = false;
   uint64_t mr_mode = 0;        // FI_MR_* bits the provider asks for
   size_t max_msg_size = 0;

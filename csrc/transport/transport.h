@@ -99,13 +99,12 @@ class Transport {
   // How many low bits of an arrival's sequence number survive the wire: the ordering emulation compares
   // sequence numbers modulo 2^imm_seq_bits().
   virtual uint32_t imm_seq_bits() const { return kSeqBits; }
-  // True when the transport's GPU copies queue on the legacy default stream and its arrivals wait for them:
-  // kernels that wait for those arrivals must then run on other streams, and the default stream must not
-  // wait for them (the fabric transport on providers that copy device memory with the CUDA runtime).
-  virtual bool waits_for_default_stream() const { return false; }
   // True when the proxy thread's progress may call the GPU runtime (a libfabric provider that copies GPU
   // memory with it, having refused FI_OPT_CUDA_API_PERMITTED): such a copy can queue in the hardware queue of
-  // kernels that spin until it lands. verbs (DMA) and ipc (copy agents in their own processes) never do.
+  // kernels that spin until it lands, its device-to-device copies go on the legacy default stream and the
+  // transport's arrivals wait for them, so kernels that wait for those arrivals must run on other streams and
+  // the default stream must not wait for them. verbs (DMA) and ipc (copy agents in their own processes) never
+  // do.
   // CUDA builds only: a HIP build's providers copy with the ROCm runtime untracked (false).
   virtual bool calls_gpu_runtime() const { return false; }
   // Arrivals the transport has read but not yet delivered by poll() (the fabric transport's copy fence holds

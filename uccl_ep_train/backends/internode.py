@@ -211,9 +211,9 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     @property
     def waits_for_default_stream(self) -> bool:
-        """True when the proxies' GPU copies queue on the legacy default stream (fabric on shm): the caller's
-        stream must then be another one (Buffer refuses calls from the default stream)."""
-        return self._proxy is not None and self._proxy.waits_for_default_stream
+        """True when the proxies' GPU copies queue on the legacy default stream (they call the CUDA runtime: fabric
+        on shm): the caller's stream must then be another one (Buffer refuses calls from the default stream)."""
+        return self._proxy is not None and self._proxy.calls_gpu_runtime
 
     def occupied_sms(self, config, expert_major):
         n = self._num_sms(config)  # every kernel of a call runs on them (no side blocks)

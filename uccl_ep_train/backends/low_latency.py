@@ -213,9 +213,9 @@ class NativeLowLatencyBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Backe
 
     @property
     def waits_for_default_stream(self) -> bool:
-        """True when the proxies' GPU copies queue on the legacy default stream (fabric on shm): the caller's
-        stream must then be another one (Buffer refuses calls from the default stream)."""
-        return self._proxy is not None and self._proxy.waits_for_default_stream
+        """True when the proxies' GPU copies queue on the legacy default stream (they call the CUDA runtime: fabric
+        on shm): the caller's stream must then be another one (Buffer refuses calls from the default stream)."""
+        return self._proxy is not None and self._proxy.calls_gpu_runtime
 
     # ---- calls ---------------------------------------------------------------------------------------
     def _layout(self, max_tokens: int, hidden: int, num_experts: int) -> LowLatencyLayout:
