@@ -705,10 +705,8 @@ def _native_bad_expert_id(rank: int, world: int, device: str, low_latency: bool)
 
 
 @pytest.mark.gpu
-# (native internode checks the ids on the host, as the reference backend does: its layout kernel's record
-# failed this test on one H200, 2026-11-28, and is not relied on; docs/api.md)
-@pytest.mark.parametrize("ranks_per_node,low_latency", [(None, False), (None, True), ("1", True)],
-                         ids=["intranode", "low-latency", "low-latency-2x1"])
+@pytest.mark.parametrize("ranks_per_node,low_latency", [(None, False), ("1", False), (None, True), ("1", True)],
+                         ids=["intranode", "internode-2x1", "low-latency", "low-latency-2x1"])
 def test_native_out_of_range_expert_id_names_its_position(mps, monkeypatch, ranks_per_node, low_latency):
     monkeypatch.delenv("UCCL_EP_CHECK_VALUES", raising=False)  # the GPU's check, not the host's
     env = {"UCCL_EP_BACKEND": "native", "UCCL_EP_TIMEOUT_S": "5",

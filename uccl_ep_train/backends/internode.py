@@ -245,9 +245,10 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     @property
     def checks_expert_ids_on_device(self) -> bool:
-        """False: the host checks the ids. The layout kernel also records a bad one once the buffers are open,
-        but that path failed its GPU test (tests/test_errors.py, internode-2x1) and is not relied on yet."""
-        return False
+        """True once the buffers are open: the layout kernel records the first bad id in the error record
+        (tests/test_errors.py, internode-2x1). Before that (a low-latency Buffer's first HT call) the layout runs
+        without a record, so the host checks."""
+        return self._buf is not None
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _wait_counts(self) -> np.ndarray:
