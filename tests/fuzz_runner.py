@@ -14,7 +14,8 @@ without a GPU.
 A failing case raises AssertionError starting with its one-line repro (`scripts/fuzz_gpu.sh --seed S --case
 K`); the ranks stop at the first failure of a seed (their state no longer agrees). Consecutive HT and
 expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL,
-fault-injection or capacity "error" case runs on Buffers of its own, the shared one destroyed first), so a
+fault-injection or capacity "error" case runs on Buffers of its own, beside the shared one on up to
+KEEP_SHARED_UP_TO ranks per GPU, the shared one destroyed first above that), so a
 failure that does not reproduce alone reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
@@ -43,6 +44,10 @@ from fuzz_cases import CASES_PER_SEED, COMBINE_DTYPES, FuzzCase, case, generate,
 from oracle import capacity_overflows, expected_capacity_rows  # noqa: E402
 from test_internode_gpu import _check_handle, _same, reference_buffer  # noqa: E402
 
+# Ranks sharing one GPU up to which the shared HT Buffer stays beside a case's own Buffer: three MPS clients per
+# rank then (the rank, two Buffers' copy agents), 24 of the 48 clients MPS serves per GPU. Buffer creation and destruction
+# took about half of a seed's time when every such case replaced the shared one.
+KEEP_SHARED_UP_TO = 8
 TIMEOUT_S = "30"  # UCCL_EP_TIMEOUT_S in the ranks: a rank failing alone fails its peers' kernels in seconds
 INTRANODE_HANDLE_ITEMS = ("rank_prefix_matrix", "send_head", "channel_prefix_matrix", "recv_channel_prefix_matrix")
 # combine: max abs / rel difference per output dtype (float32 sums in a different order, then one rounding)
@@ -95,10 +100,16 @@ class Ranks:
             self._shared = self.buffer()
         return self._shared
 
+    def make_room(self) -> None:
+        """Before a case on a Buffer of its own (LL, fault injection, capacity error): with more than
+        KEEP_SHARED_UP_TO ranks on the GPU the shared Buffer is destroyed (collective), so that no rank runs two
+        sets of proxies and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU with
+        two Buffers each would pass its clients limit); with fewer it stays, and the two Buffers coexist."""
+        if self.world > KEEP_SHARED_UP_TO:
+            self.drop_shared()
+
     def drop_shared(self) -> None:
-        """Destroy the shared Buffer (collective): before an LL or fault-injection case, so that no rank runs two sets of proxies
-        and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU come close to its
-        clients limit)."""
+        """Destroy the shared Buffer (collective)."""
         if self._shared is not None:
             self.retire(self._shared)
             self._shared = None
@@ -435,10 +446,10 @@ def run_case(c: FuzzCase, r: Ranks) -> int:
     """Case `c` on this rank; AssertionError naming the repro on any difference."""
     try:
         if c.kind == "ll":
-            r.drop_shared()
+            r.make_room()
             return run_ll(c, r)
         if c.fault or c.overflow == "error":  # (a native capacity error leaves its Buffer unusable)
-            r.drop_shared()  # one set of proxies and copy agents per rank, as for LL
+            r.make_room()
             with env_set(UCCL_EP_FAULT=c.fault):
                 buf = r.buffer()
             with destroyed_after(r, buf):
