@@ -652,6 +652,39 @@ def test_out_of_range_expert_ids_are_refused_with_their_position(world):
                        f"(no expert) or in [0, num_experts)"]
 
 
+def _value_check_reads(rank: int, world: int, device: str) -> list[int]:
+    """The host reads a fresh dispatch's value checks make (the sizes of what each read), with topk_idx given:
+    its expert ids and its counts are read together."""
+    import uccl_ep_train.buffer as buffer_module
+    import uccl_ep_train.validation as validation_module
+
+    group = dist.new_group(list(range(world)))
+    n, e = 6, 4 * world
+    x = torch.randn(n, 128).to(torch.bfloat16)
+    idx = torch.stack([torch.arange(n) % e, (torch.arange(n) + 1) % e], 1)
+    buf = Buffer(group, int(1e6), 0)
+    per_rank, per_node, per_expert, in_rank, _ = buf.get_dispatch_layout(idx, e)
+    reads, read = [], buffer_module.host_values
+
+    def counted(t: torch.Tensor) -> list:
+        reads.append(t.numel())
+        return read(t)
+
+    try:
+        buffer_module.host_values = validation_module.host_values = counted
+        buf.dispatch(x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_node, is_token_in_rank=in_rank,
+                     num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=torch.rand(n, 2))
+    finally:
+        buffer_module.host_values = validation_module.host_values = read
+    buf.destroy()
+    return reads
+
+
+def test_a_dispatch_reads_its_checked_values_in_one_host_sync():
+    # the ids' min and max, then the tokens per rank counted from is_token_in_rank and as passed
+    assert run_ranks(_value_check_reads, 2) == [[2 + 2 + 2]] * 2
+
+
 def _routing_with_a_bad_id(rank: int) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(x [6, 512] bf16, topk_idx [6, 2], 8 experts) on this rank's GPU (512: the hidden size the LL GPU tests
     use); rank 0 routes topk_idx[5, 1] = 11."""

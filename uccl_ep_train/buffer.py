@@ -634,17 +634,24 @@ class Buffer:
                         ("num_tokens_per_rdma_rank", num_tokens_per_rdma_rank)):
             V.check_device(t, name, self.device)
 
-        def checks() -> None:  # values: read in stream order, after previous_event
-            if topk_idx is not None:
-                V.check_expert_range(topk_idx, num_experts, self.rank)
-            if V.value_checks(is_token_in_rank):
+        def checks() -> None:  # values: read in stream order, after previous_event, in one host sync
+            bounds = V.expert_id_bounds(topk_idx) if topk_idx is not None else None
+            parts = [] if bounds is None else [bounds]
+            counted = V.value_checks(is_token_in_rank)
+            if counted:
                 per_node = backend.tokens_per_node(is_token_in_rank)
-                parts = [is_token_in_rank.sum(dim=0, dtype=torch.int32), num_tokens_per_rank.to(torch.int32)]
+                parts += [is_token_in_rank.sum(dim=0, dtype=torch.int64), num_tokens_per_rank.to(torch.int64)]
                 if per_node is not None:
-                    parts += [per_node, num_tokens_per_rdma_rank.to(torch.int32)]
-                sizes = [t.numel() for t in parts]
-                values = host_values(torch.cat(parts))  # one host sync for all of them
-                sent, given, *nodes = [values[end - n:end] for end, n in zip(itertools.accumulate(sizes), sizes)]
+                    parts += [per_node.to(torch.int64), num_tokens_per_rdma_rank.to(torch.int64)]
+            if not parts:
+                return
+            sizes = [t.numel() for t in parts]
+            values = host_values(torch.cat(parts))
+            values = [values[end - n:end] for end, n in zip(itertools.accumulate(sizes), sizes)]
+            if bounds is not None:
+                V.check_expert_range(topk_idx, num_experts, self.rank, bounds=values.pop(0))
+            if counted:
+                sent, given, *nodes = values
                 if sent != given:
                     raise RankLocalError(f"num_tokens_per_rank: {given} disagrees with is_token_in_rank, which "
                                          f"sends {sent}")

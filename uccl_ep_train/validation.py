@@ -115,15 +115,27 @@ def check_topk(topk_idx: Any, topk_weights: Any, num_tokens: int,
                                  f"{idx_arg} shape {list(topk_idx.shape)}")
 
 
-def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_arg: str = "topk_idx") -> None:
+def expert_id_bounds(topk_idx: torch.Tensor) -> Optional[torch.Tensor]:
+    """The ids' [min, max] (int64, on their device) that check_expert_range reads, for a caller that reads them
+    with other values in one host sync; None when there is nothing to read (no ids, or value checks off)."""
+    if not topk_idx.numel() or not value_checks(topk_idx):
+        return None
+    return torch.stack(torch.aminmax(topk_idx)).to(torch.int64)
+
+
+def check_expert_range(topk_idx: torch.Tensor, num_experts: int, rank: int, idx_arg: str = "topk_idx",
+                       bounds: Optional[Sequence[int]] = None) -> None:
     """Every id in [-1, num_experts), else a ValueError naming the first bad one (row-major) with its position,
     in the words the native kernels use for the ids they check (errors.bad_expert_id). Reads values, so it
-    syncs a GPU (see value_checks): once when the ids are good, and only a bad call pays for the position."""
-    if topk_idx.numel() and value_checks(topk_idx):
-        lo, hi = host_values(torch.stack(torch.aminmax(topk_idx)))  # one host sync for both
+    syncs a GPU (see value_checks): once when the ids are good, and only a bad call pays for the position.
+    `bounds`: expert_id_bounds's values, already read by the caller (then it syncs only for a bad id)."""
+    if bounds is None:
+        t = expert_id_bounds(topk_idx)
+        bounds = None if t is None else host_values(t)  # one host sync for both
+    if bounds is not None:
+        lo, hi = bounds
         if lo < -1 or hi >= num_experts:
-            bad = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
-            row, col = bad
+            row, col = ((topk_idx < -1) | (topk_idx >= num_experts)).nonzero()[0].tolist()
             raise RankLocalError(bad_expert_id(idx_arg, row, col, int(topk_idx[row, col]), num_experts, rank))
 
 
