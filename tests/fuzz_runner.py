@@ -45,8 +45,8 @@ from oracle import capacity_overflows, expected_capacity_rows  # noqa: E402
 from test_internode_gpu import _check_handle, _same, reference_buffer  # noqa: E402
 
 # Ranks sharing one GPU up to which the shared HT Buffer stays beside a case's own Buffer: three MPS clients per
-# rank then (the rank, two Buffers' copy agents), 24 of the 48 clients MPS serves per GPU. Buffer creation and destruction
-# took about half of a seed's time when every such case replaced the shared one.
+# rank then (the rank, two Buffers' copy agents), 24 of the 48 clients MPS serves per GPU. Buffer creation and
+# destruction took about half of a seed's time when every such case replaced the shared one.
 KEEP_SHARED_UP_TO = 8
 TIMEOUT_S = "30"  # UCCL_EP_TIMEOUT_S in the ranks: a rank failing alone fails its peers' kernels in seconds
 INTRANODE_HANDLE_ITEMS = ("rank_prefix_matrix", "send_head", "channel_prefix_matrix", "recv_channel_prefix_matrix")
