@@ -245,10 +245,12 @@ class NativeInternodeBackend(SharesMemoryWithPeers, RaisesRecordedErrors, Withou
 
     @property
     def checks_expert_ids_on_device(self) -> bool:
-        """True once the buffers are open: the layout kernel records the first bad id in the error record
-        (tests/test_errors.py, internode-2x1). Before that (a low-latency Buffer's first HT call) the layout runs
-        without a record, so the host checks."""
-        return self._buf is not None
+        """False: the host checks the ids (one sync), so a bad one raises before any communication and its
+        abort reaches every rank at once. Once the buffers are open the layout kernel also records a bad id
+        (tests/test_errors.py, internode-2x1), which is what calls that skip the host's checks rely on
+        (`trusted_values()`, UCCL_EP_CHECK_VALUES=0); but only the rank that recorded it raises it, and the other
+        nodes' ranks wait for that rank until their timeout, so it does not replace the host's check."""
+        return False
 
     # ---- dispatch ------------------------------------------------------------------------------------
     def _wait_counts(self) -> np.ndarray:
