@@ -15,7 +15,7 @@ A failing case raises AssertionError starting with its one-line repro (`scripts/
 K`); the ranks stop at the first failure of a seed (their state no longer agrees). Consecutive HT and
 expert-major cases of a seed share one native Buffer (growth and reuse are part of what is tested; an LL,
 fault-injection or capacity "error" case runs on Buffers of its own, beside the shared one on up to
-KEEP_SHARED_UP_TO ranks per GPU, the shared one destroyed first above that), so a
+KEEP_SHARED_UP_TO ranks, the shared one destroyed first above that), so a
 failure that does not reproduce alone reproduces with `--seed S` (every case of the seed).
 
 Command line (scripts/fuzz_gpu.sh wraps it, with MPS):
@@ -44,9 +44,10 @@ from fuzz_cases import CASES_PER_SEED, COMBINE_DTYPES, FuzzCase, case, generate,
 from oracle import capacity_overflows, expected_capacity_rows  # noqa: E402
 from test_internode_gpu import _check_handle, _same, reference_buffer  # noqa: E402
 
-# Ranks sharing one GPU up to which the shared HT Buffer stays beside a case's own Buffer: three MPS clients per
-# rank then (the rank, two Buffers' copy agents), 24 of the 48 clients MPS serves per GPU. Buffer creation and
-# destruction took about half of a seed's time when every such case replaced the shared one.
+# Ranks in a seed up to which the shared HT Buffer stays beside a case's own Buffer (all of them may share one GPU,
+# as with --gpus >= 2): three MPS clients per rank then (the rank, two Buffers' copy agents), 24 of the 48 clients
+# MPS serves per GPU. Buffer creation and destruction took about half of a seed's time when every such case
+# replaced the shared one.
 KEEP_SHARED_UP_TO = 8
 TIMEOUT_S = "30"  # UCCL_EP_TIMEOUT_S in the ranks: a rank failing alone fails its peers' kernels in seconds
 INTRANODE_HANDLE_ITEMS = ("rank_prefix_matrix", "send_head", "channel_prefix_matrix", "recv_channel_prefix_matrix")
@@ -102,7 +103,7 @@ class Ranks:
 
     def make_room(self) -> None:
         """Before a case on a Buffer of its own (LL, fault injection, capacity error): with more than
-        KEEP_SHARED_UP_TO ranks on the GPU the shared Buffer is destroyed (collective), so that no rank runs two
+        KEEP_SHARED_UP_TO ranks in the seed the shared Buffer is destroyed (collective), so that no rank runs two
         sets of proxies and copy agents (each agent is an MPS client of its own, and 16 ranks sharing a GPU with
         two Buffers each would pass its clients limit); with fewer it stays, and the two Buffers coexist."""
         if self.world > KEEP_SHARED_UP_TO:
